@@ -1,0 +1,362 @@
+"""Manifest structs for every artifact kind (DESIGN.md section 2).
+
+One `manifest.json` describes one artifact directory. Decoding is strict: unknown fields are
+rejected, types are checked, and a `format_version` newer than this library knows is refused
+before anything else is looked at. `schemas/*.schema.json` is generated from these structs
+(`make schemas`); a test fails when the two drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from typing import Literal
+
+import msgspec
+
+from megacore.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+Kind = Literal["tokens", "checkpoint", "run"]
+DType = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint16", "uint8"]
+
+
+class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=False):
+    """Base of every manifest struct: strict, keyword-only."""
+
+
+# --- common header -------------------------------------------------------------------------------
+
+
+class Producer(Struct):
+    name: str
+    version: str
+
+
+class Parent(Struct):
+    """An input artifact: path as given on the command line, its kind and its manifest's sha256."""
+
+    path: str
+    kind: Kind
+    manifest_sha256: str
+
+
+class FileEntry(Struct):
+    """A data file of the artifact; `path` is relative and confined to the artifact directory."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class Header(Struct, tag_field="kind", kw_only=True):
+    format_version: int
+    producer: Producer | None = None
+    created_at: str | None = None
+    parents: list[Parent] = []
+    files: list[FileEntry] = []
+
+
+# --- tokens --------------------------------------------------------------------------------------
+
+
+class TokenizerInfo(Struct):
+    """The tokenizer the ids came from; its files are copied into the artifact."""
+
+    type: Literal["sentencepiece", "hf"]
+    files: list[str]
+    vocab_size: int
+    fingerprint: str
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    unk_id: int | None = None
+    added_special_tokens: dict[str, int] = {}
+
+
+class Shard(Struct):
+    """One Megatron `MMIDIDX` pair: `<prefix>.bin` and `<prefix>.idx` (plus optional sidecars)."""
+
+    prefix: str
+    json_key: str
+    documents: int
+    tokens: int
+    sidecars: dict[str, str] = {}
+
+
+class TokenCounts(Struct):
+    documents: int = 0
+    tokens: int = 0
+    skipped_lines: int = 0
+
+
+class TokensManifest(Header, tag="tokens", kw_only=True):
+    tokenizer: TokenizerInfo
+    dtype: Literal["uint16", "int32"]
+    format: Literal["text", "chat"] = "text"
+    append_eos: bool = True
+    prepend_bos: bool = False
+    chat_template: str | None = None
+    engine: str | None = None
+    shards: list[Shard] = []
+    counts: TokenCounts = msgspec.field(default_factory=TokenCounts)
+
+
+# --- checkpoint ----------------------------------------------------------------------------------
+
+
+class RopeScaling(Struct):
+    type: Literal["linear", "dynamic", "llama3"]
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+
+
+class ModelConfig(Struct):
+    """Everything needed to build the decoder; every family is a choice of these switches."""
+
+    family: Literal["llama", "mistral", "falcon"]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    max_seq_len: int = 4096
+    padded_vocab_size: int | None = None
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    parallel_attn: bool = False
+    num_ln_in_parallel_attn: int = 1
+    attn_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False
+    tie_embeddings: bool = False
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+
+class Piece(Struct):
+    """A rectangular block of a logical tensor stored as `key` in safetensors file `file`."""
+
+    file: str
+    key: str
+    offset: list[int]
+    shape: list[int]
+
+
+class TensorEntry(Struct):
+    shape: list[int]
+    dtype: DType
+    pieces: list[Piece]
+
+
+class Layout(Struct):
+    """How the tensors were split when written: tp, pp, dp shards and the layers of each stage."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    stage_layers: list[list[int]] = []
+
+
+class TrainingState(Struct):
+    """Resume state beside the weights; readers that want weights only ignore it."""
+
+    step: int
+    consumed_samples: int = 0
+    scheduler: dict[str, float | int | str] = {}
+    optimizer: str | None = None
+    rng_files: list[str] = []
+
+
+class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
+    config: ModelConfig
+    dtype: DType
+    layout: Layout = msgspec.field(default_factory=Layout)
+    tensors: dict[str, TensorEntry] = {}
+    tokenizer_files: list[str] = []
+    training: TrainingState | None = None
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+
+class ModelSpec(Struct):
+    """Start from a checkpoint artifact (`init`), or from scratch with a `config`."""
+
+    init: str | None = None
+    config: ModelConfig | None = None
+
+
+class DataSource(Struct):
+    path: str
+    weight: float = 1.0
+
+
+class DataSpec(Struct):
+    sources: list[DataSource]
+    split: list[float] = msgspec.field(default_factory=lambda: [0.98, 0.02])
+    loss_on: Literal["all", "assistant"] = "all"
+
+
+class ParallelSpec(Struct):
+    """tp and pp are set; dp is what is left: world size / (tp * pp), never set by hand."""
+
+    tp: int = 1
+    pp: int = 1
+    pp_layers: list[int] | None = None
+    schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "interleavedzb"] = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    dp_mode: Literal["fsdp", "replicate"] = "fsdp"
+
+
+class BatchSpec(Struct):
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+
+
+class OptimizerSpec(Struct):
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+class CheckpointSpec(Struct):
+    dir: str
+    every: int = 1000
+    keep: int | None = None
+
+
+class EvalSpec(Struct):
+    every: int = 0
+    iters: int = 10
+
+
+class LoggingSpec(Struct):
+    every: int = 1
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
+
+
+class RunManifest(Header, tag="run", kw_only=True):
+    model: ModelSpec
+    data: DataSpec
+    batch: BatchSpec
+    train_steps: int
+    parallel: ParallelSpec = msgspec.field(default_factory=ParallelSpec)
+    optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
+    precision: Literal["fp32", "bf16"] = "bf16"
+    recompute: Literal["none", "full", "selective"] = "none"
+    attention: Literal["auto", "sdpa", "flash"] = "auto"
+    checkpoint: CheckpointSpec | None = None
+    eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
+    logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)
+    seed: int = 1234
+
+
+Manifest = TokensManifest | CheckpointManifest | RunManifest
+MANIFEST_TYPES: dict[str, type[Header]] = {
+    "tokens": TokensManifest,
+    "checkpoint": CheckpointManifest,
+    "run": RunManifest,
+}
+
+
+# --- encode / decode -----------------------------------------------------------------------------
+
+
+class _Peek(msgspec.Struct):
+    kind: str | None = None
+    format_version: int | None = None
+
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
+
+
+def _validation_message(e: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.a.b`" as "$.a.b: expected int, got str"."""
+    m = _AT.match(str(e))
+    assert m is not None
+    msg, path = m.group("msg"), m.group("path") or "$"
+    msg = msg.replace("`", "")
+    return f"{path}: {msg[:1].lower()}{msg[1:]}"
+
+
+def decode_manifest(data: bytes, where: str, kind: Kind | None = None) -> Manifest:
+    """Strictly decode manifest bytes. Raises UserError naming `where` and the field path."""
+    try:
+        peek = msgspec.json.decode(data, type=_Peek)
+    except msgspec.ValidationError as e:
+        raise UserError(_validation_message(e), where) from None
+    except msgspec.DecodeError as e:
+        raise UserError(f"not valid JSON ({e})", where) from None
+    if peek.kind not in MANIFEST_TYPES:
+        raise UserError(f"$.kind: expected one of {sorted(MANIFEST_TYPES)}, got {peek.kind!r}", where)
+    if kind is not None and peek.kind != kind:
+        raise UserError(f"expected a {kind} artifact, found kind {peek.kind!r}", where)
+    if peek.format_version is None:
+        raise UserError("$.format_version: missing required field", where)
+    if peek.format_version > FORMAT_VERSION:
+        raise UserError(
+            f"$.format_version: {peek.format_version} is newer than this megacore supports "
+            f"({FORMAT_VERSION}); upgrade the tools",
+            where,
+        )
+    if peek.format_version < 1:
+        raise UserError(f"$.format_version: {peek.format_version} is not a valid version", where)
+    try:
+        return msgspec.json.decode(data, type=MANIFEST_TYPES[peek.kind])
+    except msgspec.ValidationError as e:
+        raise UserError(_validation_message(e), where) from None
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Stable, human-readable JSON (sorted keys inside free-form maps, 2-space indent)."""
+    return msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n"
+
+
+def new_header_fields(producer: str, version: str) -> dict:
+    """The header values a writer fills in: producer, creation time and the current format."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "producer": Producer(name=producer, version=version),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def json_schemas() -> dict[str, dict]:
+    """JSON Schema of each manifest kind, keyed by kind: what `schemas/` holds."""
+    return {kind: msgspec.json.schema(t) for kind, t in MANIFEST_TYPES.items()}
+
+
+def write_schemas(directory: str) -> list[str]:
+    """Write `<kind>.schema.json` for every kind into `directory` (what `make schemas` runs)."""
+    import json
+    from pathlib import Path
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, schema in json_schemas().items():
+        path = out / f"{kind}.schema.json"
+        path.write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+        written.append(str(path))
+    return written

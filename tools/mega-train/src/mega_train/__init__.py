@@ -1,0 +1,8 @@
+"""mega-train."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("mega-train")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0.0.0"
