@@ -48,7 +48,15 @@ def load(path: Path):
 def table(rows: list[Row]) -> str:
     head = ("benchmark", "metric", "ours", "peer", "ratio", "target", "note")
     body = [
-        (r.benchmark, r.metric, r.ours, r.peer, "-" if r.ratio is None else f"{r.ratio:.2f}x", r.target, r.note)
+        (
+            r.benchmark,
+            r.metric,
+            r.ours,
+            r.peer,
+            "-" if r.ratio is None else f"{r.ratio:.2f}x",
+            r.target,
+            r.note,
+        )
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=False)]

@@ -1,14 +1,11 @@
-"""Artifacts: manifests, atomic writing, verification and the tensor layout algebra."""
+"""Artifacts: manifests, atomic writing, verification and the tensor layout algebra.
 
-from megacore.artifacts.layout import (
-    SafetensorsStreamWriter,
-    TensorReader,
-    chunk_split,
-    dtype_name,
-    even_split,
-    intersect,
-    piece_entry,
-)
+The layout algebra needs torch; it is imported on first use so that tools which only read
+manifests (a dry run, the tokenizer) start without paying for it.
+"""
+
+import importlib
+
 from megacore.artifacts.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -26,6 +23,16 @@ from megacore.artifacts.manifest import (
 )
 from megacore.artifacts.reader import confined_path, open_artifact, parent_of
 from megacore.artifacts.writer import ArtifactWriter, sha256_file, write_artifact
+
+_LAZY = {
+    "SafetensorsStreamWriter",
+    "TensorReader",
+    "chunk_split",
+    "dtype_name",
+    "even_split",
+    "intersect",
+    "piece_entry",
+}
 
 __all__ = [
     "FORMAT_VERSION",
@@ -55,3 +62,9 @@ __all__ = [
     "sha256_file",
     "write_artifact",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module("megacore.artifacts.layout"), name)
+    raise AttributeError(f"module 'megacore.artifacts' has no attribute {name!r}")

@@ -140,10 +140,8 @@ class TensorReader:
             src = tuple(slice(h - p, h - p + s) for h, p, s in zip(hoff, piece.offset, hshape, strict=True))
             dst = tuple(slice(h - o, h - o + s) for h, o, s in zip(hoff, off, hshape, strict=True))
             handle = self._handle(piece.file)
-            if len(piece.shape) == 0:
-                data = handle.get_tensor(piece.key)
-            else:
-                data = handle.get_slice(piece.key)[src]
+            # get_slice reads only the requested bytes; 0-d tensors have no slice to take.
+            data = handle.get_tensor(piece.key) if not piece.shape else handle.get_slice(piece.key)[src]
             if list(data.shape) != list(hshape):
                 raise UserError(
                     f"{name}: piece {piece.key!r} in {piece.file} has shape {list(data.shape)}, "
@@ -153,7 +151,9 @@ class TensorReader:
             out[dst] = data.to(out.dtype) if data.dtype != out.dtype else data
             covered += numel(hshape)
         if covered != numel(shape):
-            raise UserError(f"{name}: the pieces cover {covered} of {numel(shape)} elements asked for", str(self.root))
+            raise UserError(
+                f"{name}: the pieces cover {covered} of {numel(shape)} elements asked for", str(self.root)
+            )
         return out
 
     def close(self) -> None:
@@ -177,17 +177,25 @@ class SafetensorsStreamWriter:
     Memory stays at one slice; the file's sha256 is computed on the way (for the manifest).
     """
 
-    def __init__(self, path: Path, tensors: Iterable[tuple[str, str, Sequence[int]]], metadata: dict | None = None):
+    def __init__(
+        self, path: Path, tensors: Iterable[tuple[str, str, Sequence[int]]], metadata: dict | None = None
+    ):
         self.path = Path(path)
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
         pos = 0
         self._spans: dict[str, tuple[int, int]] = {}
+        self._shapes: dict[str, Sequence[int]] = {}
         for key, dtype, shape in tensors:
             nbytes = numel(shape) * torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
-            header[key] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+            header[key] = {
+                "dtype": _SAFETENSORS_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [pos, pos + nbytes],
+            }
             self._spans[key] = (pos, pos + nbytes)
+            self._shapes[key] = shape
             pos += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -195,7 +203,8 @@ class SafetensorsStreamWriter:
         self._order = list(self._spans)
         self._next = 0  # index in _order of the key being written; data must arrive in file order
         self._written_in_key = 0
-        self._f = open(self.path, "wb")
+        self._skip_empty()
+        self._f = open(self.path, "wb")  # noqa: SIM115 - held open across write() calls, closed by close()
         self._hash = hashlib.sha256()
         prefix = struct.pack("<Q", len(raw)) + raw
         self._f.write(prefix)
@@ -204,30 +213,37 @@ class SafetensorsStreamWriter:
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Append data of `key` (a whole tensor or the next rows of it, in file order)."""
+        if key in self._shapes and numel(self._shapes[key]) == 0 and tensor.numel() == 0:
+            return  # empty tensors hold no bytes; nothing to wait for or write
         if self._next >= len(self._order) or self._order[self._next] != key:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing"
             raise RuntimeError(f"{self.path}: wrote {key!r}, expected {expected!r} next")
         start, stop = self._spans[key]
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        # A uint8 view, no byte copy: memory stays at the caller's slice.
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
         self._f.write(data)
         self._hash.update(data)
-        self._written_in_key += len(data)
+        self._written_in_key += data.nbytes
         if self._written_in_key > stop - start:
             raise RuntimeError(f"{self.path}: too much data for {key!r}")
         if self._written_in_key == stop - start:
             self._next += 1
             self._written_in_key = 0
-            while self._next < len(self._order) and self._spans[self._order[self._next]][0] == self._spans[self._order[self._next]][1]:
-                self._next += 1  # empty tensors have no bytes to wait for
+            self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        # Empty tensors have no bytes to wait for.
+        while self._next < len(self._order) and numel(self._shapes[self._order[self._next]]) == 0:
+            self._next += 1
 
     def close(self) -> str:
-        """Finish the file; returns its sha256."""
-        while self._next < len(self._order) and self._spans[self._order[self._next]][0] == self._spans[self._order[self._next]][1]:
-            self._next += 1
-        if self._next != len(self._order):
-            raise RuntimeError(f"{self.path}: closed before {self._order[self._next]!r} was written")
-        self._f.flush()
-        self._f.close()
+        """Finish the file; returns its sha256 (closing twice is harmless)."""
+        if not self._f.closed:
+            self._skip_empty()
+            if self._next != len(self._order):
+                self._f.close()
+                raise RuntimeError(f"{self.path}: closed before {self._order[self._next]!r} was written")
+            self._f.close()
         return self._hash.hexdigest()
 
     def __enter__(self) -> SafetensorsStreamWriter:

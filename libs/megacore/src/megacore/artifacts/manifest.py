@@ -9,7 +9,7 @@ before anything else is looked at. `schemas/*.schema.json` is generated from the
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 import msgspec
@@ -63,12 +63,16 @@ class Header(Struct, tag_field="kind", kw_only=True):
 
 
 class TokenizerInfo(Struct):
-    """The tokenizer the ids came from; its files are copied into the artifact."""
+    """The tokenizer the ids came from; its files are copied into the artifact (`files`, relative).
+
+    `vocab_size` includes `added_special_tokens` (ids the tokenizer did not have, given on the
+    command line); `base_vocab_size` is the tokenizer's own."""
 
     type: Literal["sentencepiece", "hf"]
     files: list[str]
     vocab_size: int
     fingerprint: str
+    base_vocab_size: int | None = None
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
@@ -77,7 +81,8 @@ class TokenizerInfo(Struct):
 
 
 class Shard(Struct):
-    """One Megatron `MMIDIDX` pair: `<prefix>.bin` and `<prefix>.idx` (plus optional sidecars)."""
+    """One Megatron `MMIDIDX` pair: `<prefix>.bin` and `<prefix>.idx` (plus optional sidecars,
+    e.g. `{"roles": "<prefix>.roles"}`: one uint8 role code per token, with the same index)."""
 
     prefix: str
     json_key: str
@@ -90,6 +95,15 @@ class TokenCounts(Struct):
     documents: int = 0
     tokens: int = 0
     skipped_lines: int = 0
+    skipped_examples: list[str] = []  # the first few skipped lines, `file:line: what is wrong`
+
+
+class InputFile(Struct):
+    """An input corpus file as it was read; size and mtime tell a rerun whether it changed."""
+
+    path: str
+    size: int
+    mtime_ns: int
 
 
 class TokensManifest(Header, tag="tokens", kw_only=True):
@@ -99,7 +113,12 @@ class TokensManifest(Header, tag="tokens", kw_only=True):
     append_eos: bool = True
     prepend_bos: bool = False
     chat_template: str | None = None
+    roles: dict[str, int] = {}
     engine: str | None = None
+    json_keys: list[str] = []
+    on_error: Literal["fail", "skip"] = "fail"
+    inputs: list[InputFile] = []
+    settings_sha256: str | None = None
     shards: list[Shard] = []
     counts: TokenCounts = msgspec.field(default_factory=TokenCounts)
 
@@ -338,7 +357,7 @@ def new_header_fields(producer: str, version: str) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "producer": Producer(name=producer, version=version),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -1,0 +1,123 @@
+"""What every tool shares: --help, --version, exit codes and one-line errors on bad manifests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error, run_tool
+from megacore.artifacts import MANIFEST_NAME, TokensManifest, new_header_fields, write_artifact
+from megacore.artifacts.manifest import TokenizerInfo
+
+TOOLS = ["mega-tokenize", "mega-convert", "mega-shard", "mega-train", "mega-export"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_help_and_version(tool: str):
+    h = run_tool(tool, "--help")
+    assert h.returncode == 0 and "Usage:" in h.stdout, h.stderr
+    v = run_tool(tool, "--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"{tool} 0.1.0"
+
+
+def test_usage_error_is_exit_2_one_line():
+    assert_one_line_error(
+        run_tool("mega-train", "--manifest", "x.json", "--bogus"), "No such option: --bogus"
+    )
+
+
+def _tokens_artifact(out: Path) -> None:
+    with write_artifact(out) as w:
+        w.path("tokenizer/tokenizer.model").write_bytes(b"not used by the dry run")
+        w.path("shards/text.bin").write_bytes(b"\0" * 8)
+        w.path("shards/text.idx").write_bytes(b"\0" * 8)
+        tok = TokenizerInfo(
+            type="sentencepiece", files=["tokenizer/tokenizer.model"], vocab_size=32000, fingerprint="x"
+        )
+        w.commit(TokensManifest(**new_header_fields("tests", "0"), tokenizer=tok, dtype="uint16"))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    _tokens_artifact(tmp_path / "tokens")
+    run = {
+        "kind": "run",
+        "format_version": 1,
+        "model": {
+            "config": {
+                "family": "llama",
+                "vocab_size": 32000,
+                "hidden_size": 64,
+                "num_layers": 4,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "ffn_hidden_size": 128,
+            }
+        },
+        "data": {"sources": [{"path": "tokens"}]},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 16, "seq_length": 64},
+        "train_steps": 10,
+        "parallel": {"tp": 2, "pp": 2},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    return tmp_path
+
+
+def _patch(path: Path, fn) -> None:
+    doc = json.loads(path.read_text())
+    fn(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_dry_run_accepts_a_good_manifest(run_dir: Path):
+    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert plan["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "dp": 2}
+    assert plan["batch"]["grad_accum"] == 4
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragments"),
+    [
+        (lambda d: d["parallel"].update(tp="2"), ["run.json: $.parallel.tp: expected int, got str"]),
+        (lambda d: d["parallel"].update(tq=2), ["run.json: $.parallel: object contains unknown field tq"]),
+        (
+            lambda d: d.update(format_version=99),
+            ["$.format_version: 99 is newer than this megacore supports"],
+        ),
+        (lambda d: d["parallel"].update(tp=3), ["world size 8 is not a multiple of tp*pp = 3*2"]),
+        (lambda d: d["batch"].update(global_batch_size=6), ["$.batch.global_batch_size"]),
+    ],
+)
+def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str]):
+    _patch(run_dir / "run.json", edit)
+    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
+    assert_one_line_error(p, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragments"),
+    [
+        (lambda d: d["files"][0].update(path="/etc/passwd"), ["$.files[0]", "is absolute"]),
+        (lambda d: d["files"][0].update(path="../run.json"), ["$.files[0]", "leaves the artifact directory"]),
+        (lambda d: d["files"][0].update(sha256="0" * 64), ["sha256 differs"]),
+        (lambda d: d.update(format_version=2), ["$.format_version: 2 is newer"]),
+        (
+            lambda d: d["tokenizer"].update(vocab_size="big"),
+            ["$.tokenizer.vocab_size: expected int, got str"],
+        ),
+    ],
+)
+def test_bad_referenced_artifact(run_dir: Path, edit, fragments: list[str]):
+    _patch(run_dir / "tokens" / MANIFEST_NAME, edit)
+    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
+    assert_one_line_error(p, str(run_dir / "tokens"), *fragments)
+
+
+def test_debug_shows_the_traceback(run_dir: Path):
+    _patch(run_dir / "run.json", lambda d: d["parallel"].update(tp="2"))
+    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--debug")
+    assert p.returncode == 2 and "Traceback" in p.stderr
