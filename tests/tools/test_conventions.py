@@ -90,6 +90,11 @@ def test_dry_run_accepts_a_good_manifest(run_dir: Path):
         ),
         (lambda d: d["parallel"].update(tp=3), ["world size 8 is not a multiple of tp*pp = 3*2"]),
         (lambda d: d["batch"].update(global_batch_size=6), ["$.batch.global_batch_size"]),
+        (
+            lambda d: d["parallel"].update(tp=8, pp=1),
+            ["$.parallel.tp: tp 8 does not divide the 4 attention heads"],
+        ),
+        (lambda d: d["parallel"].update(pp=8, tp=1), ["$.parallel.pp", "8"]),
     ],
 )
 def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str]):

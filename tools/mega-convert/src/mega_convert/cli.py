@@ -2,25 +2,100 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
-from megacore.cli import add_group_options, main_for, make_app
-from megacore.errors import UserError
 from mega_convert import __version__
+from megacore.cli import add_group_options, main_for, make_app
 
-app = make_app("Hugging Face Llama / Code Llama / Mistral / Falcon weights to a checkpoint artifact.")
+app = make_app(
+    "Hugging Face Llama / Code Llama / Mistral / Falcon weights to a checkpoint artifact, with a "
+    "logits-parity check.\n\n"
+    "Example:\n\n"
+    "  mega-convert hf ./Llama-2-7b-hf ckpt/llama2-7b --dtype bfloat16\n\n"
+    "  mega-convert verify ckpt/llama2-7b ./Llama-2-7b-hf"
+)
 add_group_options(app, "mega-convert", __version__)
 
 
 @app.command()
 def hf(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json + safetensors)."),
+    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json + *.safetensors)."),
     out: Path = typer.Argument(..., help="Output checkpoint artifact directory."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="float32, bfloat16 or float16 (default: the dtype the weights are stored in)."
+    ),
+    pad_vocab_multiple: int = typer.Option(
+        128,
+        "--pad-vocab-multiple",
+        help="Pad the embedding / lm_head rows to a multiple of this (zero rows).",
+    ),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if OUT is already this conversion."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
 ) -> None:
-    """Convert a Hugging Face model directory to a tp1/pp1 checkpoint artifact."""
-    raise UserError("not implemented in this version yet")
+    """Convert a Hugging Face model directory to a tp1/pp1 checkpoint artifact, tensor by tensor.
+
+    Example: mega-convert hf ./Mistral-7B-v0.1 ckpt/mistral --dtype bfloat16
+    """
+    from mega_convert.convert import convert_hf
+
+    s = convert_hf(model_dir, out, dtype=dtype, pad_multiple=pad_vocab_multiple, force=force)
+    if as_json:
+        typer.echo(json.dumps(s))
+    elif not s["reused"]:
+        typer.echo(
+            f"wrote {s['out']}: {s['family']}, {s['tensors']} tensors, {s['parameters']:,} parameters, "
+            f"{s['dtype']}, vocab {s['vocab_size']} padded to {s['padded_vocab_size']} ({s['seconds']:.1f}s)"
+        )
+
+
+@app.command()
+def verify(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint artifact made by `mega-convert hf`."),
+    model_dir: Path = typer.Argument(..., help="The Hugging Face model directory it came from."),
+    tolerance: float | None = typer.Option(
+        None,
+        "--tolerance",
+        help="Largest allowed max abs logit error (default 1e-4 in float32, 1.0 otherwise).",
+    ),
+    mean_tolerance: float | None = typer.Option(
+        None,
+        "--mean-tolerance",
+        help="Largest allowed mean abs logit error (default 0.01 float32, 0.1 otherwise).",
+    ),
+    dtype: str = typer.Option("float32", "--dtype", help="Compute dtype for both models."),
+    seq_len: int = typer.Option(64, "--seq-len", min=2, help="Tokens per sequence."),
+    batch: int = typer.Option(2, "--batch", min=1, help="Sequences."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
+) -> int:
+    """Run the checkpoint (megacore) and the HF model (transformers) on the same random tokens and
+    compare logits; exit 1 above the tolerance.
+
+    Example: mega-convert verify ckpt/mistral ./Mistral-7B-v0.1 --tolerance 1e-4
+    """
+    from mega_convert.verify import verify as run_verify
+
+    r = run_verify(
+        checkpoint,
+        model_dir,
+        dtype=dtype,
+        tolerance=tolerance,
+        mean_tolerance=mean_tolerance,
+        batch=batch,
+        seq_len=seq_len,
+    )
+    if as_json:
+        typer.echo(json.dumps(r))
+    else:
+        typer.echo(
+            f"{r['tokens']} tokens, {r['dtype']}: max abs logit error {r['max_abs_error']:.3g} "
+            f"(tolerance {r['tolerance']:.3g}), mean {r['mean_abs_error']:.3g} "
+            f"(tolerance {r['mean_tolerance']:.3g}), loss {r['loss_ours']:.6f} vs {r['loss_hf']:.6f} "
+            f"(diff {r['loss_diff']:.3g}): {'PASS' if r['passed'] else 'FAIL'}"
+        )
+    return 0 if r["passed"] else 1
 
 
 main = main_for(app, "mega-convert")

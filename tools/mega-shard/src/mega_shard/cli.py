@@ -2,25 +2,88 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
+from mega_shard import __version__
+from mega_shard.reshard import DEFAULT_CHUNK_BYTES, reshard
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.errors import UserError
-from mega_shard import __version__
 
 app = make_app("Reshard a checkpoint artifact to any tensor/pipeline layout, streaming, no GPU.")
 
 
+def _counts(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise UserError(
+            f"expected comma-separated layer counts such as 10,10,12,8, got {value!r}", "--pp-layers"
+        ) from None
+
+
 @app.command()
 def run(
-    src: Path = typer.Argument(..., help="Input."), out: Path = typer.Argument(..., help="Output artifact."),
+    checkpoint: Path = typer.Argument(..., help="Input checkpoint artifact (any layout)."),
+    out: Path = typer.Argument(..., help="Output checkpoint artifact directory."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of the output."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline stages of the output."),
+    pp_layers: str | None = typer.Option(
+        None, "--pp-layers", help="Layers per stage, comma-separated (default: an even split)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Rebuild an existing output."),
+    verify: str = typer.Option(
+        "size", "--verify", help="How to check the input's files first: sha256, size or none."
+    ),
+    chunk_mb: int = typer.Option(DEFAULT_CHUNK_BYTES >> 20, "--chunk-mb", help="Streaming block size (MiB)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-shard", __version__),
     debug: bool = debug_option(),
 ) -> None:
-    """Not available in this version yet."""
-    raise UserError("not implemented in this version yet")
+    """Reshard CHECKPOINT into OUT with the given layout (optimizer state included).
+
+    \b
+    Example:
+      mega-shard ckpt-tp1pp1 ckpt-tp8pp4 --tp 8 --pp 4 --pp-layers 10,10,6,6
+    """
+    if verify not in ("sha256", "size", "none"):
+        raise UserError(f"expected sha256, size or none, got {verify!r}", "--verify")
+    if chunk_mb < 1:
+        raise UserError(f"must be at least 1, got {chunk_mb}", "--chunk-mb")
+    res = reshard(
+        checkpoint,
+        out,
+        tp,
+        pp,
+        _counts(pp_layers),
+        force=force,
+        verify=verify,
+        chunk_bytes=chunk_mb << 20,
+        producer=("mega-shard", __version__),
+    )
+    summary = {
+        "out": res.out,
+        "tp": res.tp,
+        "pp": res.pp,
+        "stage_layers": res.stage_layers,
+        "reused": res.reused,
+        "tensors": res.tensors,
+        "files": res.files,
+        "bytes_written": res.bytes_written,
+        "seconds": round(res.seconds, 3),
+    }
+    if as_json:
+        typer.echo(json.dumps(summary))
+    elif not res.reused:
+        typer.echo(
+            f"wrote {out} (tp {tp}, pp {pp}; {res.tensors} tensors, {len(res.files)} files, "
+            f"{res.bytes_written / 1e9:.2f} GB in {res.seconds:.1f}s)",
+            err=True,
+        )
 
 
 main = main_for(app, "mega-shard")

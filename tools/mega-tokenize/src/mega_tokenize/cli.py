@@ -2,25 +2,133 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import typer
 
+from mega_tokenize import __version__
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.errors import UserError
-from mega_tokenize import __version__
 
 app = make_app("Text corpora (jsonl, .zst, .gz) to Megatron-compatible token shards.")
 
 
-@app.command()
+def _split(values: list[str]) -> list[str]:
+    """Repeatable options that also take comma-separated lists."""
+    return [v for item in values for v in item.split(",") if v]
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  mega-tokenize 'pile/*.jsonl.zst' out/pile-tokens --tokenizer tokenizer.model --workers 8\n\n"
+        "  mega-tokenize chats.jsonl out/sft --tokenizer llama3/ --format chat --chat-template tokenizer\n\n"
+        "  mega-tokenize chats.jsonl out/sft --tokenizer tokenizer.model --format chat "
+        "--add-special-tokens '<|im_start|>,<|im_end|>'"
+    )
+)
 def run(
-    src: Path = typer.Argument(..., help="Input."), out: Path = typer.Argument(..., help="Output artifact."),
+    inputs: list[str] = typer.Argument(
+        ..., help="Input .jsonl / .jsonl.zst / .jsonl.gz files, globs or directories, then the output path."
+    ),
+    tokenizer: Path = typer.Option(
+        ..., "--tokenizer", "-t", help="SentencePiece .model, tokenizer.json, or a tokenizer directory."
+    ),
+    json_key: list[str] = typer.Option(
+        ["text"], "--json-key", "-k", help="Key of the text in each line; repeat for one output per key."
+    ),
+    format: str = typer.Option("text", "--format", help="text (pretraining) or chat (conversations)."),
+    chat_template: str = typer.Option(
+        "chatml", "--chat-template", help="chatml, or tokenizer (the tokenizer's own jinja template)."
+    ),
+    append_eos: bool = typer.Option(
+        True, "--append-eos/--no-append-eos", help="End every document with EOS."
+    ),
+    prepend_bos: bool = typer.Option(
+        False, "--prepend-bos/--no-prepend-bos", help="Start every document with BOS."
+    ),
+    add_special_tokens: list[str] = typer.Option(
+        [],
+        "--add-special-tokens",
+        help="Tokens to add after the vocab (comma-separated or repeated); recorded.",
+    ),
+    engine: str = typer.Option(
+        "auto",
+        "--engine",
+        help="auto, sentencepiece, hf or gigatoken; auto = fastest that gives the same ids.",
+    ),
+    workers: int = typer.Option(1, "--workers", "-j", help="Encoding threads."),
+    on_error: str = typer.Option(
+        "fail", "--on-error", help="fail (exit 2 at the first bad line) or skip (count it)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a complete output exists."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress line on stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-tokenize", __version__),
     debug: bool = debug_option(),
 ) -> None:
-    """Not available in this version yet."""
-    raise UserError("not implemented in this version yet")
+    """Tokenize INPUTS... into the tokens artifact OUT (Megatron MMIDIDX shards + manifest)."""
+    from mega_tokenize.pipeline import Options, tokenize
+
+    if len(inputs) < 2:
+        raise UserError("give at least one input and the output path: mega-tokenize INPUT... OUT")
+    for name, value, allowed in (
+        ("--format", format, ("text", "chat")),
+        ("--chat-template", chat_template, ("chatml", "tokenizer")),
+        ("--on-error", on_error, ("fail", "skip")),
+        ("--engine", engine, ("auto", "sentencepiece", "hf", "gigatoken")),
+    ):
+        if value not in allowed:
+            raise UserError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+    opts = Options(
+        inputs=inputs[:-1],
+        out=Path(inputs[-1]),
+        tokenizer=tokenizer,
+        json_keys=_split(json_key),
+        format=format,  # type: ignore[arg-type]
+        chat_template=chat_template,  # type: ignore[arg-type]
+        append_eos=append_eos,
+        prepend_bos=prepend_bos,
+        add_special_tokens=_split(add_special_tokens),
+        engine=engine,
+        workers=workers,
+        on_error=on_error,  # type: ignore[arg-type]
+        force=force,
+        progress=progress,
+    )
+    res = tokenize(opts)
+    m = res.manifest
+    c = m.counts
+    if res.reused:
+        print(
+            f"mega-tokenize: {opts.out} is already complete with these inputs and settings; reused",
+            file=sys.stderr,
+        )
+    else:
+        mbs = res.input_bytes / max(res.seconds, 1e-9) / 1e6
+        print(
+            f"mega-tokenize: {opts.out}: {c.documents:,} documents, {c.tokens:,} tokens ({m.dtype}), "
+            f"{c.skipped_lines:,} skipped lines, engine {m.engine}, {res.seconds:.1f}s, {mbs:.1f} MB/s",
+            file=sys.stderr,
+        )
+        for ex in c.skipped_examples:
+            print(f"  skipped {ex}", file=sys.stderr)
+    if as_json:
+        summary = {
+            "out": str(opts.out),
+            "reused": res.reused,
+            "documents": c.documents,
+            "tokens": c.tokens,
+            "skipped_lines": c.skipped_lines,
+            "dtype": m.dtype,
+            "engine": m.engine,
+            "vocab_size": m.tokenizer.vocab_size,
+            "shards": [s.prefix for s in m.shards],
+            "seconds": round(res.seconds, 3),
+        }
+        print(json.dumps(summary))
 
 
 main = main_for(app, "mega-tokenize")

@@ -13,6 +13,8 @@ from megacore.artifacts import CheckpointManifest, ModelConfig, RunManifest, Tok
 from megacore.artifacts.manifest import decode_manifest
 from megacore.artifacts.reader import read_manifest_bytes
 from megacore.errors import UserError
+from megacore.parallel.engine import Parallelism, check_parallelism
+from megacore.parallel.plan import check_world
 
 
 @dataclass
@@ -25,6 +27,7 @@ class RunPlan:
     world_size: int
     dp: int
     grad_accum: int
+    stage_layers: list[list[int]]
 
     def summary(self) -> dict:
         p = self.run.parallel
@@ -38,6 +41,7 @@ class RunPlan:
             "init": self.run.model.init,
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
             "parallel": {"world_size": self.world_size, "tp": p.tp, "pp": p.pp, "dp": self.dp},
+            "stage_layers": self.stage_layers,
             "batch": {
                 "micro": self.run.batch.micro_batch_size,
                 "global": self.run.batch.global_batch_size,
@@ -80,20 +84,16 @@ def plan_run(manifest_path: Path, world_size: int, verify: str = "sha256") -> Ru
         sources.append((path, open_artifact(path, "tokens", verify=verify), src.weight))
 
     p, b = run.parallel, run.batch
-    for name, value in (("tp", p.tp), ("pp", p.pp), ("virtual_stages", p.virtual_stages)):
-        if value < 1:
-            raise UserError(f"$.parallel.{name}: must be >= 1, got {value}", where)
-    if world_size % (p.tp * p.pp):
-        raise UserError(
-            f"$.parallel: world size {world_size} is not a multiple of tp*pp = {p.tp}*{p.pp}", where
-        )
-    dp = world_size // (p.tp * p.pp)
+    dp = check_world(world_size, p.tp, p.pp, "$.parallel")
     if b.micro_batch_size < 1 or b.global_batch_size % (b.micro_batch_size * dp):
         raise UserError(
             f"$.batch.global_batch_size: {b.global_batch_size} is not a multiple of "
             f"micro_batch_size * dp = {b.micro_batch_size} * {dp}",
             where,
         )
+    # The pipeline runs the whole per-rank batch as microbatches of `micro_batch_size`.
+    microbatches = b.global_batch_size // (b.micro_batch_size * dp)
+    stages = check_parallelism(config, Parallelism.from_run(p, run.precision, microbatches), "$.parallel")
     return RunPlan(
         path=manifest_path,
         run=run,
@@ -102,5 +102,6 @@ def plan_run(manifest_path: Path, world_size: int, verify: str = "sha256") -> Ru
         data=sources,
         world_size=world_size,
         dp=dp,
-        grad_accum=b.global_batch_size // (b.micro_batch_size * dp),
+        grad_accum=microbatches,
+        stage_layers=stages,
     )

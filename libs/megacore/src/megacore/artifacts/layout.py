@@ -127,9 +127,16 @@ class TensorReader:
         off, shape = box
         if any(o < 0 or o + s > g for o, s, g in zip(off, shape, entry.shape, strict=True)):
             raise ValueError(f"{name}: box {box} is outside shape {entry.shape}")
-        out = torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype])
         if numel(shape) == 0:
-            return out
+            return torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype])
+        for piece in entry.pieces:  # one piece holds the whole box: return its slice, no second copy
+            pbox = (tuple(piece.offset), tuple(piece.shape))
+            if len(piece.shape) and intersect(pbox, box) == (tuple(off), tuple(shape)):
+                src = tuple(slice(o - p, o - p + s) for o, p, s in zip(off, piece.offset, shape, strict=True))
+                data = self._handle(piece.file).get_slice(piece.key)[src]
+                if list(data.shape) == list(shape):
+                    return data.to(TORCH_DTYPES[entry.dtype])
+        out = torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype])
         covered = 0
         for piece in entry.pieces:
             pbox = (tuple(piece.offset), tuple(piece.shape))
@@ -178,8 +185,14 @@ class SafetensorsStreamWriter:
     """
 
     def __init__(
-        self, path: Path, tensors: Iterable[tuple[str, str, Sequence[int]]], metadata: dict | None = None
+        self,
+        path: Path,
+        tensors: Iterable[tuple[str, str, Sequence[int]]],
+        metadata: dict | None = None,
+        hasher: object | None = None,
     ):
+        """`hasher`: a hashlib-like sha256 (update/hexdigest) to use instead of a fresh one, e.g. one
+        that hashes on a helper thread while the file is written (mega-shard)."""
         self.path = Path(path)
         header: dict[str, object] = {}
         if metadata:
@@ -205,7 +218,7 @@ class SafetensorsStreamWriter:
         self._written_in_key = 0
         self._skip_empty()
         self._f = open(self.path, "wb")  # noqa: SIM115 - held open across write() calls, closed by close()
-        self._hash = hashlib.sha256()
+        self._hash = hasher if hasher is not None else hashlib.sha256()
         prefix = struct.pack("<Q", len(raw)) + raw
         self._f.write(prefix)
         self._hash.update(prefix)

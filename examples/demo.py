@@ -1,0 +1,132 @@
+"""`make demo`: the chain end to end on a built-in example, each step a real CLI call.
+
+    corpus (Python's own documentation, ~1 MB) --mega-tokenize--> tokens
+    tiny random Llama (transformers) --mega-convert hf--> checkpoint --mega-convert verify
+    checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-shard --tp 1 --pp 1--> checkpoint
+    run.json --mega-train --dry-run--> the resolved 3D plan
+
+Every command is printed before it runs, so this doubles as a copy-paste tutorial. Rerunning reuses
+what is already complete (the tools are idempotent).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pydoc
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import zstandard
+
+BIN = Path(sys.executable).parent
+SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "assets" / "mistral-v1-tokenizer.model"
+MODULES = ["json", "pathlib", "collections", "itertools", "functools", "re", "os", "typing", "dataclasses"]
+
+
+def sh(*args: object) -> None:
+    cmd = [str(a) for a in args]
+    print("$ " + shlex.join([Path(cmd[0]).name, *cmd[1:]]), flush=True)
+    subprocess.run([str(BIN / cmd[0]) if (BIN / cmd[0]).exists() else cmd[0], *cmd[1:]], check=True)
+
+
+def corpus(out: Path) -> Path:
+    """One jsonl.zst document per documented object of a few standard-library modules."""
+    path = out / "corpus.jsonl.zst"
+    if path.exists():
+        return path
+    docs = []
+    for name in MODULES:
+        module = __import__(name)
+        for attr in sorted(dir(module)):
+            text = pydoc.getdoc(getattr(module, attr, None) or "")
+            if len(text) > 80:
+                docs.append({"text": f"{name}.{attr}\n{text}"})
+    raw = "".join(json.dumps(d) + "\n" for d in docs).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(raw))
+    print(f"corpus: {len(docs)} documents, {len(raw) / 1e6:.1f} MB -> {path}")
+    return path
+
+
+def tokenizer(out: Path, corpus_path: Path) -> Path:
+    """The real Mistral tokenizer when ../shared has it, else a 1k SentencePiece trained here."""
+    if SHARED_TOKENIZER.is_file():
+        return SHARED_TOKENIZER
+    model = out / "tokenizer.model"
+    if not model.exists():
+        import sentencepiece as spm
+
+        lines = [json.loads(x)["text"] for x in zstandard.decompress(corpus_path.read_bytes()).splitlines()]
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=buf,
+            vocab_size=1000,
+            model_type="bpe",
+            byte_fallback=True,
+            bos_id=1,
+            eos_id=2,
+            unk_id=0,
+            minloglevel=2,
+        )
+        model.write_bytes(buf.getvalue())
+    return model
+
+
+def tiny_llama(out: Path, vocab_size: int) -> Path:
+    """A randomly initialised 4-layer Llama with GQA, saved the way the hub ships models."""
+    path = out / "hf-llama"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    text = corpus(out)
+    tok = tokenizer(out, text)
+    sh("mega-tokenize", text, out / "tokens", "--tokenizer", tok, "--workers", "2")
+
+    import sentencepiece as spm
+
+    vocab = spm.SentencePieceProcessor(model_file=str(tok)).vocab_size()
+    hf = tiny_llama(out, vocab)
+    sh("mega-convert", "hf", hf, out / "ckpt-tp1pp1")
+    sh("mega-convert", "verify", out / "ckpt-tp1pp1", hf)
+    sh("mega-shard", out / "ckpt-tp1pp1", out / "ckpt-tp2pp2", "--tp", "2", "--pp", "2")
+    sh("mega-shard", out / "ckpt-tp2pp2", out / "ckpt-back", "--tp", "1", "--pp", "1")
+
+    run = {
+        "kind": "run",
+        "format_version": 1,
+        "model": {"init": "ckpt-tp2pp2"},
+        "data": {"sources": [{"path": "tokens"}]},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 8, "seq_length": 128},
+        "train_steps": 20,
+        "parallel": {"tp": 2, "pp": 2, "schedule": "1f1b"},
+    }
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    sh("mega-train", "--manifest", out / "run.json", "--dry-run", "--world-size", "8")
+    print(f"\ndemo: done; artifacts in {out}/")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "demo-out"))

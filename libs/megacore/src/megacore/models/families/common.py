@@ -1,0 +1,173 @@
+"""What the family modules share: reading HF config.json values with clear errors, RoPE settings in
+both config forms, and `TensorMap`, the one description of a name map used in both directions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megacore.artifacts.manifest import ModelConfig, RopeScaling
+from megacore.errors import UserError
+
+_MISSING = object()
+
+
+def _identity_split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (t,)
+
+
+def _identity_fuse(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return ts[0]
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One HF tensor <-> one or more of ours. `split` turns the HF tensor into ours (in `ours` order),
+    `fuse` is its exact inverse (export); both only slice and concatenate, so round trips are bit-exact."""
+
+    hf: str
+    ours: tuple[str, ...]
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = field(default=_identity_split)
+    fuse: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] = field(default=_identity_fuse)
+
+
+def rename(hf: str, ours: str) -> TensorMap:
+    return TensorMap(hf, (ours,))
+
+
+def linear(maps: list[TensorMap], hf: str, ours: str, bias: bool) -> None:
+    maps.append(rename(f"{hf}.weight", f"{ours}.weight"))
+    if bias:
+        maps.append(rename(f"{hf}.bias", f"{ours}.bias"))
+
+
+class HFConfig:
+    """Typed access to a config.json dict; every problem is a UserError naming the field."""
+
+    def __init__(self, data: dict[str, Any], where: str, aliases: dict[str, str] | None = None) -> None:
+        self.data = dict(data)
+        self.where = where
+        for new, old in (aliases or {}).items():  # old key names of early checkpoints
+            if new not in self.data and old in self.data:
+                self.data[new] = self.data[old]
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.data.get(key, default)
+        if value is _MISSING:
+            raise UserError(f"$.{key}: missing required field", self.where)
+        return value
+
+    def int(self, key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise UserError(f"$.{key}: expected an integer >= {minimum}, got {value!r}", self.where)
+        return value
+
+    def opt_int(self, key: str) -> int | None:
+        value = self.data.get(key)
+        if isinstance(value, list):  # e.g. Llama 3.1 lists several eos ids; the first is the primary one
+            value = value[0] if value else None
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"$.{key}: expected an integer, got {value!r}", self.where)
+        return value
+
+    def float(self, key: str, default: Any = _MISSING) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise UserError(f"$.{key}: expected a positive number, got {value!r}", self.where)
+        return float(value)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise UserError(f"$.{key}: expected true or false, got {value!r}", self.where)
+        return value
+
+    def str(self, key: str, default: Any = _MISSING) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            raise UserError(f"$.{key}: expected a string, got {value!r}", self.where)
+        return value
+
+    def rope(self) -> tuple[float, RopeScaling | None]:
+        """(rope_theta, scaling) from transformers 5's `rope_parameters` or the classic top-level
+        `rope_theta` + `rope_scaling` that published checkpoints carry."""
+        params = self.data.get("rope_parameters")
+        if params is not None and not isinstance(params, dict):
+            raise UserError(f"$.rope_parameters: expected an object, got {params!r}", self.where)
+        if params:
+            theta = params.get("rope_theta", self.data.get("rope_theta", 10000.0))
+            scaling, at = params, "rope_parameters"
+        else:
+            theta = self.data.get("rope_theta", 10000.0)
+            scaling, at = self.data.get("rope_scaling"), "rope_scaling"
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+            raise UserError(f"$.rope_theta: expected a positive number, got {theta!r}", self.where)
+        if scaling is None:
+            return float(theta), None
+        if not isinstance(scaling, dict):
+            raise UserError(f"$.{at}: expected an object, got {scaling!r}", self.where)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            return float(theta), None
+        if kind not in ("linear", "dynamic", "llama3"):
+            raise UserError(
+                f"$.{at}.rope_type: {kind!r} is not supported (linear, dynamic, llama3)", self.where
+            )
+        sub = HFConfig(scaling, self.where)
+        factor = sub.float("factor")
+        if kind == "llama3":
+            return float(theta), RopeScaling(
+                type="llama3",
+                factor=factor,
+                original_max_position_embeddings=sub.int("original_max_position_embeddings"),
+                low_freq_factor=sub.float("low_freq_factor"),
+                high_freq_factor=sub.float("high_freq_factor"),
+            )
+        # transformers' dynamic NTK measures growth against max_position_embeddings; record it.
+        trained = self.int("max_position_embeddings", 2048) if kind == "dynamic" else None
+        return float(theta), RopeScaling(type=kind, factor=factor, original_max_position_embeddings=trained)
+
+
+def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """Classic form (top-level rope_theta + rope_scaling): what transformers 4.45+ and 5 both load."""
+    s = config.rope_scaling
+    scaling = None
+    if s is not None:
+        scaling = {"rope_type": s.type, "factor": s.factor}
+        if s.type == "llama3":
+            scaling.update(
+                low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings,
+            )
+    return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
+
+
+def validate(config: ModelConfig, where: str) -> ModelConfig:
+    """Consistency checks shared by all families; returns the config."""
+    hd = config.head_dim or config.hidden_size // config.num_heads
+    if config.head_dim is None and config.hidden_size % config.num_heads:
+        raise UserError(
+            f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {config.num_heads}",
+            where,
+        )
+    if config.num_heads % config.num_kv_heads:
+        raise UserError(
+            f"num_attention_heads {config.num_heads} is not a multiple of the kv heads {config.num_kv_heads}",
+            where,
+        )
+    if hd % 2:
+        raise UserError(f"head_dim {hd} must be even for rotary embeddings", where)
+    if config.padded_vocab_size is not None and config.padded_vocab_size < config.vocab_size:
+        raise UserError(
+            f"padded_vocab_size {config.padded_vocab_size} < vocab_size {config.vocab_size}", where
+        )
+    if config.sliding_window is not None and config.sliding_window < 1:
+        raise UserError(f"sliding_window must be >= 1, got {config.sliding_window}", where)
+    return config

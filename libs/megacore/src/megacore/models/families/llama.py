@@ -1,0 +1,132 @@
+"""Llama 1/2/3/3.1 and Code Llama: RMSNorm, SwiGLU, GQA, RoPE (theta, linear/dynamic/llama3 scaling).
+
+HF layout (LlamaForCausalLM): model.embed_tokens, model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
+post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megacore.artifacts.manifest import ModelConfig, RopeScaling
+from megacore.errors import UserError
+from megacore.models.families.common import HFConfig, TensorMap, linear, rename, rope_to_hf, validate
+
+MODEL_TYPES = ("llama",)
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def _llama(**kw: Any) -> ModelConfig:
+    return ModelConfig(family="llama", **kw)
+
+
+_LLAMA3_ROPE = RopeScaling(
+    type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+PRESETS: dict[str, ModelConfig] = {
+    "llama-7b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                       ffn_hidden_size=11008, max_seq_len=2048, norm_eps=1e-6),
+    "llama2-7b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                        ffn_hidden_size=11008, norm_eps=1e-5),
+    "llama2-13b": _llama(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40,
+                         ffn_hidden_size=13824, norm_eps=1e-5),
+    "llama2-70b": _llama(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                         ffn_hidden_size=28672, norm_eps=1e-5),
+    "codellama-7b": _llama(vocab_size=32016, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                           ffn_hidden_size=11008, max_seq_len=16384, norm_eps=1e-5, rope_theta=1e6),
+    "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                        ffn_hidden_size=14336, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0),
+    "llama3.1-8b": _llama(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                          ffn_hidden_size=14336, max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
+                          rope_scaling=_LLAMA3_ROPE),
+    "llama-125m": _llama(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                         ffn_hidden_size=2048, max_seq_len=2048),
+}  # fmt: skip
+
+
+def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> ModelConfig:
+    """ModelConfig from a Llama-style config.json (defaults as transformers' LlamaConfig)."""
+    c = HFConfig(hf, where)
+    act = c.str("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", where)
+    heads = c.int("num_attention_heads")
+    theta, scaling = c.rope()
+    bias = c.bool("attention_bias", False)
+    window = c.data.get("sliding_window", 4096) if family == "mistral" else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise UserError(f"$.sliding_window: expected an integer or null, got {window!r}", where)
+    cfg = ModelConfig(
+        family=family,  # type: ignore[arg-type]
+        vocab_size=c.int("vocab_size"),
+        hidden_size=c.int("hidden_size"),
+        num_layers=c.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=c.int("num_key_value_heads", heads),
+        ffn_hidden_size=c.int("intermediate_size"),
+        max_seq_len=c.int("max_position_embeddings", 2048),
+        norm="rmsnorm",
+        norm_eps=c.float("rms_norm_eps", 1e-6),
+        activation="swiglu",
+        head_dim=c.data.get("head_dim") or None,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_window=window,
+        attn_bias=bias,
+        attn_out_bias=bias,
+        mlp_bias=c.bool("mlp_bias", False),
+        tie_embeddings=c.bool("tie_word_embeddings", False),
+        bos_id=c.opt_int("bos_token_id"),
+        eos_id=c.opt_int("eos_token_id"),
+    )
+    if cfg.head_dim is not None:
+        c.int("head_dim")
+    return validate(cfg, where)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    if config.attn_bias != config.attn_out_bias or config.norm != "rmsnorm" or config.activation != "swiglu":
+        raise UserError("this config has switches a Llama config.json cannot express", "config")
+    if config.parallel_attn or (config.sliding_window is not None and config.family != "mistral"):
+        raise UserError("parallel attention / sliding window cannot be expressed as a Llama config", "config")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim or config.hidden_size // config.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        **rope_to_hf(config),
+        "attention_bias": config.attn_bias,
+        "mlp_bias": config.mlp_bias,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+    }
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = [rename("model.embed_tokens.weight", "embed.weight")]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        maps.append(rename(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight"))
+        for p in ("q_proj", "k_proj", "v_proj"):
+            linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", config.attn_bias)
+        linear(maps, f"{hf}.self_attn.o_proj", f"{ours}.attn.o_proj", config.attn_out_bias)
+        maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", config.mlp_bias)
+    maps.append(rename("model.norm.weight", "norm.weight"))
+    if not config.tie_embeddings:
+        maps.append(rename("lm_head.weight", "lm_head.weight"))
+    return maps

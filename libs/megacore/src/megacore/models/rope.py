@@ -1,0 +1,111 @@
+"""Rotary position embeddings (half-rotation convention, as in Hugging Face Llama/Mistral/Falcon).
+
+The tables are computed in forward from (config, seq_len), never stored as buffers: a model built on
+the meta device or cut into pipeline stages needs no re-initialisation, and dynamic NTK scaling
+(which depends on the sequence length) is a pure function of it.
+The float32 arithmetic mirrors transformers' `modeling_rope_utils` so that fp32 logits agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megacore.artifacts.manifest import ModelConfig
+
+
+def inv_freq(config: ModelConfig, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 for a sequence of `seq_len` positions."""
+    dim = head_dim(config)
+    base = config.rope_theta
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.type == "dynamic":
+        # Dynamic NTK: stretch the base only once the sequence outgrows the trained context.
+        trained = scaling.original_max_position_embeddings or config.max_seq_len
+        if seq_len > trained:
+            base = base * ((scaling.factor * seq_len / trained) - (scaling.factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
+    freqs = 1.0 / (base**exponents)
+    if scaling is None or scaling.type == "dynamic":
+        return freqs
+    if scaling.type == "linear":
+        return freqs / scaling.factor
+    return _llama3(
+        freqs,
+        scaling.factor,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+        scaling.original_max_position_embeddings,
+    )
+
+
+def _llama3(
+    freqs: torch.Tensor, factor: float, low: float | None, high: float | None, context: int | None
+) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    if low is None or high is None or context is None:
+        raise ValueError(
+            "llama3 rope scaling needs low_freq_factor, high_freq_factor, original_max_position_embeddings"
+        )
+    low_wavelen, high_wavelen = context / low, context / high
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / factor, freqs)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def head_dim(config: ModelConfig) -> int:
+    return config.head_dim or config.hidden_size // config.num_heads
+
+
+def rope_tables(
+    config: ModelConfig, seq_len: int, device: torch.device | str | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [seq_len, 1, head_dim] in `dtype`, broadcastable over [B, S, heads, head_dim]."""
+    freqs = inv_freq(config, seq_len, device)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, heads, head_dim] by the tables from `rope_tables`.
+
+    Same result as transformers' `x * cos + rotate_half(x) * sin`, written as a rotation of the two
+    halves into one output buffer: no rotate_half copy, no neg/cat, and a backward that is the inverse
+    rotation (about half the elementwise traffic of autograd through the composite form)."""
+    return _Rope.apply(x, cos, sin)
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, heads_major: bool
+) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    c, s = cos[..., :h], sin[..., :h]
+    x1, x2 = x[..., :h], x[..., h:]
+    if heads_major:
+        # [B, S, H, D] view of [B, H, S, D] memory: what SDPA's CPU kernel reads fastest (its
+        # transposed view is contiguous), produced here for free instead of by a later copy.
+        b, seq, heads, d = x.shape
+        out = x.new_empty(b, heads, seq, d).transpose(1, 2)
+    else:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-sign)  # x1 cos - x2 sin
+    torch.mul(x2, c, out=o2).addcmul_(x1, s, value=sign)  # x2 cos + x1 sin
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1.0, heads_major=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0, heads_major=False), None, None

@@ -1,0 +1,269 @@
+"""Builds this rank's part of the model for a (pp, dp, tp) mesh and runs forward/backward.
+
+Order (torchtitan's): the stage modules are built on the meta device from the layer ModuleDict,
+tensor parallel is applied, then data parallel (FSDP2 `fully_shard` per block and per stage, or
+`replicate`), then the parameters are materialised with `to_empty` and filled by the caller
+(`load_state` / `megacore.parallel.checkpoint.load_checkpoint`, or `init_weights`). Pipeline stages
+are `PipelineStage`s built by hand; schedules are chosen by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from megacore.artifacts.manifest import ModelConfig, ParallelSpec
+from megacore.errors import UserError
+from megacore.parallel.plan import check_microbatches, check_tp, stage_layers
+from megacore.parallel.tp import apply_tp, lm_loss, loss_context
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "interleavedzb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class Parallelism:
+    """What the run asks for; dp is what the world leaves (world / (tp * pp))."""
+
+    tp: int = 1
+    pp: int = 1
+    pp_layers: list[int] | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # stages per pipeline rank for the interleaved schedules (zbv: always 2)
+    sequence_parallel: bool = False
+    dp_mode: str = "fsdp"  # or "replicate"
+    precision: str = "bf16"  # bf16 compute with fp32 master weights and reductions, or fp32
+    microbatches: int = 1  # per pipeline step
+
+    @classmethod
+    def from_run(cls, spec: ParallelSpec, precision: str = "bf16", microbatches: int = 1) -> Parallelism:
+        """From a run manifest's `parallel` section (and its precision / microbatch count)."""
+        return cls(
+            tp=spec.tp,
+            pp=spec.pp,
+            pp_layers=spec.pp_layers,
+            schedule=spec.schedule,
+            virtual_stages=spec.virtual_stages,
+            sequence_parallel=spec.sequence_parallel,
+            dp_mode=spec.dp_mode,
+            precision=precision,
+            microbatches=microbatches,
+        )
+
+
+def stages_per_rank(par: Parallelism) -> int:
+    if par.schedule == "zbv":
+        return 2
+    return par.virtual_stages if par.schedule in MULTI_STAGE else 1
+
+
+def rank_stages(par: Parallelism, pp_rank: int) -> list[int]:
+    """Stage indices held by pipeline rank `pp_rank`: looped for interleaved, V-shaped for zbv."""
+    if par.schedule == "zbv":
+        return [pp_rank, 2 * par.pp - 1 - pp_rank]
+    return [pp_rank + k * par.pp for k in range(stages_per_rank(par))]
+
+
+def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.parallel") -> list[list[int]]:
+    """Every check that needs no processes; returns the layers of each stage."""
+    if par.schedule not in SCHEDULES:
+        raise UserError(
+            f"unknown schedule {par.schedule!r}; choose one of {sorted(SCHEDULES)}", f"{where}.schedule"
+        )
+    if par.schedule not in MULTI_STAGE and par.virtual_stages != 1:
+        raise UserError(f"schedule {par.schedule!r} runs one stage per rank; virtual_stages must be 1", where)
+    if par.dp_mode not in ("fsdp", "replicate"):
+        raise UserError(f"dp_mode must be fsdp or replicate, got {par.dp_mode!r}", f"{where}.dp_mode")
+    if par.precision not in ("bf16", "fp32"):
+        raise UserError(f"precision must be bf16 or fp32, got {par.precision!r}", "precision")
+    check_tp(config, par.tp, f"{where}.tp")
+    stages = par.pp * stages_per_rank(par)
+    layers = stage_layers(
+        config.num_layers, stages, par.pp_layers, f"{where}.pp_layers" if par.pp_layers else f"{where}.pp"
+    )
+    if config.tie_embeddings and stages > 1:
+        raise UserError(
+            "tied embeddings with pipeline parallel are not supported yet; use pp 1", f"{where}.pp"
+        )
+    if par.pp > 1 and par.microbatches < par.pp and par.schedule != "gpipe":
+        raise UserError(f"{par.microbatches} microbatches are fewer than the {par.pp} pipeline stages", where)
+    return layers
+
+
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
+    """FSDP2 per block and per stage (bf16 compute, fp32 master weights and gradient reduction), or
+    plain replication."""
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if par.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    if par.dp_mode == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=dp_mesh, mp_policy=mp)
+        return
+    # With pipelining the parameters are needed again for backward after other microbatches.
+    reshard = par.pp == 1
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+class ParallelModel:
+    """This rank's stages of the model, and one pipeline/forward-backward step over a batch."""
+
+    def __init__(
+        self, config: ModelConfig, par: Parallelism, mesh: DeviceMesh, device: torch.device | str
+    ) -> None:
+        from megacore.models import Decoder
+
+        self.config, self.par, self.mesh = config, par, mesh
+        self.device = torch.device(device)
+        self.layers = check_parallelism(config, par)
+        self.num_stages = len(self.layers)
+        self.tp_mesh = mesh["tp"] if par.tp > 1 else None
+        self.dp = mesh["dp"].size()
+        self.stage_ids = rank_stages(par, mesh["pp"].get_local_rank())
+        self.parts: list[nn.Module] = []
+        for s in self.stage_ids:
+            with torch.device("meta"):
+                part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
+            if par.tp > 1:
+                apply_tp(part, mesh["tp"], config, par.sequence_parallel)
+            if self.dp > 1 or par.precision == "bf16":
+                apply_dp(part, mesh["dp"], par)
+            part.to_empty(device=self.device)
+            self.parts.append(part)
+        self.schedule = None
+        if self.num_stages > 1:
+            group = mesh["pp"].get_group()
+            stages = [
+                PipelineStage(part, s, self.num_stages, self.device, group=group)
+                for part, s in zip(self.parts, self.stage_ids, strict=True)
+            ]
+            cls = SCHEDULES[par.schedule]
+            first = stages if par.schedule in MULTI_STAGE else stages[0]
+            self.schedule = cls(first, n_microbatches=par.microbatches, loss_fn=self.loss_fn)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Checkpoint tensor names (the contract's) and this rank's parameters (DTensor or plain)."""
+        for part in self.parts:
+            yield from part.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def forward_backward(
+        self, tokens: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Forward and backward over this rank's batch (its dp share); gradients are accumulated in
+        the parameters. Returns the mean loss on ranks holding the last stage, else None."""
+        with loss_context(self.tp_mesh):
+            if self.schedule is None:
+                loss = self.loss_fn(self.parts[0](tokens), targets)
+                loss.backward()
+                return loss.detach()
+            data = tokens if tokens is not None else targets
+            if data is not None:  # middle stages get no batch; the ends check it
+                check_microbatches(data.shape[0], self.par.microbatches, "microbatches")
+            args = (tokens,) if self.has_first else ()
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+            self.schedule.step(*args, **kwargs)
+            return torch.stack([x.detach() for x in losses]).mean() if self.has_last else None
+
+    @torch.no_grad()
+    def load_state(self, get: Callable[[str, Box], torch.Tensor]) -> None:
+        """Fill every local parameter with its slice: `get(name, (offset, shape))` returns it."""
+        for name, p in self.named_parameters():
+            offset, shape, local = local_piece(p)
+            if local.numel():
+                local.copy_(get(name, (offset, shape)))
+
+    def init_weights(self, std: float = 0.02) -> None:
+        for part in self.parts:
+            part.init_weights(std)
+
+
+def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(global offset, local shape, local tensor) of a DTensor's shard on this rank, or of a plain tensor."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(offset), tuple(shape), t.to_local()
+    return (0,) * t.ndim, tuple(t.shape), t
+
+
+def state_getter(state: dict[str, torch.Tensor]) -> Callable[[str, Box], torch.Tensor]:
+    """A `load_state` source from full tensors (e.g. a single-process model's state dict)."""
+
+    def get(name: str, box: Box) -> torch.Tensor:
+        offset, shape = box
+        return state[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+
+    return get
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip the global 2-norm of the gradients; DTensor (any mesh) and plain parameters may be mixed.
+
+    torch's clip_grad_norm_ cannot mix them, so norms are taken per group of gradients sharing a
+    mesh and placements (DTensor reductions make each group's norm global) and combined; with
+    pipeline parallel the squares are summed over the stages. Plain parameters are replicated
+    (identical on every rank holding them) and counted once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        total_sq = total_sq + n.float() ** 2
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    coef = float(max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total

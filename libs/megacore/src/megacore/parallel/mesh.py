@@ -1,0 +1,43 @@
+"""The device mesh (`pp`, `dp`, `tp`) from torchrun's environment: gloo on CPU, NCCL on GPU."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from megacore.parallel.plan import check_world
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed() -> None:
+    """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, ...)."""
+    if dist.is_initialized():
+        return
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def build_mesh(tp: int = 1, pp: int = 1) -> DeviceMesh:
+    """A 3-D mesh (pp, dp, tp) over the whole world; dp = world / (tp * pp). tp is the innermost
+    dimension so a tensor-parallel group is made of neighbouring ranks (one node on GPUs)."""
+    init_distributed()
+    dp = check_world(dist.get_world_size(), tp, pp)
+    return init_device_mesh(device_type(), (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def shutdown() -> None:
+    """A barrier before destroying the group: an exit without it can abort other ranks on gloo."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,193 @@
+"""Layout planning: where each checkpoint tensor lives for a tensor/pipeline layout, and the checks
+that refuse an impossible layout before any work starts.
+
+Pure functions of the model config and the sizes (no torch.distributed): mega-shard, mega-train and
+the live-model save/load all place tensors with these, so every layout agrees on what a rank holds.
+
+Tensor names follow the model naming contract ("embed.weight", "layers.3.attn.q_proj.weight", ...).
+Optimizer state is stored in the same checkpoint `tensors` map under `optim.<kind>.<param name>`
+(for AdamW: `optim.exp_avg.<param>` and `optim.exp_avg_sq.<param>`), with the parameter's global
+shape, and is split exactly like its parameter; scalar state such as the step count lives in the
+manifest's `training` section.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megacore.artifacts.manifest import ModelConfig
+from megacore.errors import UserError
+
+OPTIM_PREFIX = "optim."
+ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; the rest replicated.
+_COLWISE = {"attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+_ROWWISE = {"attn.o_proj", "mlp.down_proj"}
+_KV = {"attn.k_proj", "attn.v_proj"}
+_LAYER_REPLICATED = re.compile(r"^(attn_norm|mlp_norm)\.(weight|bias)$|^(attn\.o_proj|mlp\.down_proj)\.bias$")
+
+
+def optim_state_name(kind: str, param: str) -> str:
+    """Checkpoint name of an optimizer state tensor: `optim.<kind>.<param>`."""
+    return f"{OPTIM_PREFIX}{kind}.{param}"
+
+
+def split_optim_name(name: str) -> tuple[str | None, str]:
+    """(state kind, parameter name) of a checkpoint tensor name; kind is None for a parameter."""
+    if not name.startswith(OPTIM_PREFIX):
+        return None, name
+    rest = name[len(OPTIM_PREFIX) :]
+    kind, _, param = rest.partition(".")
+    if not kind or not param:
+        raise UserError(f"optimizer state name {name!r} is not optim.<kind>.<param>", name)
+    return kind, param
+
+
+def padded_vocab(config: ModelConfig) -> int:
+    return config.padded_vocab_size or config.vocab_size
+
+
+def kv_replicated(config: ModelConfig, tp: int) -> bool:
+    """k/v projections are replicated over tp (not split) when there are fewer kv heads than tp."""
+    return config.num_kv_heads < tp
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where a tensor lives: on the stage holding `layer`, or on the first / last stage, split over
+    tp along `tp_dim` (None: replicated over tp, stored once, with tp rank 0)."""
+
+    layer: int | None
+    where: str  # "layer", "first" or "last"
+    tp_dim: int | None
+
+
+def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
+    """The placement of a checkpoint tensor (parameter or optimizer state) under tensor parallel `tp`."""
+    _, param = split_optim_name(name)
+    if param == "embed.weight":
+        return TensorPlace(None, "first", 0)
+    if param == "lm_head.weight":
+        return TensorPlace(None, "last", 0)
+    if param in ("norm.weight", "norm.bias"):
+        return TensorPlace(None, "last", None)
+    m = _LAYER.match(param)
+    if m is None:
+        raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= config.num_layers:
+        raise UserError(f"tensor {name!r}: layer {layer} is beyond num_layers {config.num_layers}", name)
+    module, _, kind = rest.rpartition(".")
+    if _LAYER_REPLICATED.match(rest):
+        return TensorPlace(layer, "layer", None)
+    if module in _COLWISE and kind in ("weight", "bias"):
+        if module in _KV and kv_replicated(config, tp):
+            return TensorPlace(layer, "layer", None)
+        return TensorPlace(layer, "layer", 0)
+    if module in _ROWWISE and kind == "weight":
+        return TensorPlace(layer, "layer", 1)
+    raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
+
+
+def stage_of(p: TensorPlace, stage_layers: Sequence[Sequence[int]]) -> int:
+    if p.where == "first":
+        return 0
+    if p.where == "last":
+        return len(stage_layers) - 1
+    for s, layers in enumerate(stage_layers):
+        if p.layer in layers:
+            return s
+    raise ValueError(f"layer {p.layer} is on no stage")
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+
+def _positive(value: int, what: str, where: str) -> None:
+    if value < 1:
+        raise UserError(f"{what} must be at least 1, got {value}", where)
+
+
+def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
+    """tp must divide the heads, the kv heads (or be a multiple of them), the ffn and the padded vocab."""
+    _positive(tp, "tp", where)
+    if config.num_heads % tp:
+        raise UserError(f"tp {tp} does not divide the {config.num_heads} attention heads", where)
+    kv = config.num_kv_heads
+    if kv >= tp and kv % tp:
+        raise UserError(f"tp {tp} does not divide the {kv} kv heads (nor is a multiple of them)", where)
+    if kv < tp and tp % kv:
+        raise UserError(f"tp {tp} is neither a divisor nor a multiple of the {kv} kv heads", where)
+    if config.ffn_hidden_size % tp:
+        raise UserError(f"tp {tp} does not divide the ffn hidden size {config.ffn_hidden_size}", where)
+    pv = padded_vocab(config)
+    if pv % tp:
+        raise UserError(
+            f"tp {tp} does not divide the padded vocab size {pv}; pad the vocab to a multiple of tp "
+            "(padded_vocab_size) when converting",
+            where,
+        )
+
+
+def stage_layers(
+    num_layers: int, stages: int, counts: Sequence[int] | None = None, where: str = "pp"
+) -> list[list[int]]:
+    """The global layer indices of each pipeline stage: an even split (the first stages take one
+    more when it does not divide), or explicit per-stage `counts`."""
+    _positive(stages, "pp", where)
+    if stages > num_layers:
+        raise UserError(f"{stages} pipeline stages exceed the model's {num_layers} layers", where)
+    if counts is None:
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    else:
+        counts = list(counts)
+        if len(counts) != stages:
+            raise UserError(f"{len(counts)} per-stage layer counts given for {stages} stages", where)
+        if any(c < 1 for c in counts):
+            raise UserError(f"every stage needs at least one layer, got {counts}", where)
+        if sum(counts) != num_layers:
+            raise UserError(
+                f"per-stage layer counts {counts} sum to {sum(counts)}, the model has {num_layers}", where
+            )
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def check_world(world_size: int, tp: int, pp: int, where: str = "world size") -> int:
+    """dp = world / (tp * pp); the world size must be a multiple of tp * pp."""
+    if world_size % (tp * pp):
+        raise UserError(f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp}", where)
+    return world_size // (tp * pp)
+
+
+def check_microbatches(batch_size: int, microbatches: int, where: str = "batch") -> int:
+    """An uneven split hangs a pipeline schedule, so it is refused before starting."""
+    _positive(microbatches, "microbatches", where)
+    if batch_size % microbatches:
+        raise UserError(f"{microbatches} microbatches do not divide the batch of {batch_size}", where)
+    return batch_size // microbatches
+
+
+def check_layout(
+    config: ModelConfig,
+    tp: int,
+    pp: int,
+    pp_layers: Sequence[int] | None = None,
+    world_size: int | None = None,
+    virtual_stages: int = 1,
+) -> list[list[int]]:
+    """Every check of a (tp, pp[, world]) layout; returns the layers of each (virtual) stage."""
+    check_tp(config, tp)
+    _positive(virtual_stages, "virtual stages", "virtual_stages")
+    layers = stage_layers(config.num_layers, pp * virtual_stages, pp_layers)
+    if world_size is not None:
+        check_world(world_size, tp, pp)
+    return layers

@@ -1,0 +1,182 @@
+"""Tensor and sequence parallel as DTensor `parallelize_module` plans, applied to a plain Decoder.
+
+Colwise on q/k/v/gate/up and the lm_head, rowwise on o/down, a vocab-parallel embedding (rowwise
+over the vocab rows) and a vocab-parallel cross entropy (`loss_parallel`). With sequence parallel
+the residual stream is a DTensor sharded on the sequence dim between blocks, norms run on their
+sequence shard (SequenceParallel) and each attention / MLP input is all-gathered once.
+
+Fewer kv heads than tp (multi-query Falcon 7B, or GQA with tp a multiple of the kv heads): k/v are
+replicated, each rank keeps the kv head its query heads use, and the k/v output gradients are summed
+over tp so the replicated weights get the full gradient.
+
+A stage's boundaries are always plain tensors: hidden states in and out ([B, S/tp, H] with sequence
+parallel, [B, S, H] without) and the local vocab shard of the logits, so pipeline stages send plain
+tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from megacore.artifacts.manifest import ModelConfig
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over a process group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReplicatedKV(ParallelStyle):
+    """k or v projection replicated over tp; the output keeps the kv heads of this rank's q heads."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        kv_index = rank * self.num_kv_heads // tp  # tp is a multiple of the kv heads (checked)
+        hd, multi = self.head_dim, self.num_kv_heads > 1
+        group = device_mesh.get_group()
+
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def inputs(mod, args, mesh):
+            x = args[0]
+            if isinstance(x, DTensor):
+                x = x.redistribute(placements=[Replicate()])
+            else:
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (x, *args[1:])
+
+        def outputs(mod, out, mesh):
+            local = _SumGradOverGroup.apply(out.to_local(), group)
+            return local[..., kv_index * hd : (kv_index + 1) * hd] if multi else local
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def _to_local_hook(module, args, out):
+    return out.to_local() if isinstance(out, DTensor) else out
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool = False
+) -> None:
+    """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`."""
+    sp = sequence_parallel
+    hidden_layout = Shard(1) if sp else Replicate()
+    hd = config.head_dim or config.hidden_size // config.num_heads
+    kv_style = (
+        (lambda: ReplicatedKV(config.num_heads, config.num_kv_heads, hd))
+        if config.num_kv_heads < tp_mesh.size()
+        else ColwiseParallel
+    )
+    if model.embed is not None:
+        parallelize_module(
+            model.embed,
+            tp_mesh,
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=hidden_layout, use_local_output=not sp),
+        )
+    elif sp:
+        # A later pipeline stage receives its sequence shard as a plain tensor.
+        model.register_forward_pre_hook(
+            lambda mod, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
+        )
+    for block in model.layers.values():
+        plan: dict[str, ParallelStyle] = {
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": kv_style(),
+            "attn.v_proj": kv_style(),
+            "attn.o_proj": RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp),
+        }
+        if block.mlp.gate_proj is not None:
+            plan["mlp.gate_proj"] = ColwiseParallel()
+        if sp:
+            plan["attn_norm"] = SequenceParallel()
+            plan["attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            if block.mlp_norm is not None:
+                plan["mlp_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    if model.norm is not None:
+        if sp:
+            parallelize_module(model.norm, tp_mesh, SequenceParallel())
+        if model.lm_head is not None:
+            parallelize_module(
+                model.lm_head,
+                tp_mesh,
+                ColwiseParallel(input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True),
+            )
+        else:
+            # Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the
+            # final norm's output must be a replicated DTensor (gathered over the sequence with SP).
+            def replicate_norm_out(mod, args, out):
+                if isinstance(out, DTensor):
+                    return out.redistribute(placements=[Replicate()])
+                return DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+
+            model.norm.register_forward_hook(replicate_norm_out)
+    # Stage outputs are plain: the local vocab shard of the logits, or the local hidden states.
+    model.register_forward_hook(_to_local_hook)
+
+
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Mean next-token cross entropy over `targets` [B, S] from logits [B, S, V_local].
+
+    With tp > 1 the logits are this rank's vocab shard and the loss is the vocab-parallel cross
+    entropy; call it (and backward) inside `loss_context(tp_mesh)`. Columns beyond `vocab_size`
+    (vocab padding) are masked out, so padding never takes probability mass.
+    """
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    local_v = logits.shape[-1]
+    start = (tp_mesh.get_local_rank() * local_v) if tp > 1 else 0
+    logits = logits.float()
+    if start + local_v > vocab_size:
+        cols = torch.arange(start, start + local_v, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+    flat_t = targets.reshape(-1)
+    if tp == 1:
+        return F.cross_entropy(logits.reshape(-1, local_v), flat_t)
+    dt = DTensor.from_local(logits, tp_mesh, [Shard(2)], run_check=False)
+    loss = F.cross_entropy(dt.flatten(0, 1), flat_t)
+    return loss.to_local()
+
+
+def loss_context(tp_mesh: DeviceMesh | None):
+    """`loss_parallel()` when the logits are vocab-sharded, else a no-op context."""
+    import contextlib
+
+    return loss_parallel() if tp_mesh is not None and tp_mesh.size() > 1 else contextlib.nullcontext()

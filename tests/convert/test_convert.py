@@ -1,0 +1,201 @@
+"""mega-convert: HF dir -> checkpoint artifact (streaming), verify, round trip back to HF, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import assert_one_line_error, run_tool
+from mega_convert.convert import convert_hf
+from mega_convert.verify import verify
+from megacore.artifacts import open_artifact
+from megacore.errors import UserError
+from megacore.models import load_decoder, write_hf_dir
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from hf_cases import CASES, build, load_hf, tokens
+
+
+def _tokenizer_files(model_dir: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> None:
+    src = build(case, tmp_path / "hf")
+    _tokenizer_files(src)
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    s = convert_hf(src, ckpt, progress=lambda _: None)
+    m = open_artifact(ckpt, "checkpoint")
+    assert m.layout.tp == 1 and m.layout.pp == 1
+    assert m.layout.stage_layers == [list(range(m.config.num_layers))]
+    assert m.config.padded_vocab_size % 128 == 0 and s["padded_vocab_size"] == m.config.padded_vocab_size
+    assert "tokenizer/tokenizer.json" in m.tokenizer_files and (ckpt / "tokenizer/tokenizer.json").is_file()
+    assert torch.all(load_decoder(ckpt).embed.weight[m.config.vocab_size :] == 0)
+
+    r = verify(ckpt, src, seq_len=CASES[case][2])
+    assert r["passed"] and r["max_abs_error"] < 1e-4, r
+
+    write_hf_dir(ckpt, back)
+    a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    # The exported config.json (classic rope form) gives transformers the same model.
+    ids = tokens(load_hf(src).config.vocab_size, 16)
+    with torch.no_grad():
+        assert torch.equal(load_hf(back)(ids).logits, load_hf(src)(ids).logits)
+
+
+def test_bf16_round_trip_and_dtype_option(tmp_path: Path) -> None:
+    src = build("llama2-70b-gqa", tmp_path / "hf", dtype=torch.bfloat16)
+    convert_hf(src, tmp_path / "bf16", progress=lambda _: None)
+    assert open_artifact(tmp_path / "bf16", "checkpoint").dtype == "bfloat16"
+    write_hf_dir(tmp_path / "bf16", tmp_path / "back")
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+    convert_hf(src, tmp_path / "fp32", dtype="float32", progress=lambda _: None)
+    m = open_artifact(tmp_path / "fp32", "checkpoint")
+    assert m.dtype == "float32" and all(e.dtype == "float32" for e in m.tensors.values())
+
+
+def test_sharded_hf_checkpoint(tmp_path: Path) -> None:
+    """model.safetensors.index.json + several shards convert to the same tensors as one file."""
+    from transformers import AutoModelForCausalLM
+
+    src = build("falcon-40b", tmp_path / "one")
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "many", max_shard_size="40KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
+    convert_hf(src, tmp_path / "c1", progress=lambda _: None)
+    convert_hf(tmp_path / "many", tmp_path / "c2", progress=lambda _: None)
+    a, b = load_file(tmp_path / "c1/model.safetensors"), load_file(tmp_path / "c2/model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # and the export direction shards too
+    write_hf_dir(tmp_path / "c2", tmp_path / "back", max_shard_bytes=40_000)
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    ids = tokens(90, 12)
+    with torch.no_grad():
+        assert torch.equal(load_hf(tmp_path / "back")(ids).logits, load_hf(src)(ids).logits)
+
+
+def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
+    src = build("mistral-window", tmp_path / "hf")
+    out = tmp_path / "ckpt"
+    p = run_tool("mega-convert", "hf", src, out, "--json", check=True)
+    s = json.loads(p.stdout)
+    assert s["family"] == "mistral" and not s["reused"] and s["padded_vocab_size"] == 128
+    p = run_tool("mega-convert", "hf", src, out, "--json", check=True)
+    assert json.loads(p.stdout)["reused"] and "reusing" in p.stderr
+    p = run_tool("mega-convert", "hf", src, out, "--force", "--json", check=True)
+    assert not json.loads(p.stdout)["reused"]
+    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24")
+    assert p.returncode == 0 and "PASS" in p.stdout, p.stderr
+    # Tamper with one weight (same file size): verify reports the error and exits 1.
+    _overwrite_first_value(out / "model.safetensors", "layers.1.mlp.down_proj.weight", 1.5)
+    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
+    r = json.loads(p.stdout)
+    assert p.returncode == 1 and not r["passed"] and r["max_abs_error"] > 1e-3
+
+
+def _overwrite_first_value(path: Path, key: str, value: float) -> None:
+    """Change one float32 in place, keeping the file size (a silent corruption the size check misses)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        start = json.loads(f.read(n))[key]["data_offsets"][0]
+        f.seek(8 + n + start)
+        f.write(struct.pack("<f", value))
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_bad_inputs_exit_2_one_line(tmp_path: Path) -> None:
+    """Through the real CLI: exit 2, one line naming what is wrong, nothing left behind."""
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(
+        run_tool("mega-convert", "hf", tmp_path / "empty", tmp_path / "o1"), "no config.json"
+    )
+
+    unknown = build("llama", tmp_path / "gpt")
+    _edit_config(unknown, model_type="gpt2")
+    assert_one_line_error(run_tool("mega-convert", "hf", unknown, tmp_path / "o2"), "model_type", "gpt2")
+
+    missing = build("llama", tmp_path / "missing")
+    state = load_file(missing / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, missing / "model.safetensors")
+    assert_one_line_error(
+        run_tool("mega-convert", "hf", missing, tmp_path / "o3"),
+        "model.layers.1.mlp.up_proj.weight",
+        "missing",
+    )
+    for i in range(1, 4):
+        assert not (tmp_path / f"o{i}").exists() and not (tmp_path / f"o{i}.partial").exists()
+
+
+def _pickled(tmp_path: Path) -> Path:
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((build("llama", tmp_path / "src") / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    return pickled
+
+
+BAD = {
+    "shape": ("llama", {"intermediate_size": 80}, "model.layers.0.mlp.gate_proj.weight: shape [96, 64]"),
+    "kv heads": ("llama", {"num_key_value_heads": 3}, "not a multiple of the kv heads 3"),
+    "alibi": ("falcon-7b", {"alibi": True}, "ALiBi"),
+    "rope type": (
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+        "'yarn' is not supported",
+    ),
+    "missing size": ("llama", {"hidden_size": None}, "$.hidden_size"),
+    "activation": ("llama", {"hidden_act": "gelu"}, "$.hidden_act"),
+}
+
+
+@pytest.mark.parametrize("what", [*BAD, "pickle"])
+def test_bad_inputs_are_user_errors(what: str, tmp_path: Path) -> None:
+    if what == "pickle":
+        src, fragment = _pickled(tmp_path), "safetensors only"
+    else:
+        case, changes, fragment = BAD[what]
+        src = build(case, tmp_path / "hf")
+        _edit_config(src, **changes)
+    with pytest.raises(UserError) as e:
+        convert_hf(src, tmp_path / "out", progress=lambda _: None)
+    assert fragment in str(e.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_early_falcon_config_names(tmp_path: Path) -> None:
+    """Falcon-7B's first config.json (model_type RefinedWebModel, n_head / n_layer) converts the same."""
+    src = build("falcon-7b", tmp_path / "new")
+    convert_hf(src, tmp_path / "c_new", progress=lambda _: None)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "RefinedWebModel"
+    cfg["n_head"], cfg["n_layer"] = cfg.pop("num_attention_heads"), cfg.pop("num_hidden_layers")
+    (src / "config.json").write_text(json.dumps(cfg))
+    convert_hf(src, tmp_path / "c_old", progress=lambda _: None)
+    a, b = open_artifact(tmp_path / "c_new", "checkpoint"), open_artifact(tmp_path / "c_old", "checkpoint")
+    assert a.config == b.config and a.config.num_kv_heads == 1 and a.config.num_ln_in_parallel_attn == 1
+    ta, tb = load_file(tmp_path / "c_new/model.safetensors"), load_file(tmp_path / "c_old/model.safetensors")
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)

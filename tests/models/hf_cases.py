@@ -1,0 +1,102 @@
+"""Tiny random Hugging Face models for every family/variant, built from transformers' real config
+classes and saved with save_pretrained (shared by the models and convert tests)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, FalconConfig, LlamaConfig, MistralConfig
+
+_SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+_LLAMA = {**_SMALL, "intermediate_size": 96, "vocab_size": 101, "max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+# name -> (config class, kwargs, sequence length used for the comparison)
+CASES: dict[str, tuple[type, dict, int]] = {
+    "llama": (LlamaConfig, {**_LLAMA, "num_key_value_heads": 4}, 24),
+    "llama2-70b-gqa": (LlamaConfig, {**_LLAMA, "num_key_value_heads": 2}, 24),
+    "llama-bias-tied": (
+        LlamaConfig,
+        {**_LLAMA, "num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+        24,
+    ),
+    "codellama": (LlamaConfig, {**_LLAMA, "num_key_value_heads": 4, "vocab_size": 32016, "rope_theta": 1e6}, 24),
+    "llama-linear-rope": (
+        LlamaConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        24,
+    ),
+    # max_position_embeddings 16 < 40 tokens: the dynamic NTK base is actually stretched.
+    "llama-dynamic-rope": (
+        LlamaConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "max_position_embeddings": 16,
+         "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        40,
+    ),
+    "llama3.1": (
+        LlamaConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 128256, "rope_theta": 500000.0,
+         "rope_scaling": LLAMA3_ROPE, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+        24,
+    ),
+    "mistral-window": (
+        MistralConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "sliding_window": 8, "vocab_size": 128},
+        24,
+    ),
+    "falcon-7b": (
+        FalconConfig,
+        {**_SMALL, "vocab_size": 90, "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False},
+        24,
+    ),
+    "falcon-40b": (
+        FalconConfig,
+        {**_SMALL, "vocab_size": 90, "new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True},
+        24,
+    ),
+    "falcon-sequential-bias": (
+        FalconConfig,
+        {**_SMALL, "vocab_size": 90, "multi_query": False, "parallel_attn": False, "bias": True,
+         "tie_word_embeddings": False},
+        24,
+    ),
+}  # fmt: skip
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights big enough that a wrong mapping or a small numerical slip shows in the logits
+    (the default init, std 0.02, makes every logit nearly zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name or "ln_" in name:
+                p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def build(case: str, out: Path, dtype: torch.dtype = torch.float32, **overrides: object) -> Path:
+    """Save a tiny random model of `case` to `out` and return `out`."""
+    cls, kwargs, _ = CASES[case]
+    config = cls(**{**kwargs, **overrides})
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    randomize(model)
+    model.to(dtype).save_pretrained(out)
+    return out
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype).eval()
+
+
+def tokens(vocab: int, seq: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))

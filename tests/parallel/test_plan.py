@@ -1,0 +1,127 @@
+"""Layout planning and the checks that refuse an impossible layout (each with its message)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from megacore.artifacts import ModelConfig
+from megacore.errors import UserError
+from megacore.models import decoder_shapes
+from megacore.parallel import (
+    check_layout,
+    check_microbatches,
+    check_tp,
+    check_world,
+    place,
+    split_optim_name,
+    stage_layers,
+    stage_of,
+)
+
+CFG = ModelConfig(
+    family="llama", vocab_size=100, padded_vocab_size=128, hidden_size=64, num_layers=10, num_heads=8,
+    num_kv_heads=4, ffn_hidden_size=256,
+)  # fmt: skip
+
+
+def cfg(**kw) -> ModelConfig:
+    return msgspec.structs.replace(CFG, **kw)
+
+
+def refused(fn, *args, match: str, **kw) -> UserError:
+    with pytest.raises(UserError, match=match) as e:
+        fn(*args, **kw)
+    assert "\n" not in str(e.value)
+    return e.value
+
+
+def test_tp_must_divide_heads() -> None:
+    refused(check_tp, CFG, 3, match="tp 3 does not divide the 8 attention heads")
+
+
+def test_tp_must_divide_kv_heads_or_be_a_multiple() -> None:
+    check_tp(CFG, 4)
+    check_tp(CFG, 8)  # 4 kv heads < tp 8: replicated, allowed
+    c12 = cfg(num_heads=12, num_kv_heads=4, ffn_hidden_size=240, padded_vocab_size=120)
+    check_tp(c12, 12)  # a multiple of the 4 kv heads
+    refused(check_tp, c12, 6, match="tp 6 is neither a divisor nor a multiple of the 4 kv heads")
+    refused(check_tp, cfg(num_kv_heads=6), 4, match="tp 4 does not divide the 6 kv heads")
+
+
+def test_tp_must_divide_ffn_and_padded_vocab() -> None:
+    refused(check_tp, cfg(ffn_hidden_size=100), 8, match="ffn hidden size 100")
+    e = refused(check_tp, cfg(padded_vocab_size=None), 8, match="padded vocab size 100")
+    assert e.where == "tp"
+    check_tp(cfg(padded_vocab_size=None, vocab_size=104), 8)
+
+
+def test_pp_must_not_exceed_layers_and_counts_must_fit() -> None:
+    assert stage_layers(10, 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert stage_layers(10, 2, [3, 7]) == [[0, 1, 2], list(range(3, 10))]
+    refused(stage_layers, 10, 11, match="11 pipeline stages exceed the model's 10 layers")
+    refused(stage_layers, 10, 2, [5, 4], match="sum to 9, the model has 10")
+    refused(stage_layers, 10, 2, [5, 5, 0], match="3 per-stage layer counts given for 2 stages")
+    refused(stage_layers, 10, 2, [10, 0], match="at least one layer")
+
+
+def test_world_must_be_a_multiple_of_tp_pp() -> None:
+    assert check_world(8, 2, 2) == 2
+    refused(check_world, 6, 2, 2, match="world size 6 is not a multiple of tp\\*pp = 2\\*2")
+    assert check_layout(CFG, 2, 2, world_size=4) == [list(range(5)), list(range(5, 10))]
+    refused(check_layout, CFG, 2, 2, world_size=6, match="not a multiple")
+    assert len(check_layout(CFG, 1, 2, virtual_stages=2)) == 4
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    assert check_microbatches(8, 4) == 2
+    refused(check_microbatches, 8, 3, match="3 microbatches do not divide the batch of 8")
+    refused(check_microbatches, 8, 0, match="at least 1")
+
+
+def test_placement_follows_the_contract() -> None:
+    layers = stage_layers(10, 2)
+    assert place("embed.weight", CFG, 2).tp_dim == 0
+    assert stage_of(place("lm_head.weight", CFG, 2), layers) == 1
+    assert place("layers.3.attn.q_proj.weight", CFG, 2).tp_dim == 0
+    assert place("layers.3.attn.k_proj.weight", CFG, 4).tp_dim == 0
+    assert place("layers.3.attn.k_proj.weight", CFG, 8).tp_dim is None  # 4 kv heads < tp 8
+    assert place("layers.3.attn.o_proj.weight", CFG, 2).tp_dim == 1
+    assert place("layers.3.attn.o_proj.bias", CFG, 2).tp_dim is None
+    assert place("layers.3.mlp.down_proj.weight", CFG, 2).tp_dim == 1
+    assert place("layers.3.mlp_norm.weight", CFG, 2).tp_dim is None
+    assert stage_of(place("optim.exp_avg.layers.7.mlp.up_proj.weight", CFG, 2), layers) == 1
+    assert split_optim_name("optim.exp_avg_sq.norm.weight") == ("exp_avg_sq", "norm.weight")
+    refused(place, "layers.3.attn.rotary.inv_freq", CFG, 2, match="not a name of the model contract")
+    refused(place, "layers.12.attn.q_proj.weight", CFG, 2, match="beyond num_layers")
+    for name in decoder_shapes(CFG):
+        place(name, CFG, 8)
+
+
+def test_engine_checks_schedule_stages_and_tied_embeddings() -> None:
+    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.parallel.engine import Parallelism, check_parallelism, rank_stages
+
+    refused(check_parallelism, CFG, Parallelism(schedule="dualpipe"), match="unknown schedule 'dualpipe'")
+    refused(
+        check_parallelism,
+        CFG,
+        Parallelism(pp=2, virtual_stages=2, microbatches=2),
+        match="virtual_stages must be 1",
+    )
+    refused(
+        check_parallelism, CFG, Parallelism(pp=4, microbatches=2), match="2 microbatches are fewer than the 4"
+    )
+    refused(
+        check_parallelism,
+        cfg(tie_embeddings=True),
+        Parallelism(pp=2, microbatches=2),
+        match="tied embeddings",
+    )
+    refused(check_parallelism, CFG, Parallelism(tp=3), match="tp 3 does not divide")
+    par = Parallelism(pp=2, schedule="interleaved1f1b", virtual_stages=2, microbatches=2)
+    assert check_parallelism(CFG, par) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert rank_stages(par, 1) == [1, 3]
+    assert rank_stages(Parallelism(pp=2, schedule="zbv", microbatches=2), 0) == [0, 3]
+    spec = ParallelSpec(tp=2, pp=2, schedule="zbv", sequence_parallel=True)
+    assert Parallelism.from_run(spec, "fp32", 4).sequence_parallel is True

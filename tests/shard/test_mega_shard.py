@@ -1,0 +1,224 @@
+"""mega-shard: any layout to any layout, bit-exact round trips, optimizer state, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_one_line_error, run_tool
+from mega_shard.cli import app
+from megacore.artifacts import (
+    CheckpointManifest,
+    ModelConfig,
+    Piece,
+    SafetensorsStreamWriter,
+    TensorReader,
+    new_header_fields,
+    open_artifact,
+    piece_entry,
+    write_artifact,
+)
+from megacore.artifacts.manifest import TrainingState
+from megacore.cli import run
+from megacore.models import decoder_shapes
+from megacore.parallel import optim_state_name
+
+# Heads, ffn and vocab divide by 8; 2 kv heads so tp 8 replicates k/v and tp 2 splits them.
+CFG = ModelConfig(
+    family="llama", vocab_size=60, padded_vocab_size=64, hidden_size=32, num_layers=5, num_heads=8,
+    num_kv_heads=2, ffn_hidden_size=64,
+)  # fmt: skip
+FALCON = ModelConfig(
+    family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
+    ffn_hidden_size=128, norm="layernorm", norm_bias=True, activation="gelu", parallel_attn=True,
+    attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+)  # fmt: skip
+
+
+class Proc:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def shard(capsys):
+    """mega-shard's command line run in this process (the subprocess start costs seconds per call)."""
+
+    def call(*args, check: bool = False) -> Proc:
+        capsys.readouterr()
+        code = run(app, "mega-shard", [str(a) for a in args])
+        out, err = capsys.readouterr()
+        if check and code:
+            raise AssertionError(f"mega-shard exited {code}: {err}")
+        return Proc(code, out, err)
+
+    return call
+
+
+def write_random(
+    out: Path, cfg: ModelConfig, *, optim: bool = True, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A tp1/pp1 checkpoint of random bf16 weights (and fp32 AdamW moments), plus a tokenizer file."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in decoder_shapes(cfg).items()}
+    if optim:
+        for n, s in decoder_shapes(cfg).items():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                tensors[optim_state_name(kind, n)] = torch.randn(s, generator=g)
+    with write_artifact(out) as w:
+        w.path("tokenizer/tokenizer.json").write_text('{"fake": true}')
+        specs = [
+            (n, "bfloat16" if t.dtype == torch.bfloat16 else "float32", list(t.shape))
+            for n, t in tensors.items()
+        ]
+        sw = SafetensorsStreamWriter(w.path("model.safetensors"), specs)
+        for n, t in tensors.items():
+            sw.write(n, t)
+        w.record("model.safetensors", sw.close())
+        entries = {
+            n: piece_entry(
+                t.shape, d, [Piece(file="model.safetensors", key=n, offset=[0] * t.ndim, shape=list(t.shape))]
+            )
+            for (n, d, _), t in zip(specs, tensors.values(), strict=True)
+        }
+        w.commit(
+            CheckpointManifest(
+                **new_header_fields("tests", "0"), config=cfg, dtype="bfloat16", tensors=entries,
+                tokenizer_files=["tokenizer/tokenizer.json"],
+                training=TrainingState(step=7, consumed_samples=56, scheduler={"lr": 1e-4}, optimizer="adamw"),
+            )
+        )  # fmt: skip
+    return tensors
+
+
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    m = open_artifact(path, "checkpoint")
+    with TensorReader(path) as r:
+        return {n: r.read(n, e) for n, e in m.tensors.items()}
+
+
+def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype, n
+        assert torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)), n
+
+
+def test_round_trip_1x1_8x4_2x2_1x1_bit_exact(tmp_path: Path, shard) -> None:
+    orig = write_random(tmp_path / "a", CFG)
+    run_tool(
+        "mega-shard",
+        tmp_path / "a",
+        tmp_path / "b",
+        "--tp",
+        "8",
+        "--pp",
+        "4",
+        "--pp-layers",
+        "1,2,1,1",
+        check=True,
+    )
+    b = open_artifact(tmp_path / "b", "checkpoint")
+    assert (b.layout.tp, b.layout.pp, b.layout.stage_layers) == (8, 4, [[0], [1, 2], [3], [4]])
+    assert sorted(f.path for f in b.files if f.path.endswith(".safetensors")) == sorted(
+        f"model-pp{s:02d}-tp{t:02d}.safetensors" for s in range(4) for t in range(8)
+    )
+    # The plan: q split on dim 0 by 8, o on dim 1, k replicated (2 kv heads < tp 8) and stored once.
+    q = b.tensors["layers.2.attn.q_proj.weight"].pieces
+    assert [(p.file, p.offset) for p in q] == [
+        (f"model-pp01-tp{t:02d}.safetensors", [4 * t, 0]) for t in range(8)
+    ]
+    assert [p.offset for p in b.tensors["layers.0.attn.o_proj.weight"].pieces] == [
+        [0, 4 * t] for t in range(8)
+    ]
+    assert [p.file for p in b.tensors["layers.4.attn.k_proj.weight"].pieces] == [
+        "model-pp03-tp00.safetensors"
+    ]
+    assert [p.offset for p in b.tensors["optim.exp_avg.lm_head.weight"].pieces] == [
+        [8 * t, 0] for t in range(8)
+    ]
+    assert b.tensors["embed.weight"].pieces[0].file == "model-pp00-tp00.safetensors"
+    assert b.tensors["norm.weight"].pieces[0].file == "model-pp03-tp00.safetensors"
+    assert b.training is not None and b.training.step == 7 and b.training.consumed_samples == 56
+    assert (tmp_path / "b" / "tokenizer" / "tokenizer.json").read_text() == '{"fake": true}'
+    assert_bit_exact(orig, read_all(tmp_path / "b"))
+
+    shard(tmp_path / "b", tmp_path / "c", "--tp", "2", "--pp", "2", check=True)
+    c = open_artifact(tmp_path / "c", "checkpoint")
+    assert (c.layout.tp, c.layout.stage_layers) == (2, [[0, 1, 2], [3, 4]])
+    assert len(c.tensors["layers.3.attn.k_proj.weight"].pieces) == 2  # 2 kv heads split over tp 2
+    shard(tmp_path / "c", tmp_path / "d", check=True)
+    assert_bit_exact(orig, read_all(tmp_path / "d"))
+    assert open_artifact(tmp_path / "d", "checkpoint").parents[0].path == str(tmp_path / "c")
+
+
+def test_falcon_style_biases_layernorm_tied_mqa(tmp_path: Path, shard) -> None:
+    orig = write_random(tmp_path / "a", FALCON, optim=False)
+    proc = shard(tmp_path / "a", tmp_path / "b", "--tp", "4", "--pp", "2", "--json", check=True)
+    summary = json.loads(proc.stdout)
+    assert summary["tp"] == 4 and summary["pp"] == 2 and len(summary["files"]) == 8 and not summary["reused"]
+    b = open_artifact(tmp_path / "b", "checkpoint")
+    assert "lm_head.weight" not in b.tensors
+    assert len(b.tensors["layers.1.attn.q_proj.bias"].pieces) == 4
+    assert len(b.tensors["layers.1.attn.k_proj.bias"].pieces) == 1  # multi-query: replicated
+    assert len(b.tensors["layers.1.attn.o_proj.bias"].pieces) == 1
+    assert len(b.tensors["layers.1.mlp.down_proj.weight"].pieces) == 4
+    assert "layers.1.mlp_norm.weight" not in b.tensors
+    assert_bit_exact(orig, read_all(tmp_path / "b"))
+
+
+def test_rerun_is_idempotent_and_force_rebuilds(tmp_path: Path, shard) -> None:
+    write_random(tmp_path / "a", CFG, optim=False)
+    shard(tmp_path / "a", tmp_path / "b", "--tp", "2", check=True)
+    before = (tmp_path / "b" / "manifest.json").read_bytes()
+    proc = shard(tmp_path / "a", tmp_path / "b", "--tp", "2", "--json", check=True)
+    assert json.loads(proc.stdout)["reused"] is True
+    assert "reusing" in proc.stderr
+    assert (tmp_path / "b" / "manifest.json").read_bytes() == before
+    # Another layout into the same directory is refused without --force, rebuilt with it.
+    assert_one_line_error(shard(tmp_path / "a", tmp_path / "b", "--tp", "4"), "--force")
+    shard(tmp_path / "a", tmp_path / "b", "--tp", "4", "--force", check=True)
+    assert open_artifact(tmp_path / "b", "checkpoint").layout.tp == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--tp", "3"], ["--tp", "tp 3 does not divide the 8 attention heads"]),
+        (["--tp", "16"], ["--tp", "16 does not divide the 8 attention heads"]),
+        (["--pp", "6"], ["--pp", "6 pipeline stages exceed the model's 5 layers"]),
+        (["--pp", "2", "--pp-layers", "2,2"], ["--pp-layers", "sum to 4, the model has 5"]),
+        (["--pp", "2", "--pp-layers", "5,0"], ["--pp-layers", "at least one layer"]),
+        (["--pp", "2", "--pp-layers", "2,x"], ["--pp-layers", "comma-separated"]),
+        (["--verify", "md5"], ["--verify"]),
+    ],
+)
+def test_impossible_layouts_are_refused_before_writing(
+    tmp_path: Path, shard, args: list[str], fragments: list[str]
+) -> None:
+    write_random(tmp_path / "a", CFG, optim=False)
+    assert_one_line_error(shard(tmp_path / "a", tmp_path / "b", *args), *fragments)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+def test_padded_vocab_and_ffn_refusals(tmp_path: Path, shard) -> None:
+    import msgspec
+
+    cfg = msgspec.structs.replace(CFG, padded_vocab_size=None, vocab_size=60)
+    write_random(tmp_path / "a", cfg, optim=False)
+    assert_one_line_error(shard(tmp_path / "a", tmp_path / "b", "--tp", "8"), "padded vocab size 60")
+    cfg = msgspec.structs.replace(CFG, ffn_hidden_size=60)
+    write_random(tmp_path / "f", cfg, optim=False)
+    assert_one_line_error(shard(tmp_path / "f", tmp_path / "g", "--tp", "8"), "ffn hidden size 60")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "g").exists()
+
+
+def test_incomplete_input_and_same_output_refused(tmp_path: Path, shard) -> None:
+    write_random(tmp_path / "a", CFG, optim=False)
+    assert_one_line_error(shard(tmp_path / "a", tmp_path / "a", "--force"), "is the input")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model.safetensors").write_bytes(b"x")
+    assert_one_line_error(shard(tmp_path / "half", tmp_path / "b"), "incomplete artifact")

@@ -1,0 +1,49 @@
+"""Helpers shared by the mega-tokenize tests (conftest.py puts this folder on the path)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from pathlib import Path
+
+
+def training_text() -> list[str]:
+    """Real English and code: the docstrings and sources of a few stdlib modules."""
+    import argparse
+    import json as json_mod
+    import textwrap as tw
+
+    lines = []
+    for mod in (argparse, json_mod, tw):
+        lines += [ln for ln in inspect.getsource(mod).splitlines() if ln.strip()]
+    lines += ["émigré naïve café Ünïcödé 漢字 😀", "<s> literal tags </s>", "tabs\tand  spaces"]
+    return lines
+
+
+def write_jsonl(path: Path, records: list, compress: str | None = None) -> Path:
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    if compress == "zst":
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    elif compress == "gz":
+        import gzip
+
+        data = gzip.compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def corpus(n: int = 300) -> list[str]:
+    """Documents of varied length built from real text, with the usual traps mixed in."""
+    src = training_text()
+    docs = []
+    for i in range(n):
+        body = "\n".join(src[(i * 7) % len(src) : (i * 7) % len(src) + 1 + i % 9])
+        if i % 17 == 0:
+            body += " <s> and </s> typed by a user"
+        if i % 23 == 0:
+            body = "  " + textwrap.indent(body, "    ") + "  "
+        docs.append(body)
+    return docs
