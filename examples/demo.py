@@ -2,7 +2,7 @@
 
     corpus (Python's own documentation, ~1 MB) --mega-tokenize--> tokens
     tiny random Llama (transformers) --mega-convert hf--> checkpoint --mega-convert verify
-    checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-shard --tp 1 --pp 1--> checkpoint
+    checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-export--> HF dir --mega-convert verify
     run.json --mega-train --dry-run--> the resolved 3D plan
 
 Every command is printed before it runs, so this doubles as a copy-paste tutorial. Rerunning reuses
@@ -112,7 +112,8 @@ def main(out: Path) -> None:
     sh("mega-convert", "hf", hf, out / "ckpt-tp1pp1")
     sh("mega-convert", "verify", out / "ckpt-tp1pp1", hf)
     sh("mega-shard", out / "ckpt-tp1pp1", out / "ckpt-tp2pp2", "--tp", "2", "--pp", "2")
-    sh("mega-shard", out / "ckpt-tp2pp2", out / "ckpt-back", "--tp", "1", "--pp", "1")
+    sh("mega-export", out / "ckpt-tp2pp2", out / "hf-export", "--force")
+    sh("mega-convert", "verify", out / "ckpt-tp2pp2", out / "hf-export")  # the sharded one, too
 
     run = {
         "kind": "run",

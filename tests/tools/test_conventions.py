@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_one_line_error, run_tool
+from mega_train.cli import app as train_app
 from megacore.artifacts import MANIFEST_NAME, TokensManifest, new_header_fields, write_artifact
 from megacore.artifacts.manifest import TokenizerInfo
+from megacore.cli import run as run_cli
 
 TOOLS = ["mega-tokenize", "mega-convert", "mega-shard", "mega-train", "mega-export"]
 
@@ -20,6 +23,13 @@ def test_help_and_version(tool: str):
     assert h.returncode == 0 and "Usage:" in h.stdout, h.stderr
     v = run_tool(tool, "--version")
     assert v.returncode == 0 and v.stdout.strip() == f"{tool} 0.1.0"
+
+
+def dry_run(capsys, *argv: object) -> subprocess.CompletedProcess:
+    """mega-train in this process (the CLI's own code path without the interpreter start-up)."""
+    code = run_cli(train_app, "mega-train", [str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["mega-train", *map(str, argv)], code, out, err)
 
 
 def test_usage_error_is_exit_2_one_line():
@@ -71,8 +81,8 @@ def _patch(path: Path, fn) -> None:
     path.write_text(json.dumps(doc))
 
 
-def test_dry_run_accepts_a_good_manifest(run_dir: Path):
-    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8", "--json")
+def test_dry_run_accepts_a_good_manifest(run_dir: Path, capsys):
+    p = dry_run(capsys, "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8", "--json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)
     assert plan["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "dp": 2}
@@ -97,9 +107,9 @@ def test_dry_run_accepts_a_good_manifest(run_dir: Path):
         (lambda d: d["parallel"].update(pp=8, tp=1), ["$.parallel.pp", "8"]),
     ],
 )
-def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str]):
+def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str], capsys):
     _patch(run_dir / "run.json", edit)
-    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
+    p = dry_run(capsys, "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
     assert_one_line_error(p, *fragments)
 
 
@@ -116,13 +126,16 @@ def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str]):
         ),
     ],
 )
-def test_bad_referenced_artifact(run_dir: Path, edit, fragments: list[str]):
+def test_bad_referenced_artifact(run_dir: Path, edit, fragments: list[str], capsys):
     _patch(run_dir / "tokens" / MANIFEST_NAME, edit)
-    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
+    p = dry_run(capsys, "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
     assert_one_line_error(p, str(run_dir / "tokens"), *fragments)
 
 
-def test_debug_shows_the_traceback(run_dir: Path):
+def test_bad_manifest_from_the_shell(run_dir: Path):
+    """The same convention through the installed console script, as a Makefile would see it."""
     _patch(run_dir / "run.json", lambda d: d["parallel"].update(tp="2"))
+    p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run")
+    assert_one_line_error(p, "$.parallel.tp: expected int, got str")
     p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--debug")
     assert p.returncode == 2 and "Traceback" in p.stderr

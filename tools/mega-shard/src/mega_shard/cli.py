@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from mega_shard import __version__
-from mega_shard.reshard import DEFAULT_CHUNK_BYTES, reshard
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.errors import UserError
 
@@ -39,7 +38,7 @@ def run(
     verify: str = typer.Option(
         "size", "--verify", help="How to check the input's files first: sha256, size or none."
     ),
-    chunk_mb: int = typer.Option(DEFAULT_CHUNK_BYTES >> 20, "--chunk-mb", help="Streaming block size (MiB)."),
+    chunk_mb: int = typer.Option(64, "--chunk-mb", help="Streaming block size (MiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-shard", __version__),
     debug: bool = debug_option(),
@@ -54,6 +53,8 @@ def run(
         raise UserError(f"expected sha256, size or none, got {verify!r}", "--verify")
     if chunk_mb < 1:
         raise UserError(f"must be at least 1, got {chunk_mb}", "--chunk-mb")
+    from mega_shard.reshard import reshard  # imports torch; keep --help and --version instant
+
     res = reshard(
         checkpoint,
         out,

@@ -9,7 +9,6 @@ from pathlib import Path
 import typer
 
 from mega_train import __version__
-from mega_train.plan import plan_run
 from megacore.cli import debug_option, error, main_for, make_app, version_option
 
 app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, under torchrun.")
@@ -32,6 +31,8 @@ def train(
 
     Example: mega-train --manifest examples/run.json --dry-run --world-size 8
     """
+    from mega_train.plan import plan_run  # imports torch; keep --help and --version instant
+
     ws = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     plan = plan_run(manifest, ws)
     summary = plan.summary()
