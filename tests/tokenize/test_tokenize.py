@@ -250,3 +250,26 @@ def test_auto_starts_over_with_the_reference_when_the_fast_engine_differs(
     with pytest.raises(UserError, match="gives different ids"):
         _tok(tmp_path, [src], hf_single_word, out="named", engine="gigatoken")
     assert not (tmp_path / "named").exists() and not (tmp_path / "named.partial").exists()
+
+
+@pytest.mark.parametrize("compress", ["", "gz"])
+def test_batches_ramp_up_and_shrink_same_bytes(tmp_path: Path, sp_model: Path, monkeypatch, compress):
+    """The default batch sizing (grow from small, shrink toward the end; compressed: from the
+    estimated compression ratio) covers every line once, in order, with the same shards."""
+    from mega_tokenize import inputs, pipeline
+
+    docs = corpus(400)
+    src = write_jsonl(
+        tmp_path / f"c.jsonl{'.' + compress if compress else ''}", [{"text": d} for d in docs], compress
+    )
+    ref = _tok(tmp_path, [src], sp_model, out="ref", workers=1).manifest
+    # Scaled down so a small file makes many batches: reads of 512 B, batches of 4-32 KB.
+    monkeypatch.setattr(inputs, "_READ", 512)
+    monkeypatch.setattr(pipeline, "MIN_BATCH", 4096)
+    sizes = pipeline._batch_sizes([src], 32 << 10, 2)[0]
+    batches = list(inputs.read_lines(src, sizes))
+    mb = [b.nbytes for b in batches]
+    assert max(mb) > 2 * mb[0] and mb[-2] < max(mb), mb  # ramps up, then shrinks
+    assert [b.first_line for b in batches] == list(np.cumsum([1] + [b.nlines for b in batches[:-1]]))
+    m = _tok(tmp_path, [src], sp_model, out="small", workers=2, batch_bytes=32 << 10).manifest
+    assert {f.path: f.sha256 for f in m.files} == {f.path: f.sha256 for f in ref.files}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,55 +118,68 @@ class LineBatch:
 
     path: Path
     first_line: int  # 1-based number of the first line
-    data: bytes
+    data: bytes | memoryview  # a view into the read buffer: batches are not copied again
     nlines: int
     nbytes: int  # decompressed bytes these lines came from
     truncated: str | None = None  # set on the last batch of a truncated file
 
     def lines(self) -> list[bytes]:
-        return self.data.split(b"\n") if self.nlines else []
+        return bytes(self.data).split(b"\n") if self.nlines else []
 
 
 def _batch(path: Path, line_no: int, data: bytes, cut: int, nbytes: int, truncated: str | None = None):
     """The lines of data[:cut] (cut < 0: none)."""
     if cut < 0:
         return LineBatch(path, line_no, b"", 0, nbytes, truncated)
-    return LineBatch(path, line_no, data[:cut], data.count(b"\n", 0, cut) + 1, nbytes, truncated)
+    return LineBatch(path, line_no, memoryview(data)[:cut], data.count(b"\n", 0, cut) + 1, nbytes, truncated)
 
 
-def read_lines(path: Path, batch_bytes: int = 8 << 20) -> Iterator[LineBatch]:
-    """Batches of complete lines from one input file, about `batch_bytes` each."""
+def read_lines(path: Path, batch_bytes: int | Callable[[int], int] = 8 << 20) -> Iterator[LineBatch]:
+    """Batches of complete lines from one input file, about `batch_bytes` each: a size, or a
+    function of the (estimated) decompressed bytes left in the file giving the next batch's size."""
     line_no = 1
     rest = b""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below; the generator may be abandoned early
+        file_size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise UserError(f"cannot read ({e.strerror})", str(path)) from None
+
+    def next_size() -> int:
+        if not callable(batch_bytes):
+            return batch_bytes
+        raw = f.tell()  # (decompressed bytes so far) / (raw bytes so far): the compression ratio
+        left = (file_size - raw) * produced // raw if raw and produced else file_size - raw
+        return batch_bytes(left + len(rest))
+
     try:
         buf: list[bytes] = []
-        size = 0
+        size = produced = 0
+        target = next_size()
         try:
             for chunk in _chunks(path, f):
                 buf.append(chunk)
                 size += len(chunk)
-                if size >= batch_bytes:
-                    data = rest + b"".join(buf)
+                produced += len(chunk)
+                if size >= target:
+                    data = b"".join([rest, *buf])
                     cut = data.rfind(b"\n")
                     buf, size = [], 0
                     if cut < 0:
                         rest = data
                         continue
                     batch = _batch(path, line_no, data, cut, cut + 1)
-                    yield batch
                     line_no += batch.nlines
                     rest = data[cut + 1 :]
+                    target = next_size()
+                    yield batch
         except Truncated as e:
             # What was read is complete lines up to the last newline, then the cut-off line.
-            data = rest + b"".join(buf)
+            data = b"".join([rest, *buf])
             cut = data.rfind(b"\n")
             yield _batch(path, line_no, data, cut, len(data), truncated=str(e))
             return
-        data = rest + b"".join(buf)
+        data = b"".join([rest, *buf])
         if data:
             cut = len(data) - 1 if data.endswith(b"\n") else len(data)
             yield _batch(path, line_no, data, cut, len(data))
