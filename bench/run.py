@@ -28,10 +28,6 @@ class Row:
     target: str = ""
     note: str = ""
 
-    @property
-    def verdict(self) -> str:
-        return self.note
-
 
 def discover() -> dict[str, Path]:
     return {p.stem.removeprefix("bench_"): p for p in sorted(HERE.glob("bench_*.py"))}
