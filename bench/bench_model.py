@@ -1,7 +1,9 @@
 """Training-step throughput (forward + backward + AdamW, tokens/s) of megacore's Decoder against
 transformers' LlamaForCausalLM: same config, weights, batch, dtype, loss and optimizer (torch AdamW,
 fused), fp32 and bf16, steps interleaved one by one so that load from other processes hits both; the
-fastest step of each is reported.
+fastest step of each is reported. Each side also runs with torch.compile applied per block (one
+compiled graph reused by every layer); the rows compare eager with eager, ours compiled with
+transformers eager, and compiled with compiled (compiling is left out of --quick).
 Also the bf16 step's model FLOP/s as a fraction of this CPU's bf16 matmul peak, measured here with a
 large bf16 matmul. Full size: the issue's 125M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads,
 ffn 2048, vocab 32000), batch 4 x 512, 2 threads.
@@ -21,7 +23,8 @@ THREADS = 2
 
 
 def matmul_peak(quick: bool) -> float:
-    """Best observed bf16 matmul FLOP/s (a 4096^3 product; 2048^3 with --quick)."""
+    """Best observed bf16 matmul FLOP/s (a 4096^3 product; 2048^3 with --quick). Measured again
+    after each dtype's steps and the best kept, so a busy moment does not lower the peak."""
     n = 2048 if quick else 4096
     a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
     best = float("inf")
@@ -54,14 +57,25 @@ def _models(quick: bool, dtype: torch.dtype):
     return ours.to(dtype).train(), peer.to(dtype).train(), hf_config
 
 
-def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
+def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor, compile: bool):
+    """One training step as each side runs it: transformers computes logits then the fp32 loss;
+    megacore passes the targets to the model (the loss fused with the output projection)."""
+    if compile:  # per block, both sides alike: one compiled graph reused by every layer
+        if is_hf:
+            for layer in model.model.layers:
+                layer.compile(dynamic=False)
+        else:
+            model.compile_blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x, y = ids[:, :-1], ids[:, 1:]
 
     def step() -> float:
         t = time.perf_counter()
-        logits = model(x).logits if is_hf else model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss = (
+            F.cross_entropy(model(x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())
+            if is_hf
+            else model(x, y)
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,36 +96,55 @@ def model_flops_per_token(c) -> float:
 def run(quick: bool) -> list[Row]:
     torch.set_num_threads(THREADS)
     batch, seq = (2, 128) if quick else (4, 512)
+    # (ours compiled, peer compiled); torch.compile is left out of --quick (minutes of compiling).
+    pairs = [(False, False)] if quick else [(False, False), (True, False), (True, True)]
     peak = matmul_peak(quick)
     rows, fractions = [], {}
+    note = "quick: tiny" if quick else f"125M Llama, {batch}x{seq}, {THREADS} threads"
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ours, peer, hf_config = _models(quick, dtype)
         ids = torch.randint(
             0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
         )
-        run_ours, run_peer = _stepper(ours, False, ids), _stepper(peer, True, ids)
-        for _ in range(1 if quick else 2):  # warm-up: optimizer state, allocator, oneDNN kernel selection
-            run_ours(), run_peer()
-        times = {"ours": [], "peer": []}
+        kinds = sorted({("ours", c) for c, _ in pairs} | {("peer", c) for _, c in pairs})
+        steppers = {}
+        for side, compiled in kinds:
+            base = ours if side == "ours" else peer
+            model = copy.deepcopy(base) if compiled else base  # compile wraps blocks in place
+            steppers[side, compiled] = _stepper(model, side == "peer", ids, compiled)
+        del ours, peer
+        for step in steppers.values():  # warm-up: compiling, optimizer state, oneDNN kernel selection
+            step()
+        times = {k: [] for k in steppers}
         for _ in range(2 if quick else (4 if dtype == torch.float32 else 6)):
-            times["ours"].append(run_ours())
-            times["peer"].append(run_peer())
-        # Fastest of the interleaved steps: load from other processes only ever adds time.
-        med = {k: min(v) for k, v in times.items()}
-        tps = {k: batch * seq / v for k, v in med.items()}
-        rows.append(
-            Row("model", f"train step tokens/s {name}", f"{tps['ours']:.0f}", f"{tps['peer']:.0f}",
-                tps["ours"] / tps["peer"], ">= 1.3x", f"125M Llama, {batch}x{seq}, {THREADS} threads" if not quick else "quick: tiny")
-        )  # fmt: skip
+            for k, step in steppers.items():  # interleaved: load from other processes hits all alike
+                times[k].append(step())
+        peak = max(peak, matmul_peak(quick))
+        # Fastest of the steps: load from other processes only ever adds time.
+        best = {k: min(v) for k, v in times.items()}
+        tps = {k: batch * seq / v for k, v in best.items()}
+        for ours_c, peer_c in pairs:
+            label = {(False, False): "", (True, False): ", ours compiled vs peer eager",
+                     (True, True): ", both compiled"}[ours_c, peer_c]  # fmt: skip
+            o, p = tps["ours", ours_c], tps["peer", peer_c]
+            target = "" if peer_c else ">= 1.3x"
+            rows.append(
+                Row(
+                    "model", f"train step tokens/s {name}{label}", f"{o:.0f}", f"{p:.0f}", o / p, target, note
+                )
+            )
         dense, attn = model_flops_per_token(hf_config)
         flops = (dense + attn * seq) * batch * seq
-        fractions[name] = {k: flops / v / peak for k, v in med.items()}
-        del ours, peer, run_ours, run_peer
+        fractions[name] = {k: flops / v for k, v in best.items()}
+        del steppers
     f = fractions["bf16"]
-    rows.append(
-        Row("model", "bf16 step, % of bf16 matmul peak", f"{f['ours']:.0%}", f"{f['peer']:.0%}",
-            f["ours"] / f["peer"], "40%", f"peak measured {peak / 1e12:.2f} TFLOP/s (bf16 matmul)")
-    )  # fmt: skip
+    for ours_c, peer_c in pairs if quick else [(False, False), (True, True)]:
+        label = " (compiled)" if ours_c else " (eager)"
+        o, p = f["ours", ours_c] / peak, f["peer", peer_c] / peak
+        rows.append(
+            Row("model", f"bf16 step, % of bf16 matmul peak{label}", f"{o:.0%}", f"{p:.0%}", o / p, "40%",
+                f"peak measured {peak / 1e12:.2f} TFLOP/s (bf16 matmul)")
+        )  # fmt: skip
     return rows
 
 

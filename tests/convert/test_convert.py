@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import assert_one_line_error, run_tool
+from hf_cases import CASES, build, load_hf, tokens
 from mega_convert.convert import convert_hf
 from mega_convert.verify import verify
 from megacore.artifacts import open_artifact
 from megacore.errors import UserError
 from megacore.models import load_decoder, write_hf_dir
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from hf_cases import CASES, build, load_hf, tokens
 
 
 def _tokenizer_files(model_dir: Path) -> None:

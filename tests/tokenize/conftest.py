@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-# Let the test files import tokenize_testlib (tests/ itself is on the path, this folder is not).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenize_testlib import training_text
 
 CHAT_TEMPLATE = (

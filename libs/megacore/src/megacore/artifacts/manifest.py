@@ -285,6 +285,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     precision: Literal["fp32", "bf16"] = "bf16"
     recompute: Literal["none", "full", "selective"] = "none"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
+    compile: bool = False  # torch.compile each transformer block (Decoder.compile_blocks)
     checkpoint: CheckpointSpec | None = None
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
     logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)

@@ -15,9 +15,11 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megacore.artifacts.manifest import ModelConfig
 from megacore.models.attention import Impl, causal_attention
+from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.rope import apply_rope, head_dim, rope_tables
 
 
@@ -31,9 +33,13 @@ class RMSNorm(nn.RMSNorm):
     DTensor inputs (sequence parallel) take nn.RMSNorm's own path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps or torch.finfo(x.dtype).eps
+        if torch.compiler.is_compiling():  # plain ops, which the compiler fuses on its own
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype) * self.weight
         if type(x) is not torch.Tensor or type(self.weight) is not nn.Parameter:
             return super().forward(x)
-        return _RMSNormFn.apply(x, self.weight, self.eps or torch.finfo(x.dtype).eps)
+        return _RMSNormFn.apply(x, self.weight, eps)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -52,6 +58,19 @@ class _RMSNormFn(torch.autograd.Function):
         grad_weight = (g * xhat).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
         dot = (gw * xhat).mean(-1, keepdim=True)
         return ((gw - xhat * dot) * rstd).to(x.dtype), grad_weight, None
+
+
+def project(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """Each linear applied to x, as one matmul over the concatenated weights when they are plain
+    tensors (wider matmuls run faster, notably bf16 AMX kernels); the parameters stay separate.
+    Tensor-parallel (DTensor) weights keep one matmul each, their shards are laid out per projection."""
+    weights = [lin.weight for lin in linears]
+    if isinstance(x, DTensor) or any(isinstance(w, DTensor) for w in weights):
+        return tuple(lin(x) for lin in linears)
+    biases = [lin.bias for lin in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    out = F.linear(x, torch.cat(weights), bias)
+    return out.split([w.shape[0] for w in weights], dim=-1)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -75,9 +94,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in project(x, self.q_proj, self.k_proj, self.v_proj))
         out = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.window, self.impl)
         return self.o_proj(out.reshape(b, s, -1))
 
@@ -94,7 +111,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = project(x, self.gate_proj, self.up_proj)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
@@ -140,21 +158,37 @@ class Decoder(nn.Module):
             nn.Linear(config.hidden_size, vocab, bias=False) if head and not config.tie_embeddings else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages)."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
+
+        With `targets` [B, S] (last stage only) returns the mean next-token cross entropy instead,
+        fused with the output projection when its weight is a plain tensor (never full fp32 logits)."""
         if self.embed is not None:
             x = self.embed(x)
         cos, sin = rope_tables(self.config, x.shape[1], x.device, x.dtype)
         for block in self.layers.values():
             x = block(x, cos, sin)
         if self.norm is None:
+            if targets is not None:
+                raise RuntimeError("targets given to a stage without the output head")
             return x
         x = self.norm(x)
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        if self.embed is None:
+        weight = self.lm_head.weight if self.lm_head is not None else getattr(self.embed, "weight", None)
+        if weight is None:
             raise RuntimeError("tied embeddings: the stage that computes logits needs `embed`")
-        return F.linear(x, self.embed.weight)
+        if targets is None:  # through the module: tensor-parallel plans hook lm_head
+            return self.lm_head(x) if self.lm_head is not None else F.linear(x, weight)
+        if isinstance(weight, DTensor) or isinstance(x, DTensor):
+            # Vocab-parallel logits need loss_parallel: megacore.parallel's lm_loss does that.
+            raise RuntimeError("targets with tensor-parallel weights: compute the loss from the logits")
+        return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size)
+
+    def compile_blocks(self) -> None:
+        """torch.compile each block in place, as torchtitan does: blocks share code and shapes, so one
+        compiled graph (forward and backward) serves every layer and compile time stays that of one
+        block. Norms and RoPE then run as plain ops that the compiler fuses with their neighbours."""
+        for block in self.layers.values():
+            block.compile(dynamic=False)
 
     def set_attention(self, impl: Impl) -> None:
         """'auto' (flash-attn on GPU when installed, else SDPA), 'sdpa' or 'flash'."""

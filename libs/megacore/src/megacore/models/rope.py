@@ -77,6 +77,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Same result as transformers' `x * cos + rotate_half(x) * sin`, written as a rotation of the two
     halves into one output buffer: no rotate_half copy, no neg/cat, and a backward that is the inverse
     rotation (about half the elementwise traffic of autograd through the composite form)."""
+    if torch.compiler.is_compiling():  # the compiler fuses the composite form on its own
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
     return _Rope.apply(x, cos, sin)
 
 

@@ -1,0 +1,36 @@
+"""The chain through the installed console scripts, as a Makefile runs it:
+HF model -> mega-convert -> mega-shard (tp2 pp2) -> mega-export -> transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hf_cases import build, load_hf, tokens
+from safetensors.torch import load_file
+
+from helpers import assert_one_line_error, run_tool
+
+
+def test_convert_shard_export_gives_back_the_same_model(tmp_path: Path):
+    hf = build("llama2-70b-gqa", tmp_path / "hf")  # GQA, vocab 101 padded to 128 on the way
+    run_tool("mega-convert", "hf", hf, tmp_path / "ckpt", check=True)
+    run_tool("mega-shard", tmp_path / "ckpt", tmp_path / "ckpt-tp2pp2", "--tp", "2", "--pp", "2", check=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt-tp2pp2").glob("*.safetensors")) == [
+        f"model-pp{s:02d}-tp{r:02d}.safetensors" for s in range(2) for r in range(2)
+    ]
+    run_tool("mega-export", tmp_path / "ckpt-tp2pp2", tmp_path / "out", check=True)
+
+    before, after = load_file(hf / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for name, t in before.items():
+        assert torch.equal(t, after[name]), name
+    x = tokens(101, 16)
+    with torch.no_grad():
+        assert torch.equal(load_hf(hf)(x).logits, load_hf(tmp_path / "out")(x).logits)
+
+
+def test_export_refuses_what_is_not_a_checkpoint(tmp_path: Path):
+    (tmp_path / "half").mkdir()
+    assert_one_line_error(run_tool("mega-export", tmp_path / "half", tmp_path / "out"), "incomplete artifact")
+    assert not (tmp_path / "out").exists()
