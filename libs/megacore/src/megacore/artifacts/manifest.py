@@ -164,6 +164,11 @@ class ModelConfig(Struct):
     eos_id: int | None = None
 
 
+def padded_vocab(config: ModelConfig) -> int:
+    """Rows of the embedding and output projection: the padded vocab when one is set."""
+    return config.padded_vocab_size or config.vocab_size
+
+
 class Piece(Struct):
     """A rectangular block of a logical tensor stored as `key` in safetensors file `file`."""
 

@@ -17,14 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.artifacts.manifest import ModelConfig, padded_vocab
 from megacore.models.attention import Impl, causal_attention
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.rope import apply_rope, head_dim, rope_tables
-
-
-def padded_vocab(config: ModelConfig) -> int:
-    return config.padded_vocab_size or config.vocab_size
 
 
 class RMSNorm(nn.RMSNorm):

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.artifacts.manifest import ModelConfig, padded_vocab
 from megacore.errors import UserError
 
 OPTIM_PREFIX = "optim."
@@ -45,10 +45,6 @@ def split_optim_name(name: str) -> tuple[str | None, str]:
     if not kind or not param:
         raise UserError(f"optimizer state name {name!r} is not optim.<kind>.<param>", name)
     return kind, param
-
-
-def padded_vocab(config: ModelConfig) -> int:
-    return config.padded_vocab_size or config.vocab_size
 
 
 def kv_replicated(config: ModelConfig, tp: int) -> bool:
