@@ -5,13 +5,15 @@ fastest step of each is reported. Each side also runs with torch.compile applied
 compiled graph reused by every layer); the rows compare eager with eager, ours compiled with
 transformers eager, and compiled with compiled (compiling is left out of --quick).
 Also the bf16 step's model FLOP/s as a fraction of this CPU's bf16 matmul peak, measured here with a
-large bf16 matmul. Full size: the issue's 125M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads,
+large bf16 matmul, and per dtype the ceiling on any speedup: the peer's step over the time of its
+weight matmuls alone (same shapes, timed in the same rounds). Full size: the issue's 125M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads,
 ffn 2048, vocab 32000), batch 4 x 512, 2 threads.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import torch
@@ -93,6 +95,31 @@ def model_flops_per_token(c) -> float:
     return 6 * n, 12 * c.num_hidden_layers * c.num_attention_heads * hd
 
 
+def _matmul_stepper(c, tokens: int, dtype: torch.dtype):
+    """The step's weight matmuls alone (forward, input and weight gradients of every projection and
+    the output head; no attention, norms, loss or optimizer), timed like a step and interleaved with
+    the steps. A step doing these matmuls with this BLAS cannot be faster, so peer step / this bounds
+    every speedup over the peer."""
+    hd = c.hidden_size // c.num_attention_heads
+    qkv = hd * (c.num_attention_heads + 2 * c.num_key_value_heads)
+    shapes = [(c.hidden_size, qkv), (c.hidden_size, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
+              (c.intermediate_size, c.hidden_size)]  # fmt: skip
+    products = []
+    for (k, n), count in [(s, c.num_hidden_layers) for s in shapes] + [((c.hidden_size, c.vocab_size), 1)]:
+        x, w, dy = (torch.randn(*shape, dtype=dtype) for shape in ((tokens, k), (n, k), (tokens, n)))
+        # Preallocated outputs: the time of the products, not of page-faulting fresh memory.
+        products += [((x, w.T, dy.clone()), (dy, w, x.clone()), (dy.T, x, w.clone()))] * count
+
+    def step() -> float:
+        t = time.perf_counter()
+        for triple in products:
+            for a, b, out in triple:
+                torch.mm(a, b, out=out)
+        return time.perf_counter() - t
+
+    return step
+
+
 def run(quick: bool) -> list[Row]:
     torch.set_num_threads(THREADS)
     batch, seq = (2, 128) if quick else (4, 512)
@@ -112,27 +139,36 @@ def run(quick: bool) -> list[Row]:
             base = ours if side == "ours" else peer
             model = copy.deepcopy(base) if compiled else base  # compile wraps blocks in place
             steppers[side, compiled] = _stepper(model, side == "peer", ids, compiled)
+        steppers["matmuls", False] = _matmul_stepper(hf_config, batch * seq, dtype)
         del ours, peer
         for step in steppers.values():  # warm-up: compiling, optimizer state, oneDNN kernel selection
             step()
         times = {k: [] for k in steppers}
-        for _ in range(2 if quick else (4 if dtype == torch.float32 else 6)):
+        for _ in range(2 if quick else (6 if dtype == torch.float32 else 8)):
             for k, step in steppers.items():  # interleaved: load from other processes hits all alike
                 times[k].append(step())
         peak = max(peak, matmul_peak(quick))
-        # Fastest of the steps: load from other processes only ever adds time.
+        # Fastest of the steps: load from other processes only ever adds time. The note adds the
+        # median of per-round ratios (each round runs both sides back to back), robust to drifting load.
         best = {k: min(v) for k, v in times.items()}
         tps = {k: batch * seq / v for k, v in best.items()}
         for ours_c, peer_c in pairs:
             label = {(False, False): "", (True, False): ", ours compiled vs peer eager",
                      (True, True): ", both compiled"}[ours_c, peer_c]  # fmt: skip
             o, p = tps["ours", ours_c], tps["peer", peer_c]
+            paired = statistics.median(
+                tp / to for tp, to in zip(times["peer", peer_c], times["ours", ours_c], strict=True)
+            )
             target = "" if peer_c else ">= 1.3x"
             rows.append(
-                Row(
-                    "model", f"train step tokens/s {name}{label}", f"{o:.0f}", f"{p:.0f}", o / p, target, note
-                )
-            )
+                Row("model", f"train step tokens/s {name}{label}", f"{o:.0f}", f"{p:.0f}", o / p, target,
+                    f"{note}; median paired ratio {paired:.2f}x")
+            )  # fmt: skip
+        mm, peer_eager = best["matmuls", False], best["peer", False]
+        rows.append(
+            Row("model", f"{name} bound: peer step / its matmuls alone", f"{peer_eager / mm:.2f}x", "-", None,
+                "", f"matmuls {mm:.2f}s, peer step {peer_eager:.2f}s: no step doing them is faster")
+        )  # fmt: skip
         dense, attn = model_flops_per_token(hf_config)
         flops = (dense + attn * seq) * batch * seq
         fractions[name] = {k: flops / v for k, v in best.items()}

@@ -1,19 +1,22 @@
 """Next-token cross entropy fused with the output projection, computed in chunks of tokens.
 
 The usual path materialises logits [N, V] in the compute dtype, upcasts them to fp32, and keeps
-log-softmax outputs for backward: several full passes over the largest tensor of the step. Here each
-chunk's logits are turned into their gradient right away (softmax minus one-hot, fp32 math, rounded
-once to the compute dtype) and the input and weight gradients are computed in the same forward, so
-backward only scales them. Same loss and gradients as `F.cross_entropy(logits.float(), targets)`
-(up to float rounding); vocab padding columns (>= `vocab_size`) get no probability mass.
+log-softmax outputs for backward: several full passes over the largest tensor of the step, each in
+freshly allocated memory. Here each chunk's logits go through reused fp32 scratch (log-softmax and
+exp in place), turn into their gradient right away (softmax minus one-hot, rounded once to the
+compute dtype), and the input and weight gradients are computed in the same forward, so backward only
+scales them. Same loss and gradients as `F.cross_entropy(logits.float(), targets)` (up to float
+rounding); vocab padding columns (>= `vocab_size`) get no probability mass.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Tokens per chunk: logits stay under 64M fp32 elements whatever the vocab size, while chunks keep
-# enough rows for the matmuls to run near full speed (bf16 AMX kernels slow down below ~1k rows).
+from megacore.models.scratch import scratch
+
+# Tokens per chunk: fp32 logits stay under 64M elements (256 MiB of scratch) whatever the vocab size,
+# while a chunk keeps enough rows for the matmuls to run near full speed.
 _CHUNK_ELEMENTS = 1 << 26
 
 
@@ -30,22 +33,40 @@ class _FusedLinearCE(torch.autograd.Function):
         n, v = h.shape[0], w.shape[0]
         chunk = max(1, min(n, _CHUNK_ELEMENTS // v))
         scale = 1.0 / n
-        grad_h, grad_w = torch.empty_like(h), None
+        low_precision = h.dtype != torch.float32
+        grad_h, grad_w = torch.empty_like(h), torch.empty_like(w)
+        # Over several chunks a low-precision weight gradient is summed in fp32, then rounded once.
+        acc = scratch("ce.acc", w.shape, torch.float32, w.device) if low_precision and n > chunk else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
-            hc, tc = h[start : start + chunk], t[start : start + chunk, None]
-            logits = hc @ w.T
+            hc, tc, gh = (
+                h[start : start + chunk],
+                t[start : start + chunk, None],
+                grad_h[start : start + chunk],
+            )
+            logits = scratch("ce.logits", (hc.shape[0], v), torch.float32, h.device)
+            if low_precision:  # matmul in the compute dtype, softmax in fp32
+                low = scratch("ce.low", logits.shape, h.dtype, h.device)
+                logits.copy_(torch.mm(hc, w.T, out=low))
+            else:
+                torch.mm(hc, w.T, out=logits)
             if v > vocab_size:
                 logits[:, vocab_size:] = float("-inf")
-            logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            logp = torch._log_softmax(logits, 1, False, out=logits)
             target_logp = logp.gather(1, tc)
             total -= target_logp.sum()
-            # d loss / d logits = (softmax - onehot) / n, rounded once to the compute dtype.
-            probs = logp.exp_().mul_(scale)
-            probs.scatter_(1, tc, target_logp.exp().sub_(1).mul_(scale))
-            g = probs.to(h.dtype)
-            torch.mm(g, w, out=grad_h[start : start + chunk])
-            grad_w = g.T @ hc if grad_w is None else grad_w.addmm_(g.T, hc)
+            # n * d loss / d logits = softmax - onehot; the 1/n goes into the matmuls' alpha.
+            g = logp.exp_().scatter_(1, tc, target_logp.exp().sub_(1))
+            if low_precision:
+                g = low.copy_(g)
+            torch.addmm(gh, g, w, beta=0, alpha=scale, out=gh)
+            if acc is None:  # beta=0 ignores the uninitialised grad_w on the first chunk
+                torch.addmm(grad_w, g.T, hc, beta=0 if start == 0 else 1, alpha=scale, out=grad_w)
+            else:
+                part = torch.addmm(grad_w, g.T, hc, beta=0, alpha=scale, out=grad_w)
+                acc.copy_(part) if start == 0 else acc.add_(part)
+        if acc is not None:
+            grad_w.copy_(acc)
         ctx.save_for_backward(grad_h, grad_w)
         return total / n
 

@@ -195,7 +195,9 @@ class ParallelModel:
         the parameters. Returns the mean loss on ranks holding the last stage, else None."""
         with loss_context(self.tp_mesh):
             if self.schedule is None:
-                loss = self.loss_fn(self.parts[0](tokens), targets)
+                model = self.parts[0]
+                # Without vocab-parallel logits the loss is fused with the output projection.
+                loss = self.loss_fn(model(tokens), targets) if self.tp_mesh else model(tokens, targets)
                 loss.backward()
                 return loss.detach()
             data = tokens if tokens is not None else targets

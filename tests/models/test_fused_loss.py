@@ -1,0 +1,70 @@
+"""The output projection fused with cross entropy (megacore.models.loss) against the unfused
+`F.cross_entropy(logits.float(), targets)`: one chunk and several, fp32 and bf16, padded vocab, a
+scaled loss, and scratch buffers reused between calls of different sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megacore.models import loss as loss_mod
+from megacore.models.loss import fused_linear_cross_entropy
+
+
+def _case(n: int, hidden: int, vocab: int, padded: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(dtype)
+    w = (torch.randn(padded, hidden, generator=g) * 0.5).to(dtype)
+    w[vocab:] = 0
+    t = torch.randint(0, vocab, (n,), generator=g)
+    return h, w, t
+
+
+def _both(h, w, t, vocab: int, scale: float = 1.0):
+    """(loss, grad_h, grad_w) fused and unfused, as fp32."""
+    out = []
+    for fused in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            loss = fused_linear_cross_entropy(hh, ww, t, vocab)
+        else:
+            loss = F.cross_entropy((hh @ ww.T)[:, :vocab].float(), t)
+        (loss * scale).backward()
+        out.append((loss.float(), hh.grad.float(), ww.grad.float()))
+    return out
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 700], ids=["one-chunk", "many-chunks"])
+def test_fp32_matches_unfused(chunk_elements: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_mod, "_CHUNK_ELEMENTS", chunk_elements)  # 700 // 96 = 7 rows a chunk
+    h, w, t = _case(40, 16, 90, 96, torch.float32, 0)
+    (loss, gh, gw), (loss_ref, gh_ref, gw_ref) = _both(h, w, t, 90, scale=3.0)
+    assert abs(loss - loss_ref) < 1e-5
+    assert (gh - gh_ref).abs().max() < 1e-6
+    assert (gw - gw_ref).abs().max() < 1e-6
+    assert torch.all(gw[90:] == 0), "padded vocab rows got gradient"
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 700], ids=["one-chunk", "many-chunks"])
+def test_bf16_within_rounding_of_unfused(chunk_elements: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 inputs: fp32 softmax, gradients rounded once to bf16 (the weight gradient summed over
+    chunks in fp32), so both sides differ by about one bf16 rounding (2^-8 relative)."""
+    monkeypatch.setattr(loss_mod, "_CHUNK_ELEMENTS", chunk_elements)
+    h, w, t = _case(40, 16, 90, 96, torch.bfloat16, 1)
+    (loss, gh, gw), (loss_ref, gh_ref, gw_ref) = _both(h, w, t, 90)
+    assert abs(loss - loss_ref) < 1e-3 * abs(loss_ref)
+    exact = _both(h.double(), w.double(), t, 90)[1]
+    for got, ref, want in ((gh, gh_ref, exact[1]), (gw, gw_ref, exact[2])):
+        err, err_ref = (got - want).norm() / want.norm(), (ref - want).norm() / want.norm()
+        assert err < max(2 * err_ref, 2**-8), (err, err_ref)
+
+
+def test_scratch_reuse_across_sizes() -> None:
+    """A smaller call after a bigger one reuses the bigger call's scratch: no stale values leak."""
+    big = _case(64, 16, 90, 96, torch.float32, 2)
+    small = _case(8, 16, 90, 96, torch.float32, 3)
+    for h, w, t in (big, small, big):
+        (loss, gh, gw), (loss_ref, gh_ref, gw_ref) = _both(h, w, t, 90)
+        assert abs(loss - loss_ref) < 1e-5 and (gh - gh_ref).abs().max() < 1e-6
+        assert (gw - gw_ref).abs().max() < 1e-6
