@@ -57,46 +57,47 @@ class Truncated(Exception):
     """The compressed stream ended before its end marker."""
 
 
+def _frames(
+    f, new: Callable[[], object], errors: type[Exception], name: str, truncated: str
+) -> Iterator[bytes]:
+    """Decompressed chunks of a stream of concatenated frames (zstd frames, gzip members): what was
+    decoded before a truncation or corruption is still handed out, then `Truncated` is raised."""
+    obj, pending = new(), False
+    while raw := f.read(_READ):
+        while raw:
+            try:
+                out = obj.decompress(raw)
+            except errors as e:
+                raise Truncated(f"corrupt {name} data ({e})") from None
+            pending = True
+            if out:
+                yield out
+            if obj.eof:  # a frame ended; the rest is the next frame (pzstd, concatenated files)
+                raw, obj, pending = obj.unused_data, new(), False
+            else:
+                raw = b""
+    if pending:
+        raise Truncated(truncated)
+
+
 def _zstd_chunks(f) -> Iterator[bytes]:
     import zstandard
 
     d = zstandard.ZstdDecompressor()
-    obj, pending = d.decompressobj(), False
-    while raw := f.read(_READ):
-        while raw:
-            try:
-                out = obj.decompress(raw)
-            except zstandard.ZstdError as e:
-                raise Truncated(f"corrupt zstd data ({e})") from None
-            pending = True
-            if out:
-                yield out
-            if obj.eof:  # a frame ended; the rest is the next frame (pzstd / concatenated files)
-                raw, obj, pending = obj.unused_data, d.decompressobj(), False
-            else:
-                raw = b""
-    if pending:
-        raise Truncated("the .zst file is truncated (it ends inside a frame)")
+    yield from _frames(
+        f, d.decompressobj, zstandard.ZstdError, "zstd", "the .zst file is truncated (it ends inside a frame)"
+    )
 
 
 def _gzip_chunks(f) -> Iterator[bytes]:
-    # zlib directly (not GzipFile): what was decoded before a truncation is still handed out.
-    obj, pending = zlib.decompressobj(wbits=31), False
-    while raw := f.read(_READ):
-        while raw:
-            try:
-                out = obj.decompress(raw)
-            except zlib.error as e:
-                raise Truncated(f"corrupt gzip data ({e})") from None
-            pending = True
-            if out:
-                yield out
-            if obj.eof:  # a member ended; the rest is the next member (concatenated .gz files)
-                raw, obj, pending = obj.unused_data, zlib.decompressobj(wbits=31), False
-            else:
-                raw = b""
-    if pending:
-        raise Truncated("the .gz file is truncated (it ends before the end-of-stream marker)")
+    # zlib directly (not GzipFile), so that a truncated member still yields what it decoded.
+    yield from _frames(
+        f,
+        lambda: zlib.decompressobj(wbits=31),
+        zlib.error,
+        "gzip",
+        "the .gz file is truncated (it ends before the end-of-stream marker)",
+    )
 
 
 def _chunks(path: Path, f) -> Iterator[bytes]:
