@@ -80,7 +80,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         tp=sc.get("tp", 1), pp=sc.get("pp", 1), schedule=sc.get("schedule", "1f1b"),
         virtual_stages=sc.get("virtual_stages", 1), sequence_parallel=sc.get("sp", False),
         dp_mode=sc.get("dp_mode", "fsdp"), precision=sc.get("precision", "fp32"),
-        microbatches=sc.get("microbatches", 2),
+        microbatches=sc.get("microbatches", 2), compile=sc.get("compile", False),
     )  # fmt: skip
     mesh = build_mesh(par.tp, par.pp)
     ref = refs[sc["family"]]

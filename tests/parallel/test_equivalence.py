@@ -98,3 +98,18 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
             {"family": "mistral", "tp": 2, "sp": True},
         ],
     )
+
+
+@pytest.mark.dist
+def test_compiled_blocks_match_one_process(tmp_path: Path) -> None:
+    """torch.compile per block under TP + SP (graphs over DTensors), under FSDP2 (compiled before
+    sharding, its hooks outside the graphs) and in a pipeline stage: same numbers as one eager process."""
+    launch(
+        tmp_path,
+        2,
+        [
+            {"family": "llama", "tp": 2, "sp": True, "compile": True},
+            {"family": "llama", "compile": True},
+            {"family": "mistral", "pp": 2, "schedule": "1f1b", "compile": True},
+        ],
+    )

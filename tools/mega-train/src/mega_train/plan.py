@@ -93,7 +93,9 @@ def plan_run(manifest_path: Path, world_size: int, verify: str = "sha256") -> Ru
         )
     # The pipeline runs the whole per-rank batch as microbatches of `micro_batch_size`.
     microbatches = b.global_batch_size // (b.micro_batch_size * dp)
-    stages = check_parallelism(config, Parallelism.from_run(p, run.precision, microbatches), "$.parallel")
+    stages = check_parallelism(
+        config, Parallelism.from_run(p, run.precision, microbatches, run.compile), "$.parallel"
+    )
     return RunPlan(
         path=manifest_path,
         run=run,

@@ -56,10 +56,13 @@ class Parallelism:
     dp_mode: str = "fsdp"  # or "replicate"
     precision: str = "bf16"  # bf16 compute with fp32 master weights and reductions, or fp32
     microbatches: int = 1  # per pipeline step
+    compile: bool = False  # torch.compile each transformer block
 
     @classmethod
-    def from_run(cls, spec: ParallelSpec, precision: str = "bf16", microbatches: int = 1) -> Parallelism:
-        """From a run manifest's `parallel` section (and its precision / microbatch count)."""
+    def from_run(
+        cls, spec: ParallelSpec, precision: str = "bf16", microbatches: int = 1, compile: bool = False
+    ) -> Parallelism:
+        """From a run manifest's `parallel` section (and its precision, microbatch count, compile)."""
         return cls(
             tp=spec.tp,
             pp=spec.pp,
@@ -70,6 +73,7 @@ class Parallelism:
             dp_mode=spec.dp_mode,
             precision=precision,
             microbatches=microbatches,
+            compile=compile,
         )
 
 
@@ -153,6 +157,8 @@ class ParallelModel:
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
             if par.tp > 1:
                 apply_tp(part, mesh["tp"], config, par.sequence_parallel)
+            if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
+                part.compile_blocks()
             if self.dp > 1 or par.precision == "bf16":
                 apply_dp(part, mesh["dp"], par)
             part.to_empty(device=self.device)
