@@ -6,8 +6,8 @@ the same round. Each side also runs with torch.compile applied per block (one co
 by every layer); the rows compare eager with eager, ours compiled with transformers eager, and
 compiled with compiled (compiling is left out of --quick).
 Also the bf16 step's model FLOP/s as a fraction of this CPU's bf16 matmul peak, measured here with a
-large bf16 matmul, and per dtype the ceiling on any speedup: the peer's step over the time of its
-weight matmuls alone (same shapes, timed in the same rounds). Full size: the issue's 125M Llama
+large bf16 matmul, and per dtype the ceiling on any speedup: the peer's step over the time of the
+kernels both sides share (weight matmuls and SDPA attention, same shapes, timed in the same rounds). Full size: the issue's 125M Llama
 (hidden 768, 12 layers, 12 heads, 4 kv heads, ffn 2048, vocab 32000), batch 4 x 512, 2 threads.
 """
 
@@ -96,12 +96,12 @@ def model_flops_per_token(c) -> float:
     return 6 * n, 12 * c.num_hidden_layers * c.num_attention_heads * hd
 
 
-def _matmul_stepper(c, tokens: int, dtype: torch.dtype):
-    """The step's weight matmuls alone (forward, input and weight gradients of every projection and
-    the output head; no attention, norms, loss or optimizer), timed like a step and interleaved with
-    the steps. A step doing these matmuls with this BLAS cannot be faster, so peer step / this bounds
-    every speedup over the peer."""
-    hd = c.hidden_size // c.num_attention_heads
+def _kernels_stepper(c, batch: int, seq: int, dtype: torch.dtype):
+    """The kernels both sides run alike, alone: the weight matmuls (forward, input and weight
+    gradients of every projection and the output head) and SDPA's causal attention forward and
+    backward per layer; no norms, RoPE, activations, loss or optimizer. Timed like a step, in the same
+    rounds. A step calling these kernels cannot be faster, so peer step / this bounds any speedup."""
+    tokens, hd = batch * seq, c.hidden_size // c.num_attention_heads
     qkv = hd * (c.num_attention_heads + 2 * c.num_key_value_heads)
     shapes = [(c.hidden_size, qkv), (c.hidden_size, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
               (c.intermediate_size, c.hidden_size)]  # fmt: skip
@@ -110,13 +110,20 @@ def _matmul_stepper(c, tokens: int, dtype: torch.dtype):
         x, w, dy = (torch.randn(*shape, dtype=dtype) for shape in ((tokens, k), (n, k), (tokens, n)))
         # Preallocated outputs: the time of the products, not of page-faulting fresh memory.
         products += [((x, w.T, dy.clone()), (dy, w, x.clone()), (dy.T, x, w.clone()))] * count
+    q = torch.randn(batch, c.num_attention_heads, seq, hd, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(batch, c.num_key_value_heads, seq, hd, dtype=dtype, requires_grad=True) for _ in "kv")
+    grad_out = torch.randn_like(q)
 
     def step() -> float:
         t = time.perf_counter()
         for triple in products:
             for a, b, out in triple:
                 torch.mm(a, b, out=out)
-        return time.perf_counter() - t
+        for _ in range(c.num_hidden_layers):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad_out)
+        took = time.perf_counter() - t
+        q.grad = k.grad = v.grad = None
+        return took
 
     return step
 
@@ -140,7 +147,7 @@ def run(quick: bool) -> list[Row]:
             base = ours if side == "ours" else peer
             model = copy.deepcopy(base) if compiled else base  # compile wraps blocks in place
             steppers[side, compiled] = _stepper(model, side == "peer", ids, compiled)
-        steppers["matmuls", False] = _matmul_stepper(hf_config, batch * seq, dtype)
+        steppers["kernels", False] = _kernels_stepper(hf_config, batch, seq, dtype)
         del ours, peer
         for step in steppers.values():  # warm-up: compiling, optimizer state, oneDNN kernel selection
             step()
@@ -166,10 +173,10 @@ def run(quick: bool) -> list[Row]:
                 Row("model", f"train step tokens/s {name}{label}", f"{o:.0f}", f"{p:.0f}", paired, target,
                     f"{note}; ratio: median of {len(times['peer', peer_c])} paired rounds; best-of {o / p:.2f}x")
             )  # fmt: skip
-        mm, peer_eager = best["matmuls", False], best["peer", False]
+        kernels, peer_eager = best["kernels", False], best["peer", False]
         rows.append(
-            Row("model", f"{name} bound: peer step / its matmuls alone", f"{peer_eager / mm:.2f}x", "-", None,
-                "", f"matmuls {mm:.2f}s, peer step {peer_eager:.2f}s: no step doing them is faster")
+            Row("model", f"{name} ceiling: peer step / shared kernels alone", f"{peer_eager / kernels:.2f}x", "-",
+                None, "", f"matmuls + SDPA {kernels:.2f}s, peer step {peer_eager:.2f}s: no step calling them is faster")
         )  # fmt: skip
         dense, attn = model_flops_per_token(hf_config)
         flops = (dense + attn * seq) * batch * seq

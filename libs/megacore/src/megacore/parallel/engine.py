@@ -203,7 +203,9 @@ class ParallelModel:
             if self.schedule is None:
                 model = self.parts[0]
                 # Without vocab-parallel logits the loss is fused with the output projection.
-                loss = self.loss_fn(model(tokens), targets) if self.tp_mesh else model(tokens, targets)
+                loss = (
+                    model(tokens, targets) if self.tp_mesh is None else self.loss_fn(model(tokens), targets)
+                )
                 loss.backward()
                 return loss.detach()
             data = tokens if tokens is not None else targets
