@@ -118,7 +118,7 @@ def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str], capsys):
     [
         (lambda d: d["files"][0].update(path="/etc/passwd"), ["$.files[0]", "is absolute"]),
         (lambda d: d["files"][0].update(path="../run.json"), ["$.files[0]", "leaves the artifact directory"]),
-        (lambda d: d["files"][0].update(sha256="0" * 64), ["sha256 differs"]),
+        (lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1), ["differs from the manifest's"]),
         (lambda d: d.update(format_version=2), ["$.format_version: 2 is newer"]),
         (
             lambda d: d["tokenizer"].update(vocab_size="big"),
@@ -130,6 +130,20 @@ def test_bad_referenced_artifact(run_dir: Path, edit, fragments: list[str], caps
     _patch(run_dir / "tokens" / MANIFEST_NAME, edit)
     p = dry_run(capsys, "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
     assert_one_line_error(p, str(run_dir / "tokens"), *fragments)
+
+
+def test_dry_run_hashes_only_when_asked(run_dir: Path, capsys):
+    """By default referenced files are checked by size (instant on terabytes of shards); a checksum
+    that does not match is found with `--verify sha256`."""
+    _patch(run_dir / "tokens" / MANIFEST_NAME, lambda d: d["files"][0].update(sha256="0" * 64))
+    argv = ["--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8"]
+    assert dry_run(capsys, *argv).returncode == 0
+    assert_one_line_error(
+        dry_run(capsys, *argv, "--verify", "sha256"), str(run_dir / "tokens"), "sha256 differs"
+    )
+    assert_one_line_error(
+        dry_run(capsys, *argv, "--verify", "md5"), "--verify", "expected sha256, size or none"
+    )
 
 
 def test_bad_manifest_from_the_shell(run_dir: Path):

@@ -47,6 +47,20 @@ def debug_option():
     return typer.Option(False, "--debug", help="Show the traceback on errors.")
 
 
+def verify_option(what: str):
+    """`--verify sha256|size|none` for a command's signature (default size): how the data files of
+    `what` are checked before use. sha256 reads every byte; size is instant on terabytes of shards."""
+
+    def check(value: str) -> str:
+        if value not in ("sha256", "size", "none"):
+            raise UserError(f"expected sha256, size or none, got {value!r}", "--verify")
+        return value
+
+    return typer.Option(
+        "size", "--verify", callback=check, help=f"How to check {what} first: sha256, size or none."
+    )
+
+
 def add_group_options(app: typer.Typer, prog: str, version: str) -> None:
     """`--version` and `--debug` on a tool with subcommands."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from mega_shard import __version__
-from megacore.cli import debug_option, main_for, make_app, version_option
+from megacore.cli import debug_option, main_for, make_app, verify_option, version_option
 from megacore.errors import UserError
 
 app = make_app("Reshard a checkpoint artifact to any tensor/pipeline layout, streaming, no GPU.")
@@ -35,9 +35,7 @@ def run(
         None, "--pp-layers", help="Layers per stage, comma-separated (default: an even split)."
     ),
     force: bool = typer.Option(False, "--force", help="Rebuild an existing output."),
-    verify: str = typer.Option(
-        "size", "--verify", help="How to check the input's files first: sha256, size or none."
-    ),
+    verify: str = verify_option("the input's files"),
     chunk_mb: int = typer.Option(64, "--chunk-mb", help="Streaming block size (MiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-shard", __version__),
@@ -49,8 +47,6 @@ def run(
     Example:
       mega-shard ckpt-tp1pp1 ckpt-tp8pp4 --tp 8 --pp 4 --pp-layers 10,10,6,6
     """
-    if verify not in ("sha256", "size", "none"):
-        raise UserError(f"expected sha256, size or none, got {verify!r}", "--verify")
     if chunk_mb < 1:
         raise UserError(f"must be at least 1, got {chunk_mb}", "--chunk-mb")
     from mega_shard.reshard import reshard  # imports torch; keep --help and --version instant

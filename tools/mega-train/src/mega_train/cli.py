@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from mega_train import __version__
-from megacore.cli import debug_option, error, main_for, make_app, version_option
+from megacore.cli import debug_option, error, main_for, make_app, verify_option, version_option
 
 app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, under torchrun.")
 
@@ -23,6 +23,7 @@ def train(
     world_size: int = typer.Option(
         0, "--world-size", help="Processes to plan for (default: WORLD_SIZE from torchrun, else 1)."
     ),
+    verify: str = verify_option("the referenced artifacts' files"),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
     version: bool = version_option("mega-train", __version__),
     debug: bool = debug_option(),
@@ -34,7 +35,7 @@ def train(
     from mega_train.plan import plan_run  # imports torch; keep --help and --version instant
 
     ws = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    plan = plan_run(manifest, ws)
+    plan = plan_run(manifest, ws, verify)
     summary = plan.summary()
     if as_json:
         typer.echo(json.dumps(summary, indent=2))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, ModelConfig, RunManifest, TokensManifest, open_artifact
 from megacore.artifacts.manifest import decode_manifest
-from megacore.artifacts.reader import read_manifest_bytes
+from megacore.artifacts.reader import Verify, read_manifest_bytes
 from megacore.errors import UserError
 from megacore.parallel.engine import Parallelism, check_parallelism
 from megacore.parallel.plan import check_world
@@ -57,7 +57,7 @@ def _resolve(base: Path, p: str) -> Path:
     return path if path.is_absolute() else base / path
 
 
-def plan_run(manifest_path: Path, world_size: int, verify: str = "sha256") -> RunPlan:
+def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> RunPlan:
     """Load and check `run.json` for a job of `world_size` processes."""
     manifest_path = Path(manifest_path)
     if not manifest_path.is_file():
