@@ -36,7 +36,7 @@ class _FusedLinearCE(torch.autograd.Function):
         low_precision = h.dtype != torch.float32
         grad_h, grad_w = torch.empty_like(h), torch.empty_like(w)
         # Over several chunks a low-precision weight gradient is summed in fp32, then rounded once.
-        acc = scratch("ce.acc", w.shape, torch.float32, w.device) if low_precision and n > chunk else None
+        acc = torch.empty_like(w, dtype=torch.float32) if low_precision and n > chunk else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
             hc, tc, gh = (
@@ -52,7 +52,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 torch.mm(hc, w.T, out=logits)
             if v > vocab_size:
                 logits[:, vocab_size:] = float("-inf")
-            logp = torch._log_softmax(logits, 1, False, out=logits)
+            logp = torch.log_softmax(logits, 1, out=logits)
             target_logp = logp.gather(1, tc)
             total -= target_logp.sum()
             # n * d loss / d logits = softmax - onehot; the 1/n goes into the matmuls' alpha.
@@ -60,11 +60,11 @@ class _FusedLinearCE(torch.autograd.Function):
             if low_precision:
                 g = low.copy_(g)
             torch.addmm(gh, g, w, beta=0, alpha=scale, out=gh)
-            if acc is None:  # beta=0 ignores the uninitialised grad_w on the first chunk
-                torch.addmm(grad_w, g.T, hc, beta=0 if start == 0 else 1, alpha=scale, out=grad_w)
-            else:
-                part = torch.addmm(grad_w, g.T, hc, beta=0, alpha=scale, out=grad_w)
-                acc.copy_(part) if start == 0 else acc.add_(part)
+            # beta=0 ignores what grad_w holds: nothing yet, or (with acc) the previous chunk's part.
+            first = start == 0
+            torch.addmm(grad_w, g.T, hc, beta=0 if first or acc is not None else 1, alpha=scale, out=grad_w)
+            if acc is not None:
+                acc.copy_(grad_w) if first else acc.add_(grad_w)
         if acc is not None:
             grad_w.copy_(acc)
         ctx.save_for_backward(grad_h, grad_w)
