@@ -9,7 +9,6 @@ their memory maps never accumulate resident pages.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import queue
@@ -40,31 +39,6 @@ from megacore.parallel.plan import TensorPlace, check_tp, place, split_optim_nam
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 QUEUED_BLOCKS = 4
-
-
-class _ThreadedSha256:
-    """sha256 on a helper thread: hashing overlaps the file writes (both release the GIL)."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
-        self._q: queue.Queue = queue.Queue(maxsize=QUEUED_BLOCKS)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        self._digest: str | None = None
-
-    def _run(self) -> None:
-        while (data := self._q.get()) is not None:
-            self._h.update(data)
-
-    def update(self, data) -> None:
-        self._q.put(data)
-
-    def hexdigest(self) -> str:
-        if self._digest is None:
-            self._q.put(None)
-            self._thread.join()
-            self._digest = self._h.hexdigest()
-        return self._digest
 
 
 class _BackgroundWrites:
@@ -211,7 +185,7 @@ def reshard(
     reader = TensorReader(src_root)
     with write_artifact(out, force=force) as w:
         for s, stage_names in enumerate(by_stage):
-            writers, hashers = [], [_ThreadedSha256() for _ in range(tp)]
+            writers = []
             for t in range(tp):
                 decl = []
                 for n in stage_names:
@@ -221,7 +195,7 @@ def reshard(
                     off, shp = _tp_box(e.shape, p.tp_dim, tp, t)
                     decl.append((n, e.dtype, shp))
                     pieces[n].append(Piece(file=file_name(s, t), key=n, offset=off, shape=shp))
-                writers.append(SafetensorsStreamWriter(w.path(file_name(s, t)), decl, hasher=hashers[t]))
+                writers.append(SafetensorsStreamWriter(w.path(file_name(s, t)), decl))
             bg = _BackgroundWrites()
             try:
                 for n in stage_names:
@@ -233,8 +207,6 @@ def reshard(
                 bg.stop()
                 for wr in writers:
                     wr.__exit__(type(e), e, None)  # closes the file without finishing it
-                for h in hashers:
-                    h.hexdigest()  # stops its thread
                 raise
             for t, wr in enumerate(writers):
                 sha = wr.close()

@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import queue
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -176,12 +178,44 @@ class TensorReader:
 # --- writing -------------------------------------------------------------------------------------
 
 
+class _HashThread:
+    """sha256 on a helper thread, so hashing overlaps writing and reading (all release the GIL).
+    Data waits in a short queue of blocks of at most 64 MiB; each keeps its tensor alive until hashed."""
+
+    _BLOCK, _QUEUED = 64 << 20, 2
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._q: queue.Queue = queue.Queue(maxsize=self._QUEUED)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._digest: str | None = None
+
+    def _run(self) -> None:
+        while (data := self._q.get()) is not None:
+            self._h.update(data)
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self._BLOCK):
+            self._q.put(view[start : start + self._BLOCK])
+
+    def hexdigest(self) -> str:
+        """Wait for the queued data and stop the thread (further calls return the same digest)."""
+        if self._digest is None:
+            self._q.put(None)
+            self._thread.join()
+            self._digest = self._h.hexdigest()
+        return self._digest
+
+
 class SafetensorsStreamWriter:
     """Writes a safetensors file whose tensors are all declared up front and then streamed.
 
     `declare` every (key, dtype, shape) first, then `write(key, tensor)` slices in any order of
     keys but each key's data as one contiguous tensor, or `write_part` row blocks of a key in order.
-    Memory stays at one slice; the file's sha256 is computed on the way (for the manifest).
+    Memory stays at one slice; the file's sha256 is computed on the way (for the manifest), on a
+    helper thread: a written tensor must not be modified before `close()`.
     """
 
     def __init__(
@@ -189,10 +223,7 @@ class SafetensorsStreamWriter:
         path: Path,
         tensors: Iterable[tuple[str, str, Sequence[int]]],
         metadata: dict | None = None,
-        hasher: object | None = None,
     ):
-        """`hasher`: a hashlib-like sha256 (update/hexdigest) to use instead of a fresh one, e.g. one
-        that hashes on a helper thread while the file is written (mega-shard)."""
         self.path = Path(path)
         header: dict[str, object] = {}
         if metadata:
@@ -218,7 +249,7 @@ class SafetensorsStreamWriter:
         self._written_in_key = 0
         self._skip_empty()
         self._f = open(self.path, "wb")  # noqa: SIM115 - held open across write() calls, closed by close()
-        self._hash = hasher if hasher is not None else hashlib.sha256()
+        self._hash = _HashThread()
         prefix = struct.pack("<Q", len(raw)) + raw
         self._f.write(prefix)
         self._hash.update(prefix)
@@ -265,8 +296,9 @@ class SafetensorsStreamWriter:
     def __exit__(self, exc_type, *rest: object) -> None:
         if exc_type is None:
             self.close()
-        else:
+        else:  # an unfinished file: closed, and the hash thread stopped
             self._f.close()
+            self._hash.hexdigest()
 
 
 def piece_entry(shape: Sequence[int], dtype: str, pieces: list[Piece]) -> TensorEntry:
