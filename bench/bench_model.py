@@ -7,8 +7,9 @@ by every layer); the rows compare eager with eager, ours compiled with transform
 compiled with compiled (compiling is left out of --quick).
 Also the bf16 step's model FLOP/s as a fraction of this CPU's bf16 matmul peak, measured here with a
 large bf16 matmul, and per dtype the ceiling on any speedup: the peer's step over the time of the
-kernels both sides share (weight matmuls and SDPA attention, same shapes, timed in the same rounds). Full size: the issue's 125M Llama
-(hidden 768, 12 layers, 12 heads, 4 kv heads, ffn 2048, vocab 32000), batch 4 x 512, 2 threads.
+kernels both sides share (weight matmuls and SDPA attention, same shapes, timed in the same rounds).
+Full size: the issue's 125M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, ffn 2048, vocab
+32000), batch 4 x 512, 2 threads.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reused scratch buffers for the large temporaries of the loss and the attention backward on CPU.
+"""Reused scratch buffers for large temporaries on CPU (the fused loss's logits).
 
 On CPU every fresh tensor above glibc's mmap threshold (at most 32 MiB) is new memory from the
 kernel, and first touching it page-faults: a fresh 128 MiB logits buffer costs about 40 ms before any
@@ -8,6 +8,8 @@ there this is plain `torch.empty`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,9 +21,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     use it only until then, and never return it or save it for backward."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     key = (name, dtype, device)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:
