@@ -30,7 +30,7 @@ CONVERT = f"""
 import sys, json, time
 from mega_convert.convert import convert_hf
 t = time.perf_counter()
-s = convert_hf(sys.argv[1], sys.argv[2], force=True, progress=lambda _: None)
+s = convert_hf(sys.argv[1], sys.argv[2], force=True, log=lambda _: None, progress=False)
 print(json.dumps({{"seconds": time.perf_counter() - t, "maxrss_kb": {HWM}, "tensors": s["tensors"]}}))
 """
 COPY = f"""

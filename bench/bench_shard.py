@@ -23,18 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megacore.artifacts import (
-    CheckpointManifest,
-    ModelConfig,
-    Piece,
-    SafetensorsStreamWriter,
-    TensorReader,
-    new_header_fields,
-    open_artifact,
-    piece_entry,
-    write_artifact,
-)
-from megacore.models import decoder_shapes
+from megacore.artifacts import TensorReader, open_artifact, whole, write_artifact
+from megacore.artifacts.manifest import Layout
+from megacore.checkpoint import CheckpointWriter, shard_file
+from megacore.config import ModelConfig, model_tensors
 from run import Row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,30 +47,21 @@ def log(msg: str) -> None:
 
 def write_source(out: Path, cfg: ModelConfig) -> int:
     """Random bf16 weights (random bits, streamed block by block), one piece per tensor."""
-    shapes = {n: list(s) for n, s in decoder_shapes(cfg).items()}
+    shapes = model_tensors(cfg)
     rng = np.random.default_rng(0)
-    with write_artifact(out, force=True) as w:
-        sw = SafetensorsStreamWriter(
-            w.path("model.safetensors"), [(n, "bfloat16", s) for n, s in shapes.items()]
-        )
+    with write_artifact(out, "checkpoint", force=True) as w:
+        cw = CheckpointWriter(w)
+        file = shard_file(0, 0)
+        sw = cw.open_file(file, [(n, s, "bfloat16", whole(s)) for n, s in shapes.items()])
         for name, shape in shapes.items():
             left = int(np.prod(shape)) * 2
             while left:
                 n = min(BLOCK, left)
                 sw.write(name, torch.frombuffer(bytearray(rng.bytes(n)), dtype=torch.uint8))
                 left -= n
-        w.record("model.safetensors", sw.close(), sw.size)
-        tensors = {
-            n: piece_entry(
-                s, "bfloat16", [Piece(file="model.safetensors", key=n, offset=[0] * len(s), shape=s)]
-            )
-            for n, s in shapes.items()
-        }
-        w.commit(
-            CheckpointManifest(
-                **new_header_fields("bench", "0"), config=cfg, dtype="bfloat16", tensors=tensors
-            )
-        )
+        cw.close_file(file, sw)
+        layout = Layout(stage_layers=[list(range(cfg.num_layers))])
+        cw.commit(config=cfg, dtype="bfloat16", layout=layout, producer=("bench", "0"))
     return sw.size
 
 

@@ -11,15 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacore.artifacts import (
-    CheckpointManifest,
-    ModelConfig,
-    Piece,
-    SafetensorsStreamWriter,
-    new_header_fields,
-    piece_entry,
-    write_artifact,
-)
+from megacore.artifacts import CheckpointManifest, whole, write_artifact
+from megacore.artifacts.manifest import Layout
+from megacore.checkpoint import CheckpointWriter, shard_file
+from megacore.config import ModelConfig
 
 BIN = Path(sys.executable).parent
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -47,6 +42,14 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str, co
         assert f in lines[0], (f, lines[0])
 
 
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: object = "") -> None:
+    """Same dtype, shape and bytes (torch.equal would take -0.0 for 0.0 and miss a NaN payload)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    ), what
+
+
 def mistral_tokenizer() -> Path:
     """The real 32k tokenizer in ../shared/assets, or skip where ../shared is absent."""
     if not MISTRAL_TOKENIZER.is_file():
@@ -66,24 +69,21 @@ TINY = ModelConfig(
 
 
 def write_checkpoint(
-    out: Path, tensors: dict[str, torch.Tensor], *, force: bool = False
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    force: bool = False,
+    config: ModelConfig = TINY,
+    side_files: dict[str, bytes] | None = None,
+    **commit,
 ) -> CheckpointManifest:
-    """One safetensors file, one piece per tensor (the tp1/pp1 layout)."""
-    with write_artifact(out, force=force) as w:
-        specs = [(name, "float32", list(t.shape)) for name, t in tensors.items()]
-        with SafetensorsStreamWriter(w.path("model.safetensors"), specs) as sw:
-            for name, t in tensors.items():
-                sw.write(name, t)
-        w.record("model.safetensors", sw.close())
-        entries = {
-            name: piece_entry(
-                t.shape,
-                "float32",
-                [Piece(file="model.safetensors", key=name, offset=[0] * t.ndim, shape=list(t.shape))],
-            )
-            for name, t in tensors.items()
-        }
-        manifest = CheckpointManifest(
-            **new_header_fields("tests", "0"), config=TINY, dtype="float32", tensors=entries
-        )
-        return w.commit(manifest)
+    """One safetensors file, one piece per tensor (the tp1/pp1 layout), through the checkpoint
+    writer; `side_files` (relative path -> bytes) are written beside it, e.g. tokenizer files."""
+    with write_artifact(out, "checkpoint", force=force) as w:
+        for rel, data in (side_files or {}).items():
+            w.path(rel).write_bytes(data)
+        cw = CheckpointWriter(w)
+        cw.write_file(shard_file(0, 0), [(n, t.shape, whole(t.shape), t) for n, t in tensors.items()])
+        layout = Layout(stage_layers=[list(range(config.num_layers))])
+        dtype = next(iter(cw.records()[1].values()))[1]
+        return cw.commit(config=config, dtype=dtype, layout=layout, producer=("tests", "0"), **commit)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from hf_cases import build, load_hf, tokens
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, run_tool
+from hf_cases import build, load_hf, tokens
 
 
 def test_convert_shard_export_gives_back_the_same_model(tmp_path: Path):

@@ -27,7 +27,7 @@ def _edit_manifest(root: Path, fn) -> None:
 
 def test_written_artifact_verifies_and_reads_back(checkpoint: Path):
     m = open_artifact(checkpoint, "checkpoint")
-    assert [f.path for f in m.files] == ["model.safetensors"]
+    assert [f.path for f in m.files] == ["model-pp00-tp00.safetensors"]
     assert not checkpoint.with_name("ckpt.partial").exists()
     with TensorReader(checkpoint) as r:
         assert torch.equal(r.read("norm.weight", m.tensors["norm.weight"]), torch.ones(16))
@@ -49,7 +49,7 @@ def test_refuses_to_overwrite_a_directory_that_is_not_an_artifact(tmp_path: Path
 
 
 def test_failure_inside_the_writer_leaves_nothing(tmp_path: Path):
-    with pytest.raises(RuntimeError), write_artifact(tmp_path / "out") as w:
+    with pytest.raises(RuntimeError), write_artifact(tmp_path / "out", "checkpoint") as w:
         w.path("a.bin").write_bytes(b"x")
         raise RuntimeError("boom")
     assert not (tmp_path / "out").exists()
@@ -61,7 +61,7 @@ WRITER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from megacore.artifacts import write_artifact
-    with write_artifact(Path(sys.argv[1]), force=True) as w:
+    with write_artifact(Path(sys.argv[1]), "checkpoint", force=True) as w:
         with open(w.path("model.safetensors"), "wb") as f:
             f.write(b"new data" * 1000)
             f.flush()
@@ -106,7 +106,7 @@ def test_missing_manifest_is_incomplete(tmp_path: Path):
     ("bad_path", "message"),
     [
         ("/etc/passwd", "is absolute"),
-        ("../ckpt2/model.safetensors", "leaves the artifact directory"),
+        ("../ckpt2/model-pp00-tp00.safetensors", "leaves the artifact directory"),
         ("sub/../../x", "leaves the artifact directory"),
     ],
 )
@@ -129,11 +129,11 @@ def test_symlink_out_of_the_artifact_is_refused(checkpoint: Path, tmp_path: Path
 
 
 def test_wrong_checksum_and_size(checkpoint: Path):
-    data = checkpoint / "model.safetensors"
+    data = checkpoint / "model-pp00-tp00.safetensors"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(UserError, match="model.safetensors: sha256 differs"):
+    with pytest.raises(UserError, match="model-pp00-tp00.safetensors: sha256 differs"):
         open_artifact(checkpoint)
     open_artifact(checkpoint, verify="size")  # same size: the cheap check passes
     data.write_bytes(bytes(raw) + b"x")

@@ -9,13 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import assert_one_line_error, run_tool
+from helpers import assert_bitwise_equal, assert_one_line_error, run_tool
 from hf_cases import CASES, build, load_hf, tokens
-from mega_convert.convert import convert_hf
+from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
+from mega_export.export import export_hf
 from megacore.artifacts import open_artifact
+from megacore.checkpoint import load_decoder
 from megacore.errors import UserError
-from megacore.models import load_decoder, write_hf_dir
+
+
+def quiet(msg: str) -> None:
+    pass
 
 
 def _tokenizer_files(model_dir: Path) -> None:
@@ -32,7 +37,7 @@ def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> N
     src = build(case, tmp_path / "hf")
     _tokenizer_files(src)
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    s = convert_hf(src, ckpt, progress=lambda _: None)
+    s = convert_hf(src, ckpt, log=quiet)
     m = open_artifact(ckpt, "checkpoint")
     assert m.layout.tp == 1 and m.layout.pp == 1
     assert m.layout.stage_layers == [list(range(m.config.num_layers))]
@@ -43,11 +48,11 @@ def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> N
     r = verify(ckpt, src, seq_len=CASES[case][2])
     assert r["passed"] and r["max_abs_error"] < 1e-4, r
 
-    write_hf_dir(ckpt, back)
+    export_hf(ckpt, back)
     a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(a) == sorted(b)
     for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        assert_bitwise_equal(a[k], b[k], k)
     assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     # The exported config.json (classic rope form) gives transformers the same model.
     ids = tokens(load_hf(src).config.vocab_size, 16)
@@ -57,12 +62,14 @@ def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> N
 
 def test_bf16_round_trip_and_dtype_option(tmp_path: Path) -> None:
     src = build("llama2-70b-gqa", tmp_path / "hf", dtype=torch.bfloat16)
-    convert_hf(src, tmp_path / "bf16", progress=lambda _: None)
+    convert_hf(src, tmp_path / "bf16", log=quiet)
     assert open_artifact(tmp_path / "bf16", "checkpoint").dtype == "bfloat16"
-    write_hf_dir(tmp_path / "bf16", tmp_path / "back")
+    export_hf(tmp_path / "bf16", tmp_path / "back")
     a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
-    convert_hf(src, tmp_path / "fp32", dtype="float32", progress=lambda _: None)
+    for k in a:
+        assert b[k].dtype == torch.bfloat16
+        assert_bitwise_equal(a[k], b[k], k)
+    convert_hf(src, tmp_path / "fp32", dtype="float32", log=quiet)
     m = open_artifact(tmp_path / "fp32", "checkpoint")
     assert m.dtype == "float32" and all(e.dtype == "float32" for e in m.tensors.values())
 
@@ -75,12 +82,14 @@ def test_sharded_hf_checkpoint(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "many", max_shard_size="40KB")
     assert (tmp_path / "many" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
-    convert_hf(src, tmp_path / "c1", progress=lambda _: None)
-    convert_hf(tmp_path / "many", tmp_path / "c2", progress=lambda _: None)
-    a, b = load_file(tmp_path / "c1/model.safetensors"), load_file(tmp_path / "c2/model.safetensors")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    convert_hf(src, tmp_path / "c1", log=quiet)
+    convert_hf(tmp_path / "many", tmp_path / "c2", log=quiet)
+    a, b = load_file(tmp_path / "c1" / WEIGHTS), load_file(tmp_path / "c2" / WEIGHTS)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert_bitwise_equal(a[k], b[k], k)
     # and the export direction shards too
-    write_hf_dir(tmp_path / "c2", tmp_path / "back", max_shard_bytes=40_000)
+    export_hf(tmp_path / "c2", tmp_path / "back", max_shard_bytes=40_000)
     assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
     ids = tokens(90, 12)
     with torch.no_grad():
@@ -100,7 +109,7 @@ def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
     p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24")
     assert p.returncode == 0 and "PASS" in p.stdout, p.stderr
     # Tamper with one weight (same file size): verify reports the error and exits 1.
-    _overwrite_first_value(out / "model.safetensors", "layers.1.mlp.down_proj.weight", 1.5)
+    _overwrite_first_value(out / WEIGHTS, "layers.1.mlp.down_proj.weight", 1.5)
     p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
     r = json.loads(p.stdout)
     assert p.returncode == 1 and not r["passed"] and r["max_abs_error"] > 1e-3
@@ -178,7 +187,7 @@ def test_bad_inputs_are_user_errors(what: str, tmp_path: Path) -> None:
         src = build(case, tmp_path / "hf")
         _edit_config(src, **changes)
     with pytest.raises(UserError) as e:
-        convert_hf(src, tmp_path / "out", progress=lambda _: None)
+        convert_hf(src, tmp_path / "out", log=quiet)
     assert fragment in str(e.value)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
@@ -186,13 +195,15 @@ def test_bad_inputs_are_user_errors(what: str, tmp_path: Path) -> None:
 def test_early_falcon_config_names(tmp_path: Path) -> None:
     """Falcon-7B's first config.json (model_type RefinedWebModel, n_head / n_layer) converts the same."""
     src = build("falcon-7b", tmp_path / "new")
-    convert_hf(src, tmp_path / "c_new", progress=lambda _: None)
+    convert_hf(src, tmp_path / "c_new", log=quiet)
     cfg = json.loads((src / "config.json").read_text())
     cfg["model_type"] = "RefinedWebModel"
     cfg["n_head"], cfg["n_layer"] = cfg.pop("num_attention_heads"), cfg.pop("num_hidden_layers")
     (src / "config.json").write_text(json.dumps(cfg))
-    convert_hf(src, tmp_path / "c_old", progress=lambda _: None)
+    convert_hf(src, tmp_path / "c_old", log=quiet)
     a, b = open_artifact(tmp_path / "c_new", "checkpoint"), open_artifact(tmp_path / "c_old", "checkpoint")
     assert a.config == b.config and a.config.num_kv_heads == 1 and a.config.num_ln_in_parallel_attn == 1
-    ta, tb = load_file(tmp_path / "c_new/model.safetensors"), load_file(tmp_path / "c_old/model.safetensors")
-    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    ta, tb = load_file(tmp_path / "c_new" / WEIGHTS), load_file(tmp_path / "c_old" / WEIGHTS)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert_bitwise_equal(ta[k], tb[k], k)

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megacore.artifacts import ModelConfig
-from megacore.artifacts.manifest import TrainingState
+from megacore.artifacts.manifest import ParallelSpec, TrainingState
+from megacore.config import ModelConfig
 from megacore.models import Decoder
-from megacore.parallel.checkpoint import load_checkpoint, save_checkpoint
-from megacore.parallel.engine import Parallelism, ParallelModel, clip_grad_norm, state_getter
+from megacore.parallel.engine import ParallelModel, clip_grad_norm, state_getter
+from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, init_distributed, shutdown
+from megacore.parallel.state import load_checkpoint, save_checkpoint
 from megacore.parallel.tp import lm_loss
 
 REL = 1e-5
@@ -76,13 +77,16 @@ def reference(cfg: ModelConfig, tokens, targets):
 
 def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     cfg = FAMILIES[sc["family"]]
-    par = Parallelism(
+    spec = ParallelSpec(
         tp=sc.get("tp", 1), pp=sc.get("pp", 1), schedule=sc.get("schedule", "1f1b"),
         virtual_stages=sc.get("virtual_stages", 1), sequence_parallel=sc.get("sp", False),
-        dp_mode=sc.get("dp_mode", "fsdp"), precision=sc.get("precision", "fp32"),
-        microbatches=sc.get("microbatches", 2), compile=sc.get("compile", False),
+        dp_mode=sc.get("dp_mode", "fsdp"),
     )  # fmt: skip
-    mesh = build_mesh(par.tp, par.pp)
+    par = Parallelism(
+        spec, precision=sc.get("precision", "fp32"), microbatches=sc.get("microbatches", 2),
+        compile=sc.get("compile", False),
+    )  # fmt: skip
+    mesh = build_mesh(spec.tp, spec.pp)
     ref = refs[sc["family"]]
     tokens, targets = data
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -91,7 +95,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     for part in pm.parts:
         part.set_attention("sdpa")
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    pp_group = mesh["pp"].get_group() if par.pp > 1 else None
+    pp_group = mesh["pp"].get_group() if spec.pp > 1 else None
     label = json.dumps(sc, sort_keys=True)
     checks = []
     # bf16 compute (fp32 master weights and reductions) is compared loosely: it rounds activations.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from megacore.artifacts import ModelConfig
+from megacore.artifacts.manifest import ParallelSpec
+from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
-from megacore.models import decoder_shapes
 from megacore.parallel import (
-    check_layout,
+    Parallelism,
     check_microbatches,
+    check_parallelism,
     check_tp,
     check_world,
     place,
@@ -46,7 +47,7 @@ def test_tp_must_divide_kv_heads_or_be_a_multiple() -> None:
     c12 = cfg(num_heads=12, num_kv_heads=4, ffn_hidden_size=240, padded_vocab_size=120)
     check_tp(c12, 12)  # a multiple of the 4 kv heads
     refused(check_tp, c12, 6, match="tp 6 is neither a divisor nor a multiple of the 4 kv heads")
-    refused(check_tp, cfg(num_kv_heads=6), 4, match="tp 4 does not divide the 6 kv heads")
+    refused(check_tp, cfg(num_heads=12, num_kv_heads=6), 4, match="tp 4 does not divide the 6 kv heads")
 
 
 def test_tp_must_divide_ffn_and_padded_vocab() -> None:
@@ -68,9 +69,13 @@ def test_pp_must_not_exceed_layers_and_counts_must_fit() -> None:
 def test_world_must_be_a_multiple_of_tp_pp() -> None:
     assert check_world(8, 2, 2) == 2
     refused(check_world, 6, 2, 2, match="world size 6 is not a multiple of tp\\*pp = 2\\*2")
-    assert check_layout(CFG, 2, 2, world_size=4) == [list(range(5)), list(range(5, 10))]
-    refused(check_layout, CFG, 2, 2, world_size=6, match="not a multiple")
-    assert len(check_layout(CFG, 1, 2, virtual_stages=2)) == 4
+    par = Parallelism(ParallelSpec(tp=2, pp=2), microbatches=2)
+    assert check_world(4, 2, 2) == 1 and check_parallelism(CFG, par) == [list(range(5)), list(range(5, 10))]
+    refused(check_world, 6, 2, 2, match="not a multiple")
+    interleaved = Parallelism(
+        ParallelSpec(pp=2, schedule="interleaved1f1b", virtual_stages=2), microbatches=2
+    )
+    assert len(check_parallelism(CFG, interleaved)) == 4
 
 
 def test_microbatches_must_divide_the_batch() -> None:
@@ -94,34 +99,20 @@ def test_placement_follows_the_contract() -> None:
     assert split_optim_name("optim.exp_avg_sq.norm.weight") == ("exp_avg_sq", "norm.weight")
     refused(place, "layers.3.attn.rotary.inv_freq", CFG, 2, match="not a name of the model contract")
     refused(place, "layers.12.attn.q_proj.weight", CFG, 2, match="beyond num_layers")
-    for name in decoder_shapes(CFG):
+    for name in model_tensors(CFG):
         place(name, CFG, 8)
 
 
 def test_engine_checks_schedule_stages_and_tied_embeddings() -> None:
-    from megacore.artifacts.manifest import ParallelSpec
-    from megacore.parallel.engine import Parallelism, check_parallelism, rank_stages
+    def par(microbatches: int = 1, **spec) -> Parallelism:
+        return Parallelism(ParallelSpec(**spec), microbatches=microbatches)
 
-    refused(check_parallelism, CFG, Parallelism(schedule="dualpipe"), match="unknown schedule 'dualpipe'")
-    refused(
-        check_parallelism,
-        CFG,
-        Parallelism(pp=2, virtual_stages=2, microbatches=2),
-        match="virtual_stages must be 1",
-    )
-    refused(
-        check_parallelism, CFG, Parallelism(pp=4, microbatches=2), match="2 microbatches are fewer than the 4"
-    )
-    refused(
-        check_parallelism,
-        cfg(tie_embeddings=True),
-        Parallelism(pp=2, microbatches=2),
-        match="tied embeddings",
-    )
-    refused(check_parallelism, CFG, Parallelism(tp=3), match="tp 3 does not divide")
-    par = Parallelism(pp=2, schedule="interleaved1f1b", virtual_stages=2, microbatches=2)
-    assert check_parallelism(CFG, par) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
-    assert rank_stages(par, 1) == [1, 3]
-    assert rank_stages(Parallelism(pp=2, schedule="zbv", microbatches=2), 0) == [0, 3]
-    spec = ParallelSpec(tp=2, pp=2, schedule="zbv", sequence_parallel=True)
-    assert Parallelism.from_run(spec, "fp32", 4).sequence_parallel is True
+    refused(check_parallelism, CFG, par(schedule="dualpipe"), match="unknown schedule 'dualpipe'")
+    refused(check_parallelism, CFG, par(2, pp=2, virtual_stages=2), match="virtual_stages must be 1")
+    refused(check_parallelism, CFG, par(2, pp=4), match="2 microbatches are fewer than the 4")
+    refused(check_parallelism, cfg(tie_embeddings=True), par(2, pp=2), match="tied embeddings")
+    refused(check_parallelism, CFG, par(tp=3), match="tp 3 does not divide")
+    interleaved = par(2, pp=2, schedule="interleaved1f1b", virtual_stages=2)
+    assert check_parallelism(CFG, interleaved) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert interleaved.rank_stages(1) == [1, 3]
+    assert par(2, pp=2, schedule="zbv").rank_stages(0) == [0, 3]

@@ -8,22 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_one_line_error, run_tool
+from helpers import assert_bitwise_equal, assert_one_line_error, run_tool, write_checkpoint
 from mega_shard.cli import app
-from megacore.artifacts import (
-    CheckpointManifest,
-    ModelConfig,
-    Piece,
-    SafetensorsStreamWriter,
-    TensorReader,
-    new_header_fields,
-    open_artifact,
-    piece_entry,
-    write_artifact,
-)
+from megacore.artifacts import TensorReader, open_artifact
 from megacore.artifacts.manifest import TrainingState
 from megacore.cli import run
-from megacore.models import decoder_shapes
+from megacore.config import ModelConfig, model_tensors
 from megacore.parallel import optim_state_name
 
 # Heads, ffn and vocab divide by 8; 2 kv heads so tp 8 replicates k/v and tp 2 splits them.
@@ -63,34 +53,20 @@ def write_random(
 ) -> dict[str, torch.Tensor]:
     """A tp1/pp1 checkpoint of random bf16 weights (and fp32 AdamW moments), plus a tokenizer file."""
     g = torch.Generator().manual_seed(seed)
-    tensors = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in decoder_shapes(cfg).items()}
+    shapes = model_tensors(cfg)
+    tensors = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
     if optim:
-        for n, s in decoder_shapes(cfg).items():
+        for n, s in shapes.items():
             for kind in ("exp_avg", "exp_avg_sq"):
                 tensors[optim_state_name(kind, n)] = torch.randn(s, generator=g)
-    with write_artifact(out) as w:
-        w.path("tokenizer/tokenizer.json").write_text('{"fake": true}')
-        specs = [
-            (n, "bfloat16" if t.dtype == torch.bfloat16 else "float32", list(t.shape))
-            for n, t in tensors.items()
-        ]
-        sw = SafetensorsStreamWriter(w.path("model.safetensors"), specs)
-        for n, t in tensors.items():
-            sw.write(n, t)
-        w.record("model.safetensors", sw.close())
-        entries = {
-            n: piece_entry(
-                t.shape, d, [Piece(file="model.safetensors", key=n, offset=[0] * t.ndim, shape=list(t.shape))]
-            )
-            for (n, d, _), t in zip(specs, tensors.values(), strict=True)
-        }
-        w.commit(
-            CheckpointManifest(
-                **new_header_fields("tests", "0"), config=cfg, dtype="bfloat16", tensors=entries,
-                tokenizer_files=["tokenizer/tokenizer.json"],
-                training=TrainingState(step=7, consumed_samples=56, scheduler={"lr": 1e-4}, optimizer="adamw"),
-            )
-        )  # fmt: skip
+    write_checkpoint(
+        out,
+        tensors,
+        config=cfg,
+        side_files={"tokenizer/tokenizer.json": b'{"fake": true}'},
+        tokenizer_files=["tokenizer/tokenizer.json"],
+        training=TrainingState(step=7, consumed_samples=56, scheduler={"lr": 1e-4}, optimizer="adamw"),
+    )
     return tensors
 
 
@@ -103,8 +79,7 @@ def read_all(path: Path) -> dict[str, torch.Tensor]:
 def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for n in a:
-        assert a[n].dtype == b[n].dtype, n
-        assert torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)), n
+        assert_bitwise_equal(a[n], b[n], n)
 
 
 def test_round_trip_1x1_8x4_2x2_1x1_bit_exact(tmp_path: Path, shard) -> None:
@@ -220,5 +195,5 @@ def test_incomplete_input_and_same_output_refused(tmp_path: Path, shard) -> None
     write_random(tmp_path / "a", CFG, optim=False)
     assert_one_line_error(shard(tmp_path / "a", tmp_path / "a", "--force"), "is the input")
     (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "half" / "model-pp00-tp00.safetensors").write_bytes(b"x")
     assert_one_line_error(shard(tmp_path / "half", tmp_path / "b"), "incomplete artifact")

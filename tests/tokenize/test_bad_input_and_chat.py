@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 import zstandard
-from tokenize_testlib import corpus, write_jsonl
 
 from helpers import assert_one_line_error, run_tool
 from mega_tokenize.chat import ROLE_CODES
 from mega_tokenize.cli import app
 from megacore.artifacts.reader import open_artifact
+from megacore.artifacts.writer import STAGING_MARK
 from megacore.cli import run as cli_run
 from megacore.data.indexed import IndexedReader
+from tokenize_testlib import corpus, write_jsonl
 
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
@@ -135,9 +138,14 @@ def test_interrupted_run_leaves_nothing_complete_looking(tmp_path: Path, sp_mode
     code, _, _ = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
     assert code == 2
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
-    # A leftover staging dir of a killed run is neither reused nor mistaken for an artifact.
+    # A leftover staging dir of a killed run (its mark names a process that is gone) is neither
+    # reused nor mistaken for an artifact.
     (tmp_path / "out.partial" / "shards").mkdir(parents=True)
     (tmp_path / "out.partial" / "shards" / "text.bin").write_bytes(b"half")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    mark = {"pid": gone.pid, "host": socket.gethostname(), "kind": "tokens"}
+    (tmp_path / "out.partial" / STAGING_MARK).write_text(json.dumps(mark))
     good = write_jsonl(tmp_path / "g.jsonl", [{"text": "ok"}])
     code, _, err = _cli(capsys, good, tmp_path / "out", "-t", sp_model)
     assert code == 0, err

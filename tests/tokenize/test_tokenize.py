@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import zstandard
-from tokenize_testlib import corpus, write_jsonl
 
 from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts.reader import open_artifact
 from megacore.data.indexed import IndexedReader
+from tokenize_testlib import corpus, write_jsonl
 
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 

@@ -6,13 +6,15 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import assert_one_line_error, run_tool
 from mega_train.cli import app as train_app
 from megacore.artifacts import MANIFEST_NAME, TokensManifest, new_header_fields, write_artifact
-from megacore.artifacts.manifest import TokenizerInfo
+from megacore.artifacts.manifest import Shard, TokenCounts, TokenizerInfo
 from megacore.cli import run as run_cli
+from megacore.data.indexed import IndexedWriter
 
 TOOLS = ["mega-tokenize", "mega-convert", "mega-shard", "mega-train", "mega-export"]
 
@@ -38,15 +40,23 @@ def test_usage_error_is_exit_2_one_line():
     )
 
 
-def _tokens_artifact(out: Path) -> None:
-    with write_artifact(out) as w:
+def _tokens_artifact(out: Path, vocab_size: int = 32000) -> None:
+    """A small real tokens artifact: 20 documents of 50 ids in one Megatron shard."""
+    with write_artifact(out, "tokens") as w:
         w.path("tokenizer/tokenizer.model").write_bytes(b"not used by the dry run")
-        w.path("shards/text.bin").write_bytes(b"\0" * 8)
-        w.path("shards/text.idx").write_bytes(b"\0" * 8)
+        shard = IndexedWriter(w.path("shards/text"), "uint16")
+        shard.add(np.arange(1000, dtype=np.uint16) % vocab_size, np.full(20, 50))
+        shard.close()
         tok = TokenizerInfo(
-            type="sentencepiece", files=["tokenizer/tokenizer.model"], vocab_size=32000, fingerprint="x"
+            type="sentencepiece", files=["tokenizer/tokenizer.model"], vocab_size=vocab_size, fingerprint="x"
         )
-        w.commit(TokensManifest(**new_header_fields("tests", "0"), tokenizer=tok, dtype="uint16"))
+        shards = [Shard(prefix="shards/text", json_key="text", documents=20, tokens=1000)]
+        counts = TokenCounts(documents=20, tokens=1000)
+        w.commit(
+            TokensManifest(
+                **new_header_fields("tests", "0"), tokenizer=tok, dtype="uint16", shards=shards, counts=counts
+            )
+        )
 
 
 @pytest.fixture
@@ -142,7 +152,7 @@ def test_dry_run_hashes_only_when_asked(run_dir: Path, capsys):
         dry_run(capsys, *argv, "--verify", "sha256"), str(run_dir / "tokens"), "sha256 differs"
     )
     assert_one_line_error(
-        dry_run(capsys, *argv, "--verify", "md5"), "--verify", "expected sha256, size or none"
+        dry_run(capsys, *argv, "--verify", "md5"), "--verify", "'md5' is not one of 'sha256', 'size', 'none'"
     )
 
 

@@ -1,20 +1,27 @@
-"""What every tool's `cli.py` shares: the typer app shape, `--version`, `--debug` and the exit codes.
+"""What every tool's `cli.py` shares: the typer app shape, `--version`, `--debug`, signals and the
+exit codes (docs/architecture.md, "Errors").
 
-Exit codes (DESIGN.md section 5): 0 done, 1 failure while working, 2 bad input or usage. A bad
-input is one line on stderr; a traceback only with `--debug`.
+Exit codes: 0 done, 1 failure while working, 2 bad input or usage, 130 interrupted (Ctrl-C), 143
+terminated (SIGTERM, as Airflow and SLURM send). A bad input is one line on stderr; a traceback only
+with `--debug` (anywhere on the command line) or `MEGA_DEBUG=1`. Interrupted or terminated, a tool
+unwinds like on any failure: its staging directory is removed (megacore.artifacts.output).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Literal
 
 import typer
 from typer.exceptions import TyperException
 
 from megacore.errors import UserError
+
+Verify = Literal["sha256", "size", "none"]
 
 
 def make_app(help: str) -> typer.Typer:
@@ -43,22 +50,15 @@ def version_option(prog: str, version: str):
 
 
 def debug_option():
-    """`--debug` for a command's signature; `run` reads it from argv so it works anywhere."""
-    return typer.Option(False, "--debug", help="Show the traceback on errors.")
+    """`--debug` in a command's help; `run` takes it out of the arguments wherever it stands."""
+    return typer.Option(False, "--debug", help="Show the traceback on errors (or set MEGA_DEBUG=1).")
 
 
 def verify_option(what: str):
-    """`--verify sha256|size|none` for a command's signature (default size): how the data files of
-    `what` are checked before use. sha256 reads every byte; size is instant on terabytes of shards."""
-
-    def check(value: str) -> str:
-        if value not in ("sha256", "size", "none"):
-            raise UserError(f"expected sha256, size or none, got {value!r}", "--verify")
-        return value
-
-    return typer.Option(
-        "size", "--verify", callback=check, help=f"How to check {what} first: sha256, size or none."
-    )
+    """`--verify sha256|size|none` for a command's signature (typed `Verify`, default size): how the
+    data files of `what` are checked before use. sha256 reads every byte; size is instant on
+    terabytes of shards."""
+    return typer.Option("size", "--verify", help=f"How to check {what} first.")
 
 
 def add_group_options(app: typer.Typer, prog: str, version: str) -> None:
@@ -77,11 +77,29 @@ def error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so the tool unwinds (and cleans up) as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _split_debug(args: list[str]) -> tuple[list[str], bool]:
+    """`--debug` anywhere before a `--` separator, taken out of the arguments."""
+    end = args.index("--") if "--" in args else len(args)
+    debug = "--debug" in args[:end]
+    return [a for i, a in enumerate(args) if not (a == "--debug" and i < end)], debug
+
+
 def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | None = None) -> int:
     """Run a typer app with the project's exit-code and error-line conventions; returns the exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("MEGA_DEBUG") == "1"
+    args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    debug = debug or os.environ.get("MEGA_DEBUG") == "1"
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
+    previous = None
+    if argv is None:  # a console-script run owns the process: SIGTERM unwinds like Ctrl-C
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
         return int(result) if isinstance(result, int) else 0
@@ -95,7 +113,8 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
             e.show()  # prints the help text
             return 2
         # Usage errors: the one line click would print, without its multi-line banner.
-        error(prog, e.format_message() if hasattr(e, "format_message") else str(e))
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        error(prog, message.replace("Value error, ", ""))
         return 2
     except UserError as e:
         if debug:
@@ -105,11 +124,17 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
     except KeyboardInterrupt:
         error(prog, "interrupted")
         return 130
+    except Terminated:
+        error(prog, "terminated")
+        return 143
     except Exception as e:
         if debug:
             traceback.print_exc()
         error(prog, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main_for(app: typer.Typer, prog: str) -> Callable[[], None]:

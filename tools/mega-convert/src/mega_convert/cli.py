@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import typer
 
 from mega_convert import __version__
 from megacore.cli import add_group_options, main_for, make_app
+from megacore.progress import plural
+
+DType = Literal["float32", "bfloat16", "float16"]
 
 app = make_app(
     "Hugging Face Llama / Code Llama / Mistral / Falcon weights to a checkpoint artifact, with a "
@@ -22,17 +26,21 @@ add_group_options(app, "mega-convert", __version__)
 
 @app.command()
 def hf(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json + *.safetensors)."),
-    out: Path = typer.Argument(..., help="Output checkpoint artifact directory."),
-    dtype: str | None = typer.Option(
-        None, "--dtype", help="float32, bfloat16 or float16 (default: the dtype the weights are stored in)."
+    model_dir: Path = typer.Argument(
+        ..., metavar="MODEL_DIR", help="Hugging Face model directory (config.json + *.safetensors)."
+    ),
+    out: Path = typer.Argument(..., metavar="OUT", help="Output checkpoint artifact directory."),
+    dtype: DType | None = typer.Option(
+        None, "--dtype", help="Weight dtype of the checkpoint (default: the dtype the weights are stored in)."
     ),
     pad_vocab_multiple: int = typer.Option(
         128,
         "--pad-vocab-multiple",
         help="Pad the embedding / lm_head rows to a multiple of this (zero rows).",
     ),
-    force: bool = typer.Option(False, "--force", help="Rebuild even if OUT is already this conversion."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace OUT when it is a checkpoint these tools wrote (even this conversion)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
 ) -> None:
     """Convert a Hugging Face model directory to a tp1/pp1 checkpoint artifact, tensor by tensor.
@@ -46,15 +54,19 @@ def hf(
         typer.echo(json.dumps(s))
     elif not s["reused"]:
         typer.echo(
-            f"wrote {s['out']}: {s['family']}, {s['tensors']} tensors, {s['parameters']:,} parameters, "
+            f"wrote {s['out']}: {s['family']}, {plural(s['tensors'], 'tensor')}, {plural(s['parameters'], 'parameter')}, "
             f"{s['dtype']}, vocab {s['vocab_size']} padded to {s['padded_vocab_size']} ({s['seconds']:.1f}s)"
         )
 
 
 @app.command()
 def verify(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint artifact made by `mega-convert hf`."),
-    model_dir: Path = typer.Argument(..., help="The Hugging Face model directory it came from."),
+    checkpoint: Path = typer.Argument(
+        ..., metavar="CHECKPOINT", help="Checkpoint artifact (any layout), e.g. made by `mega-convert hf`."
+    ),
+    model_dir: Path = typer.Argument(
+        ..., metavar="MODEL_DIR", help="The Hugging Face model directory to compare with."
+    ),
     tolerance: float | None = typer.Option(
         None,
         "--tolerance",
@@ -65,7 +77,7 @@ def verify(
         "--mean-tolerance",
         help="Largest allowed mean abs logit error (default 0.01 float32, 0.1 otherwise).",
     ),
-    dtype: str = typer.Option("float32", "--dtype", help="Compute dtype for both models."),
+    dtype: DType = typer.Option("float32", "--dtype", help="Compute dtype for both models."),
     seq_len: int = typer.Option(64, "--seq-len", min=2, help="Tokens per sequence."),
     batch: int = typer.Option(2, "--batch", min=1, help="Sequences."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),

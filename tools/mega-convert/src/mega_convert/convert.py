@@ -7,42 +7,27 @@ One HF tensor is in memory at a time, so peak memory stays near the largest tens
 
 from __future__ import annotations
 
-import hashlib
 import json
-import queue
-import shutil
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from mega_convert import __version__
-from megacore.artifacts import (
-    CheckpointManifest,
-    Piece,
-    SafetensorsStreamWriter,
-    new_header_fields,
-    piece_entry,
-    write_artifact,
-)
-from megacore.artifacts.layout import TORCH_DTYPES
-from megacore.artifacts.manifest import MANIFEST_NAME, Layout, ModelConfig
-from megacore.artifacts.reader import open_artifact
+from megacore.artifacts import TORCH_DTYPES
+from megacore.artifacts.manifest import Layout
+from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
+from megacore.artifacts.pieces import safetensors_header
+from megacore.background import Background
+from megacore.checkpoint import CheckpointWriter, shard_file
+from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
 from megacore.errors import UserError
-from megacore.models import (
-    DEFAULT_PAD_MULTIPLE,
-    check_maps,
-    config_from_hf,
-    decoder_shapes,
-    hf_shapes,
-    import_tensors,
-    tensor_maps,
-)
+from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, tensor_maps
+from megacore.progress import Progress
 
 TOKENIZER_FILES = (
     "tokenizer.model",
@@ -55,8 +40,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-WEIGHTS = "model.safetensors"
-T = TypeVar("T")
+WEIGHTS = shard_file(0, 0)  # the tp1/pp1 layout: one file
 INDEX = "model.safetensors.index.json"
 
 
@@ -101,80 +85,42 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     for f in files:
         if not f.is_file():
             raise UserError(f"{f.name} is listed in {INDEX} but missing", str(model_dir))
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                keys = list(h.keys())
-        except Exception as e:  # safetensors raises its own error types for a corrupt header
-            raise UserError(f"not a readable safetensors file ({e})", str(f)) from None
-        for k in keys:
-            where.setdefault(k, f)
+        for k in safetensors_header(f):
+            if k != "__metadata__":
+                where.setdefault(k, f)
     return where
 
 
 def check_hf_tensors(config: ModelConfig, where: dict[str, Path], model_dir: Path) -> None:
     """Every tensor the config implies is present with its shape (read from the safetensors headers
     only), so a bad input fails before anything is written."""
-    handles: dict[Path, Any] = {}
-    try:
-        for name, shape in hf_shapes(config).items():
-            if name not in where:
-                raise UserError(f"tensor {name} is missing from the safetensors files", str(model_dir))
-            f = where[name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt")
-            got = tuple(handles[f].get_slice(name).get_shape())
-            if got != shape:
-                raise UserError(
-                    f"tensor {name}: shape {list(got)}, config.json implies {list(shape)}", str(f)
-                )
-    finally:
-        handles.clear()
+    headers: dict[Path, dict] = {}
+    for name, shape in hf_shapes(config).items():
+        if name not in where:
+            raise UserError(f"tensor {name} is missing from the safetensors files", str(model_dir))
+        f = where[name]
+        if f not in headers:
+            headers[f] = safetensors_header(f)
+        got = tuple(headers[f][name]["shape"])
+        if got != shape:
+            raise UserError(f"tensor {name}: shape {list(got)}, config.json implies {list(shape)}", str(f))
 
 
-def source_fingerprint(model_dir: Path, files: list[Path], options: dict[str, Any]) -> str:
-    """What decides the output: config.json bytes, weight files (name, size, mtime), options, version."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(set(files)):
+def recipe(model_dir: Path, files: list[Path], options: dict[str, Any]) -> str:
+    """What decides the output: config.json bytes, the weight and tokenizer files (name, size,
+    mtime) and the options."""
+
+    def ident(f: Path) -> list:
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    for t in TOKENIZER_FILES:
-        if (model_dir / t).is_file():
-            h.update(f"{t}:{(model_dir / t).stat().st_size};".encode())
-    h.update(json.dumps({**options, "version": __version__}, sort_keys=True).encode())
-    return h.hexdigest()
+        return [f.name, st.st_size, st.st_mtime_ns]
 
-
-def _existing_fingerprint(out: Path) -> str | None:
-    if not (out / MANIFEST_NAME).is_file() or not (out / WEIGHTS).is_file():
-        return None
-    try:
-        open_artifact(out, "checkpoint", verify="size")
-        with safe_open(str(out / WEIGHTS), framework="pt") as h:
-            return (h.metadata() or {}).get("source_fingerprint")
-    except Exception:
-        return None
-
-
-def _prefetch(items: Iterator[T]) -> Iterator[T]:
-    """Produce the next item on a helper thread while the caller writes the current one: reading
-    and the write + sha256 of the previous tensor overlap (file I/O and hashing release the GIL).
-    At most two tensors are alive at once."""
-    q: queue.Queue = queue.Queue(maxsize=1)
-    done = object()
-
-    def work() -> None:
-        try:
-            for item in items:
-                q.put(item)
-            q.put(done)
-        except BaseException as e:  # re-raised in the caller's thread
-            q.put(e)
-
-    threading.Thread(target=work, daemon=True).start()
-    while (item := q.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    tokenizer = [ident(model_dir / t) for t in TOKENIZER_FILES if (model_dir / t).is_file()]
+    return recipe_sha256(
+        config=(model_dir / "config.json").read_bytes().decode("utf-8", "replace"),
+        weights=[ident(f) for f in sorted(set(files))],
+        tokenizer=tokenizer,
+        **options,
+    )
 
 
 def convert_hf(
@@ -184,26 +130,24 @@ def convert_hf(
     dtype: str | None = None,
     pad_multiple: int = DEFAULT_PAD_MULTIPLE,
     force: bool = False,
-    progress: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Convert; returns a summary. An existing identical conversion at `out` is reused unless `force`."""
     t0 = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
-    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"expected float32, bfloat16 or float16, got {dtype!r}", "--dtype")
     hf = read_hf_config(model_dir)
     config = config_from_hf(hf, str(model_dir / "config.json"), pad_multiple=pad_multiple)
     check_maps(config)
     where = weight_files(model_dir)
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     first = next(iter(where))
-    with safe_open(str(where[first]), framework="pt") as h:
-        source_dtype = h.get_slice(first).get_dtype()
+    source_dtype = safetensors_header(where[first])[first]["dtype"]
     source = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(source_dtype)
     out_dtype = dtype or source or "float32"
-    fingerprint = source_fingerprint(
-        model_dir, list(where.values()), {"dtype": out_dtype, "pad_multiple": pad_multiple}
-    )
+    rec = recipe(model_dir, list(where.values()), {"dtype": out_dtype, "pad_multiple": pad_multiple})
     summary = {
         "out": str(out),
         "family": config.family,
@@ -211,12 +155,12 @@ def convert_hf(
         "vocab_size": config.vocab_size,
         "padded_vocab_size": config.padded_vocab_size,
     }
-    if not force and _existing_fingerprint(out) == fingerprint:
+    if not force and reusable(out, "checkpoint", rec) is not None:
         say(f"mega-convert: {out} is already this conversion; reusing it (pass --force to rebuild)")
         return {**summary, "reused": True, "seconds": round(time.perf_counter() - t0, 3)}
 
     check_hf_tensors(config, where, model_dir)
-    shapes = decoder_shapes(config)
+    shapes = model_tensors(config)
     torch_dtype = TORCH_DTYPES[out_dtype]
 
     def get(name: str) -> torch.Tensor:
@@ -227,41 +171,45 @@ def convert_hf(
         with safe_open(str(where[name]), framework="pt") as h:
             return h.get_tensor(name)
 
-    tensors = {}
-    with write_artifact(out, force=force) as w:
-        order = [n for m in tensor_maps(config) for n in m.ours]  # the order import_tensors yields
-        decl = [(n, out_dtype, shapes[n]) for n in order]
-        with SafetensorsStreamWriter(w.path(WEIGHTS), decl, {"source_fingerprint": fingerprint}) as sw:
-            for i, (name, t) in enumerate(_prefetch(import_tensors(config, get, str(model_dir)))):
-                sw.write(name, t if t.dtype == torch_dtype else t.to(torch_dtype))
-                tensors[name] = piece_entry(
-                    shapes[name],
-                    out_dtype,
-                    [Piece(file=WEIGHTS, key=name, offset=[0] * len(t.shape), shape=list(t.shape))],
-                )
-                if i % 50 == 0:
-                    say(f"mega-convert: {i + 1}/{len(shapes)} tensors")
-            sha = sw.close()
-        w.record(WEIGHTS, sha, sw.size)
-        tokenizer_files = []
-        for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
-                shutil.copyfile(model_dir / name, w.path(f"tokenizer/{name}"))
-                tokenizer_files.append(f"tokenizer/{name}")
-        manifest = CheckpointManifest(
-            **new_header_fields("mega-convert", __version__),
+    order = [n for m in tensor_maps(config) for n in m.ours]  # the order import_tensors yields
+    elem = torch_dtype.itemsize
+    total = sum(torch.Size(shapes[n]).numel() * elem for n in order)
+    shown = Progress("mega-convert", "tensors", total=len(order), total_bytes=total, enabled=progress)
+    with write_artifact(out, "checkpoint", inputs=[model_dir], force=force, recipe=rec) as w:
+        cw = CheckpointWriter(w)
+        sw = cw.open_file(
+            WEIGHTS, [(n, shapes[n], out_dtype, ((0,) * len(shapes[n]), shapes[n])) for n in order]
+        )
+        # The next HF tensor is read on a helper thread while this one is written and hashed.
+        tensors = Background.source(
+            import_tensors(config, get, str(model_dir)), depth=1, name="mega-convert-read"
+        )
+        try:
+            with sw:
+                for name, t in tensors:
+                    sw.write(name, t if t.dtype == torch_dtype else t.to(torch_dtype))
+                    shown.update(1, t.numel() * elem)
+        finally:
+            tensors.close()
+        cw.close_file(WEIGHTS, sw)
+        tokenizer_files = [
+            cw.add_file(model_dir / name, f"tokenizer/{name}")
+            for name in TOKENIZER_FILES
+            if (model_dir / name).is_file()
+        ]
+        cw.commit(
             config=config,
             dtype=out_dtype,
             layout=Layout(tp=1, pp=1, dp=1, stage_layers=[list(range(config.num_layers))]),
-            tensors=tensors,
+            producer=("mega-convert", __version__),
             tokenizer_files=tokenizer_files,
         )
-        w.commit(manifest)
+    shown.done()
     params = sum(int(torch.Size(s).numel()) for s in shapes.values())
     return {
         **summary,
         "reused": False,
-        "tensors": len(tensors),
+        "tensors": len(order),
         "parameters": params,
         "tokenizer_files": tokenizer_files,
         "seconds": round(time.perf_counter() - t0, 3),

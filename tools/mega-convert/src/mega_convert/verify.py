@@ -9,10 +9,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mega_convert.convert import read_hf_config, weight_files
-from megacore.artifacts.layout import TORCH_DTYPES
+from mega_convert.convert import check_hf_tensors, read_hf_config, weight_files
+from megacore.artifacts import TORCH_DTYPES
+from megacore.checkpoint import CheckpointReader, load_decoder
+from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
-from megacore.models import config_from_hf, load_decoder
+from megacore.models import config_from_hf
 
 # Defaults: the issue's bar (max abs error 1e-4 in fp32) and the seed document's mean-error bars.
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0, "float16": 1.0}
@@ -31,19 +33,23 @@ def verify(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Run both models; `passed` is False when max or mean error is above its tolerance."""
-    from transformers import AutoModelForCausalLM
-
-    if dtype not in TORCH_DTYPES or dtype not in DEFAULT_TOLERANCE:
-        raise UserError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if dtype not in DEFAULT_TOLERANCE:
+        raise UserError(f"expected float32, bfloat16 or float16, got {dtype!r}", "--dtype")
     torch_dtype = TORCH_DTYPES[dtype]
-    hf_config = config_from_hf(read_hf_config(Path(model_dir)), str(Path(model_dir) / "config.json"))
-    weight_files(Path(model_dir))  # the same safetensors-only rule as conversion, before loading
-    ours = load_decoder(Path(checkpoint), torch_dtype).eval()
-    if ours.config.vocab_size != hf_config.vocab_size or ours.config.num_layers != hf_config.num_layers:
+    model_dir = Path(model_dir)
+    hf_config = config_from_hf(read_hf_config(model_dir), str(model_dir / "config.json"))
+    # Everything transformers would trip over is checked first, as one-line errors: the same
+    # architecture (vocab padding aside), and safetensors weights of the shapes config.json implies.
+    with CheckpointReader(Path(checkpoint)) as ckpt:
+        diff = config_differences(ckpt.config, hf_config, ignore=(*TOKEN_ID_FIELDS, "padded_vocab_size"))
+    if diff:
         raise UserError(
-            "the checkpoint's config does not match config.json (vocab size / layers)", str(checkpoint)
+            f"the checkpoint's model config differs from {model_dir / 'config.json'} in {', '.join(diff)}",
+            str(checkpoint),
         )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa").eval()
+    check_hf_tensors(hf_config, weight_files(model_dir), model_dir)
+    ours = load_decoder(Path(checkpoint), torch_dtype).eval()
+    hf = _load_transformers(model_dir, torch_dtype)
     vocab = hf_config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -69,3 +75,13 @@ def verify(
     result["loss_diff"] = abs(result["loss_ours"] - result["loss_hf"])
     result["passed"] = bool(result["max_abs_error"] <= tol and result["mean_abs_error"] <= mean_tol)
     return result
+
+
+def _load_transformers(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF model in transformers (SDPA), without its progress bars and load reports on our output."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()

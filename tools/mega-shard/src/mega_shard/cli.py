@@ -8,8 +8,9 @@ from pathlib import Path
 import typer
 
 from mega_shard import __version__
-from megacore.cli import debug_option, main_for, make_app, verify_option, version_option
+from megacore.cli import Verify, debug_option, main_for, make_app, verify_option, version_option
 from megacore.errors import UserError
+from megacore.progress import plural
 
 app = make_app("Reshard a checkpoint artifact to any tensor/pipeline layout, streaming, no GPU.")
 
@@ -27,15 +28,19 @@ def _counts(value: str | None) -> list[int] | None:
 
 @app.command()
 def run(
-    checkpoint: Path = typer.Argument(..., help="Input checkpoint artifact (any layout)."),
-    out: Path = typer.Argument(..., help="Output checkpoint artifact directory."),
+    checkpoint: Path = typer.Argument(
+        ..., metavar="CHECKPOINT", help="Input checkpoint artifact (any layout)."
+    ),
+    out: Path = typer.Argument(..., metavar="OUT", help="Output checkpoint artifact directory."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of the output."),
     pp: int = typer.Option(1, "--pp", help="Pipeline stages of the output."),
     pp_layers: str | None = typer.Option(
         None, "--pp-layers", help="Layers per stage, comma-separated (default: an even split)."
     ),
-    force: bool = typer.Option(False, "--force", help="Rebuild an existing output."),
-    verify: str = verify_option("the input's files"),
+    force: bool = typer.Option(
+        False, "--force", help="Replace OUT when it is a checkpoint these tools wrote from other inputs."
+    ),
+    verify: Verify = verify_option("the input's files"),
     chunk_mb: int = typer.Option(64, "--chunk-mb", help="Streaming block size (MiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-shard", __version__),
@@ -77,7 +82,7 @@ def run(
         typer.echo(json.dumps(summary))
     elif not res.reused:
         typer.echo(
-            f"wrote {out} (tp {tp}, pp {pp}; {res.tensors} tensors, {len(res.files)} files, "
+            f"wrote {out} (tp {tp}, pp {pp}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
             f"{res.bytes_written / 1e9:.2f} GB in {res.seconds:.1f}s)",
             err=True,
         )

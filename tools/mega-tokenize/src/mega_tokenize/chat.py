@@ -1,9 +1,9 @@
-"""Conversations to token pieces with a role per token, for `--format chat`.
+"""Conversations to token segments with a role per token, for `--format chat`.
 
 Accepted lines: `{"messages": [{"role": ..., "content": ...}, ...]}` (any number of turns) and
 Megatron-LLM's `{"system": ..., "question": ..., "answer": ...}` (system optional).
 
-A conversation is rendered to *pieces*: text to encode, or a token id (a template marker such as
+A conversation is rendered to *segments*: text to encode, or a token id (a template marker such as
 `<|im_start|>`). Message contents are always encoded as raw text, so a user writing "<|im_end|>"
 or "<s>" gets text tokens, never the marker. Every piece carries a role code; the role sidecar
 holds one code per token so training can put the loss on assistant tokens only.
@@ -24,7 +24,7 @@ class ChatError(ValueError):
 
 
 @dataclass
-class Piece:
+class Segment:
     text: str | None  # text to encode, or None for a token id
     token: int | None
     role: int
@@ -75,21 +75,21 @@ def messages_of(obj: object) -> list[tuple[str, str]]:
     raise ChatError('no "messages" array and no "question"/"answer" keys')
 
 
-def render_chatml(msgs: list[tuple[str, str]], start_id: int, end_id: int) -> list[Piece]:
+def render_chatml(msgs: list[tuple[str, str]], start_id: int, end_id: int) -> list[Segment]:
     """`<|im_start|>role\\ncontent<|im_end|>\\n` per message. The header and newlines are template
     (role 0); the content and its `<|im_end|>` belong to the message, so an assistant-only loss
     teaches the model to close its turn."""
-    pieces = []
+    segments = []
     for role, content in msgs:
         code = ROLE_CODES[role]
-        pieces += [
-            Piece(None, start_id, 0),
-            Piece(f"{role}\n", None, 0),
-            Piece(content, None, code),
-            Piece(None, end_id, code),
-            Piece("\n", None, 0),
+        segments += [
+            Segment(None, start_id, 0),
+            Segment(f"{role}\n", None, 0),
+            Segment(content, None, code),
+            Segment(None, end_id, code),
+            Segment("\n", None, 0),
         ]
-    return pieces
+    return segments
 
 
 _SENTINEL = "\ue000MEGA{}\ue001"
@@ -121,7 +121,7 @@ class TemplateRenderer:
         names = sorted(specials, key=len, reverse=True)
         self.split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
-    def render(self, msgs: list[tuple[str, str]]) -> list[Piece]:
+    def render(self, msgs: list[tuple[str, str]]) -> list[Segment]:
         for _, c in msgs:
             if "\ue000" in c:
                 raise ChatError("content contains U+E000, which this tool reserves")
@@ -134,12 +134,12 @@ class TemplateRenderer:
             raise
         except Exception as e:
             raise ChatError(f"chat template failed: {e}") from None
-        pieces: list[Piece] = []
+        segments: list[Segment] = []
         last_content_role = None
         for i, part in enumerate(_SENTINEL_RE.split(text)):
             if i % 2 == 1:  # a message's content
                 role, content = msgs[int(part)]
-                pieces.append(Piece(content, None, ROLE_CODES[role]))
+                segments.append(Segment(content, None, ROLE_CODES[role]))
                 last_content_role = ROLE_CODES[role]
                 continue
             for j, sub in enumerate(self.split.split(part) if self.split else [part]):
@@ -148,10 +148,10 @@ class TemplateRenderer:
                 if j % 2 == 1:
                     # The end marker right after a message belongs to it (the model learns to stop).
                     role = last_content_role if last_content_role is not None else 0
-                    pieces.append(Piece(None, self.specials[sub], role))
+                    segments.append(Segment(None, self.specials[sub], role))
                     last_content_role = None
                 else:
-                    pieces.append(Piece(sub, None, 0))
+                    segments.append(Segment(sub, None, 0))
                     if sub.strip():
                         last_content_role = None
-        return pieces
+        return segments

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Literal
 
 import typer
 
 from mega_tokenize import __version__
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.errors import UserError
+from megacore.progress import plural
 
 app = make_app("Text corpora (jsonl, .zst, .gz) to Megatron-compatible token shards.")
 
@@ -31,7 +33,9 @@ def _split(values: list[str]) -> list[str]:
 )
 def run(
     inputs: list[str] = typer.Argument(
-        ..., help="Input .jsonl / .jsonl.zst / .jsonl.gz files, globs or directories, then the output path."
+        ...,
+        metavar="INPUTS... OUT",
+        help="Input .jsonl / .jsonl.zst / .jsonl.gz files, globs or directories, then the output path.",
     ),
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", "-t", help="SentencePiece .model, tokenizer.json, or a tokenizer directory."
@@ -39,8 +43,10 @@ def run(
     json_key: list[str] = typer.Option(
         ["text"], "--json-key", "-k", help="Key of the text in each line; repeat for one output per key."
     ),
-    format: str = typer.Option("text", "--format", help="text (pretraining) or chat (conversations)."),
-    chat_template: str = typer.Option(
+    format: Literal["text", "chat"] = typer.Option(
+        "text", "--format", help="text (pretraining) or chat (conversations)."
+    ),
+    chat_template: Literal["chatml", "tokenizer"] = typer.Option(
         "chatml", "--chat-template", help="chatml, or tokenizer (the tokenizer's own jinja template)."
     ),
     append_eos: bool = typer.Option(
@@ -54,16 +60,16 @@ def run(
         "--add-special-tokens",
         help="Tokens to add after the vocab (comma-separated or repeated); recorded.",
     ),
-    engine: str = typer.Option(
-        "auto",
-        "--engine",
-        help="auto, sentencepiece, hf or gigatoken; auto = fastest that gives the same ids.",
+    engine: Literal["auto", "sentencepiece", "hf", "gigatoken"] = typer.Option(
+        "auto", "--engine", help="Encoder; auto: the fastest that gives the reference's ids."
     ),
     workers: int = typer.Option(1, "--workers", "-j", help="Encoding threads."),
-    on_error: str = typer.Option(
+    on_error: Literal["fail", "skip"] = typer.Option(
         "fail", "--on-error", help="fail (exit 2 at the first bad line) or skip (count it)."
     ),
-    force: bool = typer.Option(False, "--force", help="Rebuild even if a complete output exists."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace OUT when it is a tokens artifact these tools wrote from other inputs."
+    ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress line on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-tokenize", __version__),
@@ -73,28 +79,20 @@ def run(
     from mega_tokenize.pipeline import Options, tokenize
 
     if len(inputs) < 2:
-        raise UserError("give at least one input and the output path: mega-tokenize INPUT... OUT")
-    for name, value, allowed in (
-        ("--format", format, ("text", "chat")),
-        ("--chat-template", chat_template, ("chatml", "tokenizer")),
-        ("--on-error", on_error, ("fail", "skip")),
-        ("--engine", engine, ("auto", "sentencepiece", "hf", "gigatoken")),
-    ):
-        if value not in allowed:
-            raise UserError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+        raise UserError("give at least one input and the output path: mega-tokenize INPUTS... OUT")
     opts = Options(
         inputs=inputs[:-1],
         out=Path(inputs[-1]),
         tokenizer=tokenizer,
         json_keys=_split(json_key),
-        format=format,  # type: ignore[arg-type]
-        chat_template=chat_template,  # type: ignore[arg-type]
+        format=format,
+        chat_template=chat_template,
         append_eos=append_eos,
         prepend_bos=prepend_bos,
         add_special_tokens=_split(add_special_tokens),
         engine=engine,
         workers=workers,
-        on_error=on_error,  # type: ignore[arg-type]
+        on_error=on_error,
         force=force,
         progress=progress,
     )
@@ -109,8 +107,8 @@ def run(
     else:
         mbs = res.input_bytes / max(res.seconds, 1e-9) / 1e6
         print(
-            f"mega-tokenize: {opts.out}: {c.documents:,} documents, {c.tokens:,} tokens ({m.dtype}), "
-            f"{c.skipped_lines:,} skipped lines, engine {m.engine}, {res.seconds:.1f}s, {mbs:.1f} MB/s",
+            f"mega-tokenize: {opts.out}: {plural(c.documents, 'document')}, {plural(c.tokens, 'token')} ({m.dtype}), "
+            f"{plural(c.skipped_lines, 'skipped line')}, engine {m.engine}, {res.seconds:.1f}s, {mbs:.1f} MB/s",
             file=sys.stderr,
         )
         for ex in c.skipped_examples:

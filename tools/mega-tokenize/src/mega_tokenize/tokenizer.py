@@ -3,7 +3,7 @@
 A tokenizer is a SentencePiece `.model` or a Hugging Face `tokenizer.json` (or a directory with
 one). Its *reference* encoder defines the ids: sentencepiece itself for a `.model`, the
 `tokenizers` library for a `tokenizer.json`. Engines are faster encoders of the same tokenizer;
-one is used only when it gives the reference's ids (checked on a sample, see `choose_engine`).
+one is used only when it gives the reference's ids (checked on samples, see `verify_engine`).
 
 Raw text never produces control tokens: a literal "<s>" in a document stays the text "<s>", the way
 sentencepiece treats it. The HF and gigatoken paths would match it as the control token, so they
@@ -417,29 +417,16 @@ def candidate_engine(tok: Tokenizer, requested: str, log=None) -> Engine:
         return tok.reference()
 
 
-def verify_engine(tok: Tokenizer, eng: Engine, sample: list[str]) -> str | None:
-    """None when `eng` gives the reference's ids on the sample and the built-in tricky texts,
-    else what differs."""
+def verify_engine(tok: Tokenizer, eng: Engine, sample: list[str], probes: bool = True) -> str | None:
+    """None when `eng` gives the reference's ids on the sample (and, with `probes`, the built-in
+    tricky texts), else what differs."""
     ref = tok.reference()
     if eng.name == ref.name:
         return None
-    texts = PROBES + [t for t in sample if t]
+    texts = (PROBES if probes else []) + [t for t in sample if t]
+    if not texts:
+        return None
     bad = _agree(eng, ref, texts)
     if bad is None:
         return None
     return f"engine {eng.name} gives different ids than {ref.name} on {texts[bad][:60]!r}"
-
-
-def choose_engine(tok: Tokenizer, requested: str, sample: list[str], log=None) -> Engine:
-    """Synchronous choice: `auto` takes the fastest engine that gives the reference's ids on the
-    sample, else the reference (saying so); a named engine that differs is an error."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    eng = candidate_engine(tok, requested, log)
-    problem = verify_engine(tok, eng, sample)
-    if problem is None:
-        return eng
-    ref = tok.reference()
-    if requested != "auto":
-        raise UserError(f"{problem}; use --engine {ref.name} or auto")
-    log(f"mega-tokenize: WARNING: {problem}; using {ref.name} (slower, same ids)")
-    return ref

@@ -9,7 +9,8 @@ from pathlib import Path
 import typer
 
 from mega_train import __version__
-from megacore.cli import debug_option, error, main_for, make_app, verify_option, version_option
+from megacore.cli import Verify, debug_option, error, main_for, make_app, verify_option, version_option
+from megacore.progress import plural
 
 app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, under torchrun.")
 
@@ -20,21 +21,25 @@ def train(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Check the manifest and its artifacts, print the plan."
     ),
-    world_size: int = typer.Option(
-        0, "--world-size", help="Processes to plan for (default: WORLD_SIZE from torchrun, else 1)."
+    world_size: int | None = typer.Option(
+        None,
+        "--world-size",
+        show_default=False,
+        help="Processes to plan for  [default: $WORLD_SIZE (set by torchrun), else 1]",
     ),
-    verify: str = verify_option("the referenced artifacts' files"),
+    verify: Verify = verify_option("the referenced artifacts' files"),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
     version: bool = version_option("mega-train", __version__),
     debug: bool = debug_option(),
 ) -> None:
-    """Train from a run manifest.
+    """Train from a run manifest (the training loop is not in this version yet: --dry-run checks a
+    manifest and every artifact it references, and prints the resolved 3D plan).
 
-    Example: mega-train --manifest examples/run.json --dry-run --world-size 8
+    Example: mega-train --manifest run.json --dry-run --world-size 8
     """
-    from mega_train.plan import plan_run  # imports torch; keep --help and --version instant
+    from mega_train.plan import plan_run
 
-    ws = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     plan = plan_run(manifest, ws, verify)
     summary = plan.summary()
     if as_json:
@@ -45,7 +50,7 @@ def train(
             f"{manifest}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
             f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
             f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
-            f"{len(summary['data'])} data source(s)"
+            f"{plural(len(summary['data']), 'data source')}"
         )
     if not dry_run:
         error("mega-train", "training is not in this version yet; use --dry-run to check a manifest")

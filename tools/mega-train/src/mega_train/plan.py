@@ -1,4 +1,5 @@
-"""Resolve a run manifest: decode it strictly, open every artifact it references, check sizes.
+"""Resolve a run manifest into a plan: decode it strictly, open every artifact it references, and
+check everything the training loop relies on, without torch (so without torch.distributed).
 
 This is everything mega-train does before it touches a process group, so a bad run.json fails in
 seconds with one line instead of after a torchrun launch.
@@ -9,20 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megacore.artifacts import CheckpointManifest, ModelConfig, RunManifest, TokensManifest, open_artifact
+from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.manifest import decode_manifest
 from megacore.artifacts.reader import Verify, read_manifest_bytes
+from megacore.config import ModelConfig, model_tensors
+from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.engine import Parallelism, check_parallelism
-from megacore.parallel.plan import check_world
+from megacore.parallel.layout import Parallelism, check_parallelism, check_world
 
 
 @dataclass
 class RunPlan:
+    """A checked run: the manifest, its resolved artifacts and the layout for a world size."""
+
     path: Path
     run: RunManifest
     config: ModelConfig
-    init: CheckpointManifest | None
+    init: tuple[Path, CheckpointManifest] | None
     data: list[tuple[Path, TokensManifest, float]]
     world_size: int
     dp: int
@@ -30,6 +34,8 @@ class RunPlan:
     stage_layers: list[list[int]]
 
     def summary(self) -> dict:
+        """The plan as JSON-able data; every path is resolved the same way (against the manifest's
+        directory) and printed as a usable path."""
         p = self.run.parallel
         return {
             "manifest": str(self.path),
@@ -38,7 +44,7 @@ class RunPlan:
                 "layers": self.config.num_layers,
                 "hidden": self.config.hidden_size,
             },
-            "init": self.run.model.init,
+            "init": str(self.init[0]) if self.init is not None else None,
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
             "parallel": {"world_size": self.world_size, "tp": p.tp, "pp": p.pp, "dp": self.dp},
             "stage_layers": self.stage_layers,
@@ -52,9 +58,43 @@ class RunPlan:
         }
 
 
-def _resolve(base: Path, p: str) -> Path:
-    path = Path(p).expanduser()
-    return path if path.is_absolute() else base / path
+def _check_init(path: Path, init: CheckpointManifest, where: str) -> None:
+    """The checkpoint holds every tensor of its model with its shape (the pieces were checked
+    against their files when it was opened)."""
+    for name, shape in model_tensors(init.config).items():
+        entry = init.tensors.get(name)
+        if entry is None:
+            raise UserError(f"$.model.init: tensor {name!r} is missing from {path}", where)
+        if tuple(entry.shape) != shape:
+            raise UserError(
+                f"$.model.init: tensor {name!r} in {path} has shape {entry.shape}, the model {list(shape)}",
+                where,
+            )
+
+
+def _check_tokens(
+    i: int, path: Path, tokens: TokensManifest, config: ModelConfig, run: RunManifest, where: str
+) -> None:
+    at = f"$.data.sources[{i}]"
+    vocab = tokens.tokenizer.vocab_size
+    if vocab > config.vocab_size:
+        added = len(tokens.tokenizer.added_special_tokens)
+        extra = f" ({added} of them added special tokens)" if added else ""
+        raise UserError(
+            f"{at}: {path} has token ids up to {vocab - 1}{extra}, beyond the model's vocab_size "
+            f"{config.vocab_size}: resize the model's vocab (embeddings) first",
+            where,
+        )
+    if run.data.loss_on == "assistant" and (
+        tokens.format != "chat" or not tokens.shards[0].sidecars.get("roles")
+    ):
+        raise UserError(
+            f"{at}: loss_on assistant needs a chat tokens artifact (mega-tokenize --format chat)", where
+        )
+    if tokens.counts.documents < 1:
+        raise UserError(f"{at}: {path} holds no documents", where)
+    for shard in tokens.shards:  # the index of every shard is readable and matches its data file
+        IndexedReader(path / shard.prefix)
 
 
 def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> RunPlan:
@@ -66,26 +106,42 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     run = decode_manifest(data, str(manifest_path), kind="run")
     assert isinstance(run, RunManifest)
     where = str(manifest_path)
+    if world_size < 1:
+        raise UserError(f"must be at least 1, got {world_size}", "--world-size")
 
     init = None
     if run.model.init is not None:
-        init = open_artifact(_resolve(base, run.model.init), "checkpoint", verify=verify)
+        path = resolve_ref(base, run.model.init)
+        init = (path, open_artifact(path, "checkpoint", verify=verify))
+        _check_init(path, init[1], where)
     if (init is None) == (run.model.config is None):
         raise UserError("$.model: give exactly one of `init` (a checkpoint) or `config`", where)
-    config = init.config if init is not None else run.model.config
+    config = init[1].config if init is not None else run.model.config
+    assert config is not None
 
-    if not run.data.sources:
-        raise UserError("$.data.sources: at least one tokens artifact is needed", where)
     sources = []
     for i, src in enumerate(run.data.sources):
-        if src.weight <= 0:
-            raise UserError(f"$.data.sources[{i}].weight: must be positive, got {src.weight}", where)
-        path = _resolve(base, src.path)
-        sources.append((path, open_artifact(path, "tokens", verify=verify), src.weight))
+        path = resolve_ref(base, src.path)
+        tokens = open_artifact(path, "tokens", verify=verify)
+        _check_tokens(i, path, tokens, config, run, where)
+        sources.append((path, tokens, src.weight))
 
-    p, b = run.parallel, run.batch
-    dp = check_world(world_size, p.tp, p.pp, "$.parallel")
-    if b.micro_batch_size < 1 or b.global_batch_size % (b.micro_batch_size * dp):
+    b, opt = run.batch, run.optimizer
+    if b.seq_length > config.max_seq_len:
+        raise UserError(
+            f"$.batch.seq_length: {b.seq_length} exceeds the model's max_seq_len {config.max_seq_len}, the "
+            "context its positions were trained for; raise max_seq_len (with rope_scaling) in the model "
+            "config to train a longer context",
+            where,
+        )
+    if opt.min_lr > opt.lr:
+        raise UserError(f"$.optimizer.min_lr: {opt.min_lr} is above lr {opt.lr}", where)
+    if opt.warmup_steps > run.train_steps:
+        raise UserError(
+            f"$.optimizer.warmup_steps: {opt.warmup_steps} exceeds train_steps {run.train_steps}", where
+        )
+    dp = check_world(world_size, run.parallel.tp, run.parallel.pp, "$.parallel")
+    if b.global_batch_size % (b.micro_batch_size * dp):
         raise UserError(
             f"$.batch.global_batch_size: {b.global_batch_size} is not a multiple of "
             f"micro_batch_size * dp = {b.micro_batch_size} * {dp}",
@@ -93,9 +149,8 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         )
     # The pipeline runs the whole per-rank batch as microbatches of `micro_batch_size`.
     microbatches = b.global_batch_size // (b.micro_batch_size * dp)
-    stages = check_parallelism(
-        config, Parallelism.from_run(p, run.precision, microbatches, run.compile), "$.parallel"
-    )
+    par = Parallelism(run.parallel, run.precision, microbatches, run.compile)
+    stages = check_parallelism(config, par, "$.parallel")
     return RunPlan(
         path=manifest_path,
         run=run,

@@ -1,7 +1,8 @@
-"""Artifacts: manifests, atomic writing, verification and the tensor layout algebra.
+"""Artifacts: manifests (manifest.py), opening and path checks (reader.py), the output policy and
+atomic writing (output.py, writer.py), and the tensor layout algebra (pieces.py, tensors.py).
 
-The layout algebra needs torch; it is imported on first use so that tools which only read
-manifests (a dry run, the tokenizer) start without paying for it.
+`tensors` needs torch; it is imported on first use so that tools which only read manifests (a dry
+run, the tokenizer) start without paying for it.
 """
 
 import importlib
@@ -10,8 +11,8 @@ from megacore.artifacts.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     CheckpointManifest,
+    HFManifest,
     Manifest,
-    ModelConfig,
     Piece,
     RunManifest,
     TensorEntry,
@@ -19,28 +20,25 @@ from megacore.artifacts.manifest import (
     decode_manifest,
     encode_manifest,
     json_schemas,
+    kind_of,
     new_header_fields,
 )
-from megacore.artifacts.reader import confined_path, open_artifact, parent_of
-from megacore.artifacts.writer import ArtifactWriter, sha256_file, write_artifact
+from megacore.artifacts.output import prepare_output, recipe_sha256, reusable, write_artifact
+from megacore.artifacts.pieces import Box, chunk_split, even_split, intersect, piece_entry, whole
+from megacore.artifacts.reader import confined_path, open_artifact, parent_of, resolve_ref
+from megacore.artifacts.writer import ArtifactWriter, sha256_file
 
-_LAZY = {
-    "SafetensorsStreamWriter",
-    "TensorReader",
-    "chunk_split",
-    "dtype_name",
-    "even_split",
-    "intersect",
-    "piece_entry",
-}
+_LAZY = {"SafetensorsStreamWriter", "TensorReader", "TORCH_DTYPES", "dtype_name"}
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "TORCH_DTYPES",
     "ArtifactWriter",
+    "Box",
     "CheckpointManifest",
+    "HFManifest",
     "Manifest",
-    "ModelConfig",
     "Piece",
     "RunManifest",
     "SafetensorsStreamWriter",
@@ -55,16 +53,22 @@ __all__ = [
     "even_split",
     "intersect",
     "json_schemas",
+    "kind_of",
     "new_header_fields",
     "open_artifact",
     "parent_of",
     "piece_entry",
+    "prepare_output",
+    "recipe_sha256",
+    "resolve_ref",
+    "reusable",
     "sha256_file",
+    "whole",
     "write_artifact",
 ]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module("megacore.artifacts.layout"), name)
+        return getattr(importlib.import_module("megacore.artifacts.tensors"), name)
     raise AttributeError(f"module 'megacore.artifacts' has no attribute {name!r}")

@@ -1,30 +1,49 @@
-"""Manifest structs for every artifact kind (DESIGN.md section 2).
+"""Manifest structs for every artifact kind (docs/architecture.md, "The artifact contract").
 
 One `manifest.json` describes one artifact directory. Decoding is strict: unknown fields are
-rejected, types are checked, and a `format_version` newer than this library knows is refused
-before anything else is looked at. `schemas/*.schema.json` is generated from these structs
+rejected, types and ranges are checked, and a `format_version` newer than this library knows is
+refused before anything else is looked at. `schemas/*.schema.json` is generated from these structs
 (`make schemas`); a test fails when the two drift apart.
+
+Every path field is typed by what it points at (`x-path` in the schemas), so that one function,
+`megacore.artifacts.reader.check_paths`, finds and checks all of them:
+- `file`: a file of this artifact: relative, confined to its directory, listed in `files`;
+- `prefix`: `<prefix>.bin` and `<prefix>.idx` of this artifact, each as a `file`;
+- `ref`: a path outside the artifact (a run manifest's inputs and outputs), resolved against the
+  manifest's directory, never the working directory;
+- `record`: provenance (a parent's or an input's path as given); recorded, never opened.
 """
 
 from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
+from megacore.config import ModelConfig, Positive, PositiveFloat, Struct
 from megacore.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
-Kind = Literal["tokens", "checkpoint", "run"]
+Kind = Literal["tokens", "checkpoint", "run", "hf"]
 DType = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint16", "uint8"]
+Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "interleavedzb"]
+PATH_KINDS = ("file", "prefix", "ref", "record")
 
 
-class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=False):
-    """Base of every manifest struct: strict, keyword-only."""
+def _path(kind: str) -> object:
+    return msgspec.Meta(extra_json_schema={"x-path": kind})
+
+
+FilePath = Annotated[str, _path("file")]
+Prefix = Annotated[str, _path("prefix")]
+Ref = Annotated[str, _path("ref")]
+Record = Annotated[str, _path("record")]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
 # --- common header -------------------------------------------------------------------------------
@@ -38,7 +57,7 @@ class Producer(Struct):
 class Parent(Struct):
     """An input artifact: path as given on the command line, its kind and its manifest's sha256."""
 
-    path: str
+    path: Record
     kind: Kind
     manifest_sha256: str
 
@@ -46,17 +65,21 @@ class Parent(Struct):
 class FileEntry(Struct):
     """A data file of the artifact; `path` is relative and confined to the artifact directory."""
 
-    path: str
-    size: int
+    path: FilePath
+    size: NonNegative
     sha256: str
 
 
 class Header(Struct, tag_field="kind", kw_only=True):
+    """Fields every kind has. `recipe_sha256` hashes what decides the artifact's content (its
+    inputs' identities and the settings): a rerun with the same recipe reuses the artifact."""
+
     format_version: int
     producer: Producer | None = None
     created_at: str | None = None
     parents: list[Parent] = []
     files: list[FileEntry] = []
+    recipe_sha256: str | None = None
 
 
 # --- tokens --------------------------------------------------------------------------------------
@@ -69,8 +92,8 @@ class TokenizerInfo(Struct):
     command line); `base_vocab_size` is the tokenizer's own."""
 
     type: Literal["sentencepiece", "hf"]
-    files: list[str]
-    vocab_size: int
+    files: list[FilePath]
+    vocab_size: Positive
     fingerprint: str
     base_vocab_size: int | None = None
     bos_id: int | None = None
@@ -84,11 +107,11 @@ class Shard(Struct):
     """One Megatron `MMIDIDX` pair: `<prefix>.bin` and `<prefix>.idx` (plus optional sidecars,
     e.g. `{"roles": "<prefix>.roles"}`: one uint8 role code per token, with the same index)."""
 
-    prefix: str
+    prefix: Prefix
     json_key: str
-    documents: int
-    tokens: int
-    sidecars: dict[str, str] = {}
+    documents: NonNegative
+    tokens: NonNegative
+    sidecars: dict[str, Prefix] = {}
 
 
 class TokenCounts(Struct):
@@ -101,7 +124,7 @@ class TokenCounts(Struct):
 class InputFile(Struct):
     """An input corpus file as it was read; size and mtime tell a rerun whether it changed."""
 
-    path: str
+    path: Record
     size: int
     mtime_ns: int
 
@@ -118,7 +141,6 @@ class TokensManifest(Header, tag="tokens", kw_only=True):
     json_keys: list[str] = []
     on_error: Literal["fail", "skip"] = "fail"
     inputs: list[InputFile] = []
-    settings_sha256: str | None = None
     shards: list[Shard] = []
     counts: TokenCounts = msgspec.field(default_factory=TokenCounts)
 
@@ -126,60 +148,17 @@ class TokensManifest(Header, tag="tokens", kw_only=True):
 # --- checkpoint ----------------------------------------------------------------------------------
 
 
-class RopeScaling(Struct):
-    type: Literal["linear", "dynamic", "llama3"]
-    factor: float
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-
-
-class ModelConfig(Struct):
-    """Everything needed to build the decoder; every family is a choice of these switches."""
-
-    family: Literal["llama", "mistral", "falcon"]
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    max_seq_len: int = 4096
-    padded_vocab_size: int | None = None
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = 1e-5
-    activation: Literal["swiglu", "gelu"] = "swiglu"
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None
-    parallel_attn: bool = False
-    num_ln_in_parallel_attn: int = 1
-    attn_bias: bool = False
-    attn_out_bias: bool = False
-    mlp_bias: bool = False
-    norm_bias: bool = False
-    tie_embeddings: bool = False
-    bos_id: int | None = None
-    eos_id: int | None = None
-
-
-def padded_vocab(config: ModelConfig) -> int:
-    """Rows of the embedding and output projection: the padded vocab when one is set."""
-    return config.padded_vocab_size or config.vocab_size
-
-
 class Piece(Struct):
     """A rectangular block of a logical tensor stored as `key` in safetensors file `file`."""
 
-    file: str
+    file: FilePath
     key: str
-    offset: list[int]
-    shape: list[int]
+    offset: list[NonNegative]
+    shape: list[NonNegative]
 
 
 class TensorEntry(Struct):
-    shape: list[int]
+    shape: list[NonNegative]
     dtype: DType
     pieces: list[Piece]
 
@@ -187,20 +166,20 @@ class TensorEntry(Struct):
 class Layout(Struct):
     """How the tensors were split when written: tp, pp, dp shards and the layers of each stage."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    tp: Positive = 1
+    pp: Positive = 1
+    dp: Positive = 1
     stage_layers: list[list[int]] = []
 
 
 class TrainingState(Struct):
     """Resume state beside the weights; readers that want weights only ignore it."""
 
-    step: int
-    consumed_samples: int = 0
+    step: NonNegative
+    consumed_samples: NonNegative = 0
     scheduler: dict[str, float | int | str] = {}
     optimizer: str | None = None
-    rng_files: list[str] = []
+    rng_files: list[FilePath] = []
 
 
 class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
@@ -208,8 +187,19 @@ class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     dtype: DType
     layout: Layout = msgspec.field(default_factory=Layout)
     tensors: dict[str, TensorEntry] = {}
-    tokenizer_files: list[str] = []
+    tokenizer_files: list[FilePath] = []
     training: TrainingState | None = None
+
+
+# --- hf ------------------------------------------------------------------------------------------
+
+
+class HFManifest(Header, tag="hf", kw_only=True):
+    """A Hugging Face model directory written by mega-export (config.json, safetensors, tokenizer
+    files): transformers ignores this manifest; it records lineage and lets a rerun reuse or
+    replace the directory, which no tool does to a directory it did not write."""
+
+    dtype: DType
 
 
 # --- run -----------------------------------------------------------------------------------------
@@ -218,64 +208,73 @@ class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
 class ModelSpec(Struct):
     """Start from a checkpoint artifact (`init`), or from scratch with a `config`."""
 
-    init: str | None = None
+    init: Ref | None = None
     config: ModelConfig | None = None
 
 
 class DataSource(Struct):
-    path: str
-    weight: float = 1.0
+    path: Ref
+    weight: PositiveFloat = 1.0
 
 
 class DataSpec(Struct):
-    sources: list[DataSource]
-    split: list[float] = msgspec.field(default_factory=lambda: [0.98, 0.02])
+    sources: Annotated[list[DataSource], msgspec.Meta(min_length=1)]
+    # train/valid[/test] fractions of the documents
+    split: Annotated[list[NonNegativeFloat], msgspec.Meta(min_length=1, max_length=3)] = msgspec.field(
+        default_factory=lambda: [0.98, 0.02]
+    )
     loss_on: Literal["all", "assistant"] = "all"
+
+    def __post_init__(self) -> None:
+        if not sum(self.split) > 0:
+            raise ValueError("split: the fractions must not all be zero")
 
 
 class ParallelSpec(Struct):
     """tp and pp are set; dp is what is left: world size / (tp * pp), never set by hand."""
 
-    tp: int = 1
-    pp: int = 1
-    pp_layers: list[int] | None = None
-    schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "interleavedzb"] = "1f1b"
-    virtual_stages: int = 1
+    tp: Positive = 1
+    pp: Positive = 1
+    pp_layers: list[Positive] | None = None
+    schedule: Schedule = "1f1b"
+    virtual_stages: Positive = 1
     sequence_parallel: bool = False
     dp_mode: Literal["fsdp", "replicate"] = "fsdp"
 
 
 class BatchSpec(Struct):
-    micro_batch_size: int
-    global_batch_size: int
-    seq_length: int
+    micro_batch_size: Positive
+    global_batch_size: Positive
+    seq_length: Positive
 
 
 class OptimizerSpec(Struct):
     name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.1
-    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
+    lr: PositiveFloat = 3e-4
+    min_lr: NonNegativeFloat = 0.0
+    weight_decay: NonNegativeFloat = 0.1
+    betas: Annotated[
+        list[Annotated[float, msgspec.Meta(ge=0, lt=1)]], msgspec.Meta(min_length=2, max_length=2)
+    ] = msgspec.field(default_factory=lambda: [0.9, 0.95])
+    eps: PositiveFloat = 1e-8
+    grad_clip: NonNegativeFloat = 1.0  # 0: no clipping
+    warmup_steps: NonNegative = 0
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
 
 
 class CheckpointSpec(Struct):
-    dir: str
-    every: int = 1000
-    keep: int | None = None
+    dir: Ref
+    every: Positive = 1000
+    keep: Positive | None = None
 
 
 class EvalSpec(Struct):
-    every: int = 0
-    iters: int = 10
+    every: NonNegative = 0  # 0: only at the end
+    iters: Positive = 10
 
 
 class LoggingSpec(Struct):
-    every: int = 1
+    every: Positive = 1
     wandb_project: str | None = None
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
 
@@ -284,7 +283,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     model: ModelSpec
     data: DataSpec
     batch: BatchSpec
-    train_steps: int
+    train_steps: Positive
     parallel: ParallelSpec = msgspec.field(default_factory=ParallelSpec)
     optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
     precision: Literal["fp32", "bf16"] = "bf16"
@@ -297,12 +296,17 @@ class RunManifest(Header, tag="run", kw_only=True):
     seed: int = 1234
 
 
-Manifest = TokensManifest | CheckpointManifest | RunManifest
+Manifest = TokensManifest | CheckpointManifest | RunManifest | HFManifest
 MANIFEST_TYPES: dict[str, type[Header]] = {
     "tokens": TokensManifest,
     "checkpoint": CheckpointManifest,
     "run": RunManifest,
+    "hf": HFManifest,
 }
+
+
+def kind_of(manifest: Manifest) -> Kind:
+    return type(manifest).__struct_config__.tag  # type: ignore[return-value]
 
 
 # --- encode / decode -----------------------------------------------------------------------------

@@ -1,29 +1,40 @@
-"""Opening artifacts: manifest decoding, path confinement and checksum verification.
+"""Opening artifacts: manifest decoding, path checks and checksum verification.
 
 Every tool opens its inputs through `open_artifact`; the errors are UserErrors (exit 2) that name
-the artifact and the offending field or file.
+the artifact, the field path and the file. `check_paths` is the one place a path from a manifest
+is checked: it finds every field typed as a path (manifest.py's `FilePath`, `Prefix`, `Ref`,
+`Record`) by walking the manifest with its type, so a path field added later is checked too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, overload
+
+import msgspec
+import msgspec.inspect as mi
 
 from megacore.artifacts.manifest import (
     MANIFEST_NAME,
     CheckpointManifest,
+    HFManifest,
     Kind,
     Manifest,
     Parent,
     RunManifest,
     TokensManifest,
     decode_manifest,
+    kind_of,
 )
+from megacore.artifacts.pieces import check_pieces
 from megacore.artifacts.writer import sha256_bytes, sha256_file
 from megacore.errors import UserError
 
 Verify = Literal["sha256", "size", "none"]
+PREFIX_SUFFIXES = (".bin", ".idx")
 
 
 def confined_path(root: Path, relpath: str, where: str) -> Path:
@@ -39,6 +50,110 @@ def confined_path(root: Path, relpath: str, where: str) -> Path:
     if os.path.commonpath([real_root, real]) != real_root:
         raise UserError(f"file path {relpath!r} resolves outside the artifact (symlink)", where)
     return full
+
+
+def resolve_ref(base: Path, value: str) -> Path:
+    """A `ref` path of a manifest (e.g. a run manifest's inputs): absolute, or relative to `base`, the
+    manifest's directory, whatever the working directory is."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path(base) / path
+
+
+# --- path fields ---------------------------------------------------------------------------------
+
+
+def _path_kind(t: mi.Type) -> str | None:
+    if isinstance(t, mi.Metadata):
+        return (t.extra_json_schema or {}).get("x-path")
+    return None
+
+
+_HOLDS_PATHS: dict[int, bool] = {}  # by id: type infos are not hashable, and live in _type_info's cache
+
+
+def _may_hold_paths(t: mi.Type) -> bool:
+    """Whether values of type `t` can contain a path field (subtrees without any are skipped)."""
+    known = _HOLDS_PATHS.get(id(t))
+    if known is not None:
+        return known
+    if _path_kind(t) is not None:
+        found = True
+    elif isinstance(t, mi.Metadata):
+        found = _may_hold_paths(t.type)
+    elif isinstance(t, mi.StructType):
+        found = any(_may_hold_paths(f.type) for f in t.fields)
+    elif isinstance(t, mi.ListType):
+        found = _may_hold_paths(t.item_type)
+    elif isinstance(t, mi.DictType):
+        found = _may_hold_paths(t.value_type)
+    elif isinstance(t, mi.UnionType):
+        found = any(_may_hold_paths(u) for u in t.types)
+    else:
+        found = False
+    _HOLDS_PATHS[id(t)] = found
+    return found
+
+
+@functools.cache
+def _type_info(cls: type) -> mi.Type:
+    return mi.type_info(cls)
+
+
+def _walk(value: object, t: mi.Type, at: str) -> Iterator[tuple[str, str, str]]:
+    if value is None or not _may_hold_paths(t):
+        return
+    kind = _path_kind(t)
+    if kind is not None:
+        yield at, kind, value  # type: ignore[misc]
+    elif isinstance(t, mi.Metadata):
+        yield from _walk(value, t.type, at)
+    elif isinstance(t, mi.StructType):
+        for f in t.fields:
+            yield from _walk(getattr(value, f.name), f.type, f"{at}.{f.encode_name}")
+    elif isinstance(t, mi.ListType):
+        for i, item in enumerate(value):  # type: ignore[arg-type]
+            yield from _walk(item, t.item_type, f"{at}[{i}]")
+    elif isinstance(t, mi.DictType):
+        for key, item in value.items():  # type: ignore[union-attr]
+            yield from _walk(item, t.value_type, f'{at}["{key}"]')
+    elif isinstance(t, mi.UnionType):
+        for u in t.types:
+            if isinstance(u, mi.StructType) and isinstance(value, u.cls):
+                yield from _walk(value, u, at)
+                return
+        for u in t.types:  # an optional path or list: the one member that is not None
+            if not isinstance(u, mi.NoneType | mi.StructType):
+                yield from _walk(value, u, at)
+                return
+
+
+def path_fields(manifest: msgspec.Struct) -> Iterator[tuple[str, str, str]]:
+    """(field path such as `$.shards[0].prefix`, path kind, value) of every path field of a decoded
+    manifest, found through its type (so no path field can be missed)."""
+    yield from _walk(manifest, _type_info(type(manifest)), "$")
+
+
+def check_paths(manifest: Manifest, root: Path, where: str) -> None:
+    """Every `file` and `prefix` path of the manifest is relative, stays inside `root` (no `..`,
+    no symlink out) and names a file listed in `$.files`; `ref` and `record` paths are not
+    artifact files (resolve refs with `resolve_ref`)."""
+    listed = {e.path for e in manifest.files}
+    checked: set[str] = set()  # thousands of pieces share a few files
+    for at, kind, value in path_fields(manifest):
+        if kind not in ("file", "prefix"):
+            continue
+        for rel in [value] if kind == "file" else [value + s for s in PREFIX_SUFFIXES]:
+            if rel in checked:
+                continue
+            confined_path(root, rel, f"{where}: {at}")
+            if rel not in listed:
+                raise UserError(
+                    f"{rel!r} names no file of the artifact (it is not in $.files)", f"{where}: {at}"
+                )
+            checked.add(rel)
+
+
+# --- opening -------------------------------------------------------------------------------------
 
 
 def read_manifest_bytes(path: Path) -> tuple[Path, bytes]:
@@ -65,17 +180,21 @@ def open_artifact(path: Path, kind: Literal["checkpoint"], verify: Verify = ...)
 @overload
 def open_artifact(path: Path, kind: Literal["run"], verify: Verify = ...) -> RunManifest: ...
 @overload
+def open_artifact(path: Path, kind: Literal["hf"], verify: Verify = ...) -> HFManifest: ...
+@overload
 def open_artifact(path: Path, kind: None = ..., verify: Verify = ...) -> Manifest: ...
 def open_artifact(path: Path, kind: Kind | None = None, verify: Verify = "sha256") -> Manifest:
-    """Decode and check an artifact. `verify` chooses how hard the data files are checked."""
+    """Decode and check an artifact: its paths always; as `verify` says, its data files (size or
+    sha256) and, for a checkpoint, every piece against its safetensors file's header."""
     root, data = read_manifest_bytes(path)
     where = str(root / MANIFEST_NAME) if (root / MANIFEST_NAME).is_file() else str(path)
     manifest = decode_manifest(data, where, kind)
+    check_paths(manifest, root, where)
+    if verify == "none":
+        return manifest
     for i, entry in enumerate(manifest.files):
         at = f"{where}: $.files[{i}]"
-        full = confined_path(root, entry.path, at)
-        if verify == "none":
-            continue
+        full = root / entry.path
         if not full.is_file():
             raise UserError(f"{entry.path}: listed in the manifest but missing", at)
         size = full.stat().st_size
@@ -83,6 +202,8 @@ def open_artifact(path: Path, kind: Kind | None = None, verify: Verify = "sha256
             raise UserError(f"{entry.path}: size {size} differs from the manifest's {entry.size}", at)
         if verify == "sha256" and sha256_file(full) != entry.sha256:
             raise UserError(f"{entry.path}: sha256 differs from the manifest (corrupted or edited)", at)
+    if isinstance(manifest, CheckpointManifest):
+        check_pieces(manifest.tensors, root, where)
     return manifest
 
 
@@ -94,5 +215,4 @@ def parent_of(path: Path) -> Parent:
     """Lineage entry for an input artifact: path as given, kind and the sha256 of its manifest."""
     root, data = read_manifest_bytes(path)
     manifest = decode_manifest(data, str(root))
-    kind = type(manifest).__struct_config__.tag
-    return Parent(path=str(path), kind=kind, manifest_sha256=sha256_bytes(data))
+    return Parent(path=str(path), kind=kind_of(manifest), manifest_sha256=sha256_bytes(data))

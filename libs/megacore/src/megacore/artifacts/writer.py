@@ -1,22 +1,25 @@
 """Atomic artifact writing: build in `<out>.partial/`, write the manifest last, fsync, rename.
 
 A crash at any point leaves either the old artifact untouched or no `manifest.json` at `<out>`:
-never something that looks complete and is not.
+never something that looks complete and is not. The staging directory carries a mark
+(`STAGING_MARK`: which process made it), removed at commit, by which a later run knows a leftover
+`<out>.partial/` as its own. Where an artifact may be written at all is `output.py`'s policy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import socket
+from datetime import UTC, datetime
 from pathlib import Path
 
-from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Manifest, encode_manifest
-from megacore.errors import UserError
+from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Kind, Manifest, encode_manifest, kind_of
 
 _CHUNK = 1 << 20
+STAGING_MARK = ".mega-staging"
 
 
 def sha256_file(path: Path) -> str:
@@ -50,18 +53,33 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def staging_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
 class ArtifactWriter:
     """Collects an artifact's files in a staging directory; `commit` makes it appear at once.
 
-    Write data files under `writer.dir`, then call `commit(manifest)`: it lists and hashes every
-    file (unless the caller recorded them already with `record`), writes `manifest.json` last and
-    renames the staging directory into place.
+    `stage()` creates the directory (one process does; others of a job may write into it), data
+    files go under `writer.dir`, then `commit(manifest)` lists and hashes every file (unless the
+    caller recorded them already with `record`), sets the recipe, writes `manifest.json` last and
+    renames the staging directory into place. Use it through `output.write_artifact`, which applies
+    the output policy first.
     """
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, kind: Kind, recipe: str | None = None) -> None:
         self.out = Path(out)
-        self.dir = self.out.with_name(self.out.name + ".partial")
+        self.kind = kind
+        self.recipe = recipe
+        self.dir = staging_dir(self.out)
+        self.committed = False
         self._recorded: dict[str, FileEntry] = {}
+
+    def stage(self) -> None:
+        self.dir.mkdir(parents=True)
+        mark = {"pid": os.getpid(), "host": socket.gethostname(), "kind": self.kind}
+        mark["started"] = datetime.now(UTC).isoformat(timespec="seconds")
+        (self.dir / STAGING_MARK).write_text(json.dumps(mark) + "\n")
 
     def path(self, relpath: str) -> Path:
         p = self.dir / relpath
@@ -81,7 +99,7 @@ class ArtifactWriter:
             if not p.is_file():
                 continue
             rel = p.relative_to(self.dir).as_posix()
-            if rel == MANIFEST_NAME:
+            if rel in (MANIFEST_NAME, STAGING_MARK):
                 continue
             entry = self._recorded.get(rel)
             if entry is None or entry.size != p.stat().st_size:
@@ -90,49 +108,29 @@ class ArtifactWriter:
         return entries
 
     def commit(self, manifest: Manifest) -> Manifest:
-        """Fill in `files`, write the manifest last, and move the artifact into place."""
+        """Fill in `files` and the recipe, write the manifest last, and move the artifact into place."""
+        if kind_of(manifest) != self.kind:
+            raise RuntimeError(f"a {kind_of(manifest)} manifest committed as a {self.kind} artifact")
+        if self.recipe is not None:
+            manifest.recipe_sha256 = self.recipe
         manifest.files = self.file_entries()
         for e in manifest.files:
             with open(self.dir / e.path, "rb") as f:
                 os.fsync(f.fileno())
+        (self.dir / STAGING_MARK).unlink(missing_ok=True)
         write_file_atomic(self.dir / MANIFEST_NAME, encode_manifest(manifest))
         old = None
         if self.out.exists():
-            # Keep the old artifact until the new one is in place; delete it only afterwards.
+            # The output policy allowed replacing it (an empty directory, or our own artifact);
+            # keep it until the new one is in place, delete it only afterwards.
             old = self.out.with_name(f"{self.out.name}.replaced-{os.getpid()}")
             os.replace(self.out, old)
         os.replace(self.dir, self.out)
         _fsync_dir(self.out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        self.committed = True
         return manifest
 
     def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@contextmanager
-def write_artifact(out: Path, *, force: bool = False) -> Iterator[ArtifactWriter]:
-    """Stage an artifact at `<out>.partial/`; the body must call `writer.commit(manifest)`.
-
-    An existing complete artifact at `out` is replaced only with `force`; anything at `out` that is
-    not an artifact (no manifest) is refused, so no user data is ever deleted by mistake.
-    """
-    out = Path(out)
-    if out.exists():
-        if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
-            raise UserError("exists and is not an artifact (no manifest.json); choose another path", str(out))
-        if (out / MANIFEST_NAME).is_file() and not force:
-            raise UserError("already exists; pass --force to rebuild it", str(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = ArtifactWriter(out)
-    if writer.dir.exists():  # leftover of an interrupted run
-        shutil.rmtree(writer.dir)
-    writer.dir.mkdir(parents=True)
-    committed = False
-    try:
-        yield writer
-        committed = (out / MANIFEST_NAME).is_file() and not writer.dir.exists()
-    finally:
-        if not committed:
-            writer.abort()

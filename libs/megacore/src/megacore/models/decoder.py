@@ -1,11 +1,14 @@
 """The one decoder every family is built from: a plain nn.Module, no parallel code inside.
 
-Names and shapes follow the model naming contract shared with the parallel plans, mega-shard and
-the converters (state-dict names are checkpoint tensor names):
-`embed`, `layers.<global index>.{attn_norm, attn.{q,k,v,o}_proj, mlp_norm, mlp.{gate,up,down}_proj}`,
-`norm`, `lm_head`. Tensor and pipeline parallelism are applied from outside: heads are counted from
-the (possibly sharded) projection outputs, a pipeline stage keeps a subset of `layers` and drops
-`embed` or `norm`/`lm_head` by setting them to None.
+Names and shapes follow the model naming contract (`megacore.parallel.layout.model_tensors`, shared
+with the parallel plans, mega-shard and the converters; state-dict names are checkpoint tensor
+names). Tensor and pipeline parallelism are applied from outside (docs/architecture.md): heads are
+counted from the (possibly sharded) projection outputs, a pipeline stage keeps a subset of `layers`
+and drops `embed` or `norm`/`lm_head` by setting them to None.
+
+Single-device fast paths are switched by a `fused` attribute on the module that has one (the
+q/k/v and gate/up matmuls, RMSNorm's backward, the loss fused with the output projection); a
+tensor-parallel plan turns them off where its DTensor shards need the plain module code.
 """
 
 from __future__ import annotations
@@ -15,25 +18,26 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from megacore.artifacts.manifest import ModelConfig, padded_vocab
+from megacore.config import ModelConfig
 from megacore.models.attention import Impl, causal_attention
 from megacore.models.loss import fused_linear_cross_entropy
-from megacore.models.rope import apply_rope, head_dim, rope_tables
+from megacore.models.rope import apply_rope, rope_tables
 
 
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameters and state dict) with a hand-written backward: one fp32 pass over
-    the saved input instead of autograd through pow/mean/rsqrt/mul (about a third less time on CPU).
-    DTensor inputs (sequence parallel) take nn.RMSNorm's own path."""
+    the saved input instead of autograd through pow/mean/rsqrt/mul (see `bench/run.py kernels`
+    for what it saves). `fused = False` (sequence parallel's DTensors) takes nn.RMSNorm's path."""
+
+    fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps or torch.finfo(x.dtype).eps
         if torch.compiler.is_compiling():  # plain ops, which the compiler fuses on its own
             xf = x.float()
             return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype) * self.weight
-        if type(x) is not torch.Tensor or type(self.weight) is not nn.Parameter:
+        if not self.fused:
             return super().forward(x)
         return _RMSNormFn.apply(x, self.weight, eps)
 
@@ -56,13 +60,12 @@ class _RMSNormFn(torch.autograd.Function):
         return ((gw - xhat * dot) * rstd).to(x.dtype), grad_weight, None
 
 
-def project(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x, as one matmul over the concatenated weights when they are plain
-    tensors (wider matmuls run faster, notably bf16 AMX kernels); the parameters stay separate.
-    Tensor-parallel (DTensor) weights keep one matmul each, their shards are laid out per projection."""
-    weights = [lin.weight for lin in linears]
-    if isinstance(x, DTensor) or any(isinstance(w, DTensor) for w in weights):
+def project(x: torch.Tensor, *linears: nn.Linear, fused: bool = True) -> tuple[torch.Tensor, ...]:
+    """Each linear applied to x; `fused`: as one matmul over the concatenated weights (wider matmuls
+    run faster, notably bf16 AMX kernels), the parameters staying separate."""
+    if not fused:
         return tuple(lin(x) for lin in linears)
+    weights = [lin.weight for lin in linears]
     biases = [lin.bias for lin in linears]
     bias = None if biases[0] is None else torch.cat(biases)
     out = F.linear(x, torch.cat(weights), bias)
@@ -76,9 +79,11 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 class Attention(nn.Module):
+    fused = True  # q/k/v as one matmul
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hd, hidden = head_dim(config), config.hidden_size
+        hd, hidden = config.head_dim, config.hidden_size
         self.head_dim = hd
         self.window = config.sliding_window
         self.impl: Impl = "auto"
@@ -90,13 +95,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in project(x, self.q_proj, self.k_proj, self.v_proj))
+        qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
         out = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.window, self.impl)
         return self.o_proj(out.reshape(b, s, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU (gate, up, down) or GELU (up, down, as Falcon)."""
+
+    fused = True  # gate/up as one matmul
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -107,7 +115,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
-            gate, up = project(x, self.gate_proj, self.up_proj)
+            gate, up = project(x, self.gate_proj, self.up_proj, fused=self.fused)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.gelu(self.up_proj(x)))
 
@@ -138,14 +146,14 @@ class Decoder(nn.Module):
     """Decoder-only transformer. `layers` chooses which global layers this module holds (a pipeline
     stage); `embed=False` / `head=False` leave out the embedding / final norm and output projection."""
 
+    fused = True  # forward(x, targets) fuses the loss with the output projection
+
     def __init__(
         self, config: ModelConfig, layers: Iterable[int] | None = None, embed: bool = True, head: bool = True
     ) -> None:
         super().__init__()
         self.config = config
-        vocab = padded_vocab(config)
-        if vocab < config.vocab_size:
-            raise ValueError(f"padded_vocab_size {vocab} is smaller than vocab_size {config.vocab_size}")
+        vocab = config.padded_vocab_size
         self.embed = nn.Embedding(vocab, config.hidden_size) if embed else None
         indices = range(config.num_layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): Block(config) for i in indices})
@@ -158,7 +166,7 @@ class Decoder(nn.Module):
         """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
 
         With `targets` [B, S] (last stage only) returns the mean next-token cross entropy instead,
-        fused with the output projection when its weight is a plain tensor (never full fp32 logits)."""
+        fused with the output projection (never full fp32 logits)."""
         if self.embed is not None:
             x = self.embed(x)
         cos, sin = rope_tables(self.config, x.shape[1], x.device, x.dtype)
@@ -174,7 +182,7 @@ class Decoder(nn.Module):
             raise RuntimeError("tied embeddings: the stage that computes logits needs `embed`")
         if targets is None:  # through the module: tensor-parallel plans hook lm_head
             return self.lm_head(x) if self.lm_head is not None else F.linear(x, weight)
-        if isinstance(weight, DTensor) or isinstance(x, DTensor):
+        if not self.fused:
             # Vocab-parallel logits need loss_parallel: megacore.parallel's lm_loss does that.
             raise RuntimeError("targets with tensor-parallel weights: compute the loss from the logits")
         return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size)

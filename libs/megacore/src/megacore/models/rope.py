@@ -12,12 +12,12 @@ import math
 
 import torch
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.config import ModelConfig
 
 
 def inv_freq(config: ModelConfig, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32 for a sequence of `seq_len` positions."""
-    dim = head_dim(config)
+    dim = config.head_dim
     base = config.rope_theta
     scaling = config.rope_scaling
     if scaling is not None and scaling.type == "dynamic":
@@ -40,14 +40,8 @@ def inv_freq(config: ModelConfig, seq_len: int, device: torch.device | str | Non
     )
 
 
-def _llama3(
-    freqs: torch.Tensor, factor: float, low: float | None, high: float | None, context: int | None
-) -> torch.Tensor:
+def _llama3(freqs: torch.Tensor, factor: float, low: float, high: float, context: int) -> torch.Tensor:
     """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
-    if low is None or high is None or context is None:
-        raise ValueError(
-            "llama3 rope scaling needs low_freq_factor, high_freq_factor, original_max_position_embeddings"
-        )
     low_wavelen, high_wavelen = context / low, context / high
     wavelen = 2 * math.pi / freqs
     scaled = torch.where(wavelen > low_wavelen, freqs / factor, freqs)
@@ -55,10 +49,6 @@ def _llama3(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
-
-
-def head_dim(config: ModelConfig) -> int:
-    return config.head_dim or config.hidden_size // config.num_heads
 
 
 def rope_tables(

@@ -1,36 +1,46 @@
-"""Parallelism on PyTorch's own engine: layout planning and checks (`plan`), the device mesh
-(`mesh`), tensor/sequence parallel plans, pipeline stages and schedules, data parallel wrapping."""
+"""Parallelism on PyTorch's own engine (docs/architecture.md): the layout and its checks
+(`layout`, no torch), the device mesh (`mesh`), tensor/sequence parallel styles (`tp`), the engine
+that builds a rank's stages and runs a step (`engine`), and saving / loading a live model (`state`).
 
-from megacore.parallel.plan import (
+Only `layout` is imported here: a dry run uses it without importing torch.
+"""
+
+from megacore.parallel.layout import (
     ADAMW_STATE_KINDS,
+    MULTI_STAGE,
     OPTIM_PREFIX,
+    SCHEDULES,
+    Parallelism,
     TensorPlace,
-    check_layout,
     check_microbatches,
+    check_parallelism,
     check_tp,
     check_world,
     kv_replicated,
     optim_state_name,
-    padded_vocab,
     place,
     split_optim_name,
     stage_layers,
     stage_of,
+    tp_box,
 )
 
 __all__ = [
     "ADAMW_STATE_KINDS",
+    "MULTI_STAGE",
     "OPTIM_PREFIX",
+    "SCHEDULES",
+    "Parallelism",
     "TensorPlace",
-    "check_layout",
     "check_microbatches",
+    "check_parallelism",
     "check_tp",
     "check_world",
     "kv_replicated",
     "optim_state_name",
-    "padded_vocab",
     "place",
     "split_optim_name",
     "stage_layers",
     "stage_of",
+    "tp_box",
 ]

@@ -1,16 +1,16 @@
 """Builds this rank's part of the model for a (pp, dp, tp) mesh and runs forward/backward.
 
-Order (torchtitan's): the stage modules are built on the meta device from the layer ModuleDict,
-tensor parallel is applied, then data parallel (FSDP2 `fully_shard` per block and per stage, or
-`replicate`), then the parameters are materialised with `to_empty` and filled by the caller
-(`load_state` / `megacore.parallel.checkpoint.load_checkpoint`, or `init_weights`). Pipeline stages
-are `PipelineStage`s built by hand; schedules are chosen by name.
+Only building and running happens here: what to build (stages, layers, schedule, checks) is
+decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
+on the meta device from the layer ModuleDict, tensor parallel is applied, then data parallel (FSDP2
+`fully_shard` per block and per stage, or `replicate`), then the parameters are materialised with
+`to_empty` and filled by the caller (`load_state` / `megacore.parallel.state.load_checkpoint`, or
+`init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,93 +27,25 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from megacore.artifacts.manifest import ModelConfig, ParallelSpec
-from megacore.errors import UserError
-from megacore.parallel.plan import check_microbatches, check_tp, stage_layers
+from megacore.artifacts.pieces import Box
+from megacore.config import ModelConfig
+from megacore.parallel.layout import (
+    MULTI_STAGE,
+    SCHEDULES,
+    Parallelism,
+    check_microbatches,
+    check_parallelism,
+)
 from megacore.parallel.tp import apply_tp, lm_loss, loss_context
 
-SCHEDULES = {
+SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
     "interleavedzb": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-@dataclass
-class Parallelism:
-    """What the run asks for; dp is what the world leaves (world / (tp * pp))."""
-
-    tp: int = 1
-    pp: int = 1
-    pp_layers: list[int] | None = None
-    schedule: str = "1f1b"
-    virtual_stages: int = 1  # stages per pipeline rank for the interleaved schedules (zbv: always 2)
-    sequence_parallel: bool = False
-    dp_mode: str = "fsdp"  # or "replicate"
-    precision: str = "bf16"  # bf16 compute with fp32 master weights and reductions, or fp32
-    microbatches: int = 1  # per pipeline step
-    compile: bool = False  # torch.compile each transformer block
-
-    @classmethod
-    def from_run(
-        cls, spec: ParallelSpec, precision: str = "bf16", microbatches: int = 1, compile: bool = False
-    ) -> Parallelism:
-        """From a run manifest's `parallel` section (and its precision, microbatch count, compile)."""
-        return cls(
-            tp=spec.tp,
-            pp=spec.pp,
-            pp_layers=spec.pp_layers,
-            schedule=spec.schedule,
-            virtual_stages=spec.virtual_stages,
-            sequence_parallel=spec.sequence_parallel,
-            dp_mode=spec.dp_mode,
-            precision=precision,
-            microbatches=microbatches,
-            compile=compile,
-        )
-
-
-def stages_per_rank(par: Parallelism) -> int:
-    if par.schedule == "zbv":
-        return 2
-    return par.virtual_stages if par.schedule in MULTI_STAGE else 1
-
-
-def rank_stages(par: Parallelism, pp_rank: int) -> list[int]:
-    """Stage indices held by pipeline rank `pp_rank`: looped for interleaved, V-shaped for zbv."""
-    if par.schedule == "zbv":
-        return [pp_rank, 2 * par.pp - 1 - pp_rank]
-    return [pp_rank + k * par.pp for k in range(stages_per_rank(par))]
-
-
-def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.parallel") -> list[list[int]]:
-    """Every check that needs no processes; returns the layers of each stage."""
-    if par.schedule not in SCHEDULES:
-        raise UserError(
-            f"unknown schedule {par.schedule!r}; choose one of {sorted(SCHEDULES)}", f"{where}.schedule"
-        )
-    if par.schedule not in MULTI_STAGE and par.virtual_stages != 1:
-        raise UserError(f"schedule {par.schedule!r} runs one stage per rank; virtual_stages must be 1", where)
-    if par.dp_mode not in ("fsdp", "replicate"):
-        raise UserError(f"dp_mode must be fsdp or replicate, got {par.dp_mode!r}", f"{where}.dp_mode")
-    if par.precision not in ("bf16", "fp32"):
-        raise UserError(f"precision must be bf16 or fp32, got {par.precision!r}", "precision")
-    check_tp(config, par.tp, f"{where}.tp")
-    stages = par.pp * stages_per_rank(par)
-    layers = stage_layers(
-        config.num_layers, stages, par.pp_layers, f"{where}.pp_layers" if par.pp_layers else f"{where}.pp"
-    )
-    if config.tie_embeddings and stages > 1:
-        raise UserError(
-            "tied embeddings with pipeline parallel are not supported yet; use pp 1", f"{where}.pp"
-        )
-    if par.pp > 1 and par.microbatches < par.pp and par.schedule != "gpipe":
-        raise UserError(f"{par.microbatches} microbatches are fewer than the {par.pp} pipeline stages", where)
-    return layers
+assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
@@ -124,13 +56,13 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
         if par.precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    if par.dp_mode == "replicate":
+    if par.spec.dp_mode == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(model, mesh=dp_mesh, mp_policy=mp)
         return
     # With pipelining the parameters are needed again for backward after other microbatches.
-    reshard = par.pp == 1
+    reshard = par.spec.pp == 1
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -148,15 +80,15 @@ class ParallelModel:
         self.device = torch.device(device)
         self.layers = check_parallelism(config, par)
         self.num_stages = len(self.layers)
-        self.tp_mesh = mesh["tp"] if par.tp > 1 else None
+        self.tp_mesh = mesh["tp"] if par.spec.tp > 1 else None
         self.dp = mesh["dp"].size()
-        self.stage_ids = rank_stages(par, mesh["pp"].get_local_rank())
+        self.stage_ids = par.rank_stages(mesh["pp"].get_local_rank())
         self.parts: list[nn.Module] = []
         for s in self.stage_ids:
             with torch.device("meta"):
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
-            if par.tp > 1:
-                apply_tp(part, mesh["tp"], config, par.sequence_parallel)
+            if par.spec.tp > 1:
+                apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel)
             if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
                 part.compile_blocks()
             if self.dp > 1 or par.precision == "bf16":
@@ -170,8 +102,8 @@ class ParallelModel:
                 PipelineStage(part, s, self.num_stages, self.device, group=group)
                 for part, s in zip(self.parts, self.stage_ids, strict=True)
             ]
-            cls = SCHEDULES[par.schedule]
-            first = stages if par.schedule in MULTI_STAGE else stages[0]
+            cls = SCHEDULE_CLASSES[par.spec.schedule]
+            first = stages if par.spec.schedule in MULTI_STAGE else stages[0]
             self.schedule = cls(first, n_microbatches=par.microbatches, loss_fn=self.loss_fn)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -202,10 +134,8 @@ class ParallelModel:
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 model = self.parts[0]
-                # Without vocab-parallel logits the loss is fused with the output projection.
-                loss = (
-                    model(tokens, targets) if self.tp_mesh is None else self.loss_fn(model(tokens), targets)
-                )
+                # The loss is fused with the output projection unless the logits are vocab-parallel.
+                loss = model(tokens, targets) if model.fused else self.loss_fn(model(tokens), targets)
                 loss.backward()
                 return loss.detach()
             data = tokens if tokens is not None else targets

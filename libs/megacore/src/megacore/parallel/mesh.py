@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megacore.parallel.plan import check_world
+from megacore.parallel.layout import check_world
 
 MESH_DIMS = ("pp", "dp", "tp")
 

@@ -1,7 +1,9 @@
-"""Tensor and sequence parallel as DTensor `parallelize_module` plans, applied to a plain Decoder.
+"""Tensor and sequence parallel as DTensor styles, applied to a plain Decoder.
 
-Colwise on q/k/v/gate/up and the lm_head, rowwise on o/down, a vocab-parallel embedding (rowwise
-over the vocab rows) and a vocab-parallel cross entropy (`loss_parallel`). With sequence parallel
+Each module's style follows from where the layout places its weight (`layout.place`, the one
+placement table): split on dim 0 is colwise (q/k/v/gate/up, the lm_head), on dim 1 rowwise
+(o/down), the embedding split on its vocab rows is a vocab-parallel embedding, and the loss is a
+vocab-parallel cross entropy (`loss_parallel`). With sequence parallel
 the residual stream is a DTensor sharded on the sequence dim between blocks, norms run on their
 sequence shard (SequenceParallel) and each attention / MLP input is all-gathered once.
 
@@ -32,7 +34,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.config import ModelConfig
+from megacore.parallel.layout import place
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -90,55 +93,61 @@ def apply_tp(
     model: nn.Module, tp_mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool = False
 ) -> None:
     """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`."""
-    sp = sequence_parallel
+    sp, tp = sequence_parallel, tp_mesh.size()
     hidden_layout = Shard(1) if sp else Replicate()
-    hd = config.head_dim or config.hidden_size // config.num_heads
-    kv_style = (
-        (lambda: ReplicatedKV(config.num_heads, config.num_kv_heads, hd))
-        if config.num_kv_heads < tp_mesh.size()
-        else ColwiseParallel
-    )
-    if model.embed is not None:
-        parallelize_module(
-            model.embed,
-            tp_mesh,
-            RowwiseParallel(input_layouts=Replicate(), output_layouts=hidden_layout, use_local_output=not sp),
-        )
-    elif sp:
+
+    def style(name: str, module: nn.Module) -> ParallelStyle | None:
+        dim = place(f"{name}.weight", config, tp).tp_dim
+        if isinstance(module, nn.Embedding) and dim == 0:  # vocab-parallel: rowwise over the rows
+            return RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=hidden_layout, use_local_output=not sp
+            )
+        if isinstance(module, nn.Linear) and dim == 0:
+            if name == "lm_head":  # logits stay sharded on the vocab for the vocab-parallel loss
+                return ColwiseParallel(
+                    input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True
+                )
+            return ColwiseParallel()
+        if isinstance(module, nn.Linear) and dim == 1:
+            return RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp)
+        if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
+            return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
+        if isinstance(module, nn.LayerNorm | nn.RMSNorm) and dim is None:
+            return SequenceParallel() if sp else None
+        raise NotImplementedError(f"no tensor-parallel style for {name} placed on dim {dim}")
+
+    for name, module in list(model.named_modules()):
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        s = style(name, module)
+        if s is not None:
+            parallelize_module(module, tp_mesh, s)
+            if isinstance(s, SequenceParallel):
+                module.fused = False  # its hand-written backward takes plain tensors only
+    for block in model.layers.values():
+        # Each rank holds a slice of every projection: one matmul per projection, not fused.
+        block.attn.fused = block.mlp.fused = False
+        if sp:  # gather the sequence once per attention / MLP input
+            parallelize_module(
+                block.attn,
+                tp_mesh,
+                PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+            )
+            parallelize_module(
+                block.mlp,
+                tp_mesh,
+                PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            )
+    if model.embed is None and sp:
         # A later pipeline stage receives its sequence shard as a plain tensor.
         model.register_forward_pre_hook(
             lambda mod, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
         )
-    for block in model.layers.values():
-        plan: dict[str, ParallelStyle] = {
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": kv_style(),
-            "attn.v_proj": kv_style(),
-            "attn.o_proj": RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp),
-        }
-        if block.mlp.gate_proj is not None:
-            plan["mlp.gate_proj"] = ColwiseParallel()
-        if sp:
-            plan["attn_norm"] = SequenceParallel()
-            plan["attn"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            )
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            if block.mlp_norm is not None:
-                plan["mlp_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, plan)
     if model.norm is not None:
-        if sp:
-            parallelize_module(model.norm, tp_mesh, SequenceParallel())
-        if model.lm_head is not None:
-            parallelize_module(
-                model.lm_head,
-                tp_mesh,
-                ColwiseParallel(input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True),
-            )
-        else:
+        model.fused = False  # vocab-parallel logits: the loss is `lm_loss` under `loss_parallel`
+        if model.lm_head is None:
             # Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the
             # final norm's output must be a replicated DTensor (gathered over the sequence with SP).
             def replicate_norm_out(mod, args, out):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import falcon, llama, mistral
 from megacore.models.families.common import TensorMap

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megacore.artifacts.manifest import ModelConfig, RopeScaling
+from megacore.config import ModelConfig, RopeScaling
 from megacore.errors import UserError
 
 _MISSING = object()
@@ -149,25 +149,10 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
     return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
 
 
-def validate(config: ModelConfig, where: str) -> ModelConfig:
-    """Consistency checks shared by all families; returns the config."""
-    hd = config.head_dim or config.hidden_size // config.num_heads
-    if config.head_dim is None and config.hidden_size % config.num_heads:
-        raise UserError(
-            f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {config.num_heads}",
-            where,
-        )
-    if config.num_heads % config.num_kv_heads:
-        raise UserError(
-            f"num_attention_heads {config.num_heads} is not a multiple of the kv heads {config.num_kv_heads}",
-            where,
-        )
-    if hd % 2:
-        raise UserError(f"head_dim {hd} must be even for rotary embeddings", where)
-    if config.padded_vocab_size is not None and config.padded_vocab_size < config.vocab_size:
-        raise UserError(
-            f"padded_vocab_size {config.padded_vocab_size} < vocab_size {config.vocab_size}", where
-        )
-    if config.sliding_window is not None and config.sliding_window < 1:
-        raise UserError(f"sliding_window must be >= 1, got {config.sliding_window}", where)
-    return config
+def build_config(where: str, **fields: Any) -> ModelConfig:
+    """A ModelConfig from config.json values; one that is inconsistent (ModelConfig checks itself)
+    is a UserError naming the file."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise UserError(str(e), where) from None

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import HFConfig, TensorMap, linear, rename, rope_to_hf, validate
+from megacore.models.families.common import HFConfig, TensorMap, build_config, linear, rename, rope_to_hf
 
 MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 ARCHITECTURE = "FalconForCausalLM"
@@ -64,7 +64,8 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         raise UserError(f"$.num_ln_in_parallel_attn: expected 1 or 2, got {n_ln!r}", where)
     theta, scaling = c.rope()
     bias = c.bool("bias", False)
-    cfg = ModelConfig(
+    return build_config(
+        where,
         family="falcon",
         vocab_size=c.int("vocab_size"),
         hidden_size=hidden,
@@ -88,7 +89,6 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
     )
-    return validate(cfg, where)
 
 
 def _new_arch(config: ModelConfig) -> bool:
@@ -103,10 +103,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         raise UserError("Falcon needs layernorm with bias and a gelu MLP", "config")
     if not config.attn_bias == config.attn_out_bias == config.mlp_bias:
         raise UserError("Falcon has one `bias` switch; this config's bias switches differ", "config")
-    if config.sliding_window is not None or config.head_dim not in (
-        None,
-        config.hidden_size // config.num_heads,
-    ):
+    if config.sliding_window is not None or config.head_dim * config.num_heads != config.hidden_size:
         raise UserError("sliding window / explicit head_dim cannot be expressed as a Falcon config", "config")
     new_arch = _new_arch(config)
     if new_arch and not config.parallel_attn:
@@ -154,7 +151,7 @@ def _fuse_qkv(ts: tuple[torch.Tensor, ...], kv: int, per_group: int, hd: int) ->
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    kv, hd = config.num_kv_heads, config.hidden_size // config.num_heads
+    kv, hd = config.num_kv_heads, config.head_dim
     geometry = {"kv": kv, "per_group": config.num_heads // kv, "hd": hd}
     split, fuse = partial(_split_qkv, **geometry), partial(_fuse_qkv, **geometry)
     maps = [rename("transformer.word_embeddings.weight", "embed.weight")]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacore.artifacts.manifest import ModelConfig, RopeScaling
+from megacore.config import ModelConfig, RopeScaling
 from megacore.errors import UserError
-from megacore.models.families.common import HFConfig, TensorMap, linear, rename, rope_to_hf, validate
+from megacore.models.families.common import HFConfig, TensorMap, build_config, linear, rename, rope_to_hf
 
 MODEL_TYPES = ("llama",)
 ARCHITECTURE = "LlamaForCausalLM"
@@ -60,8 +60,9 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
     window = c.data.get("sliding_window", 4096) if family == "mistral" else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise UserError(f"$.sliding_window: expected an integer or null, got {window!r}", where)
-    cfg = ModelConfig(
-        family=family,  # type: ignore[arg-type]
+    return build_config(
+        where,
+        family=family,
         vocab_size=c.int("vocab_size"),
         hidden_size=c.int("hidden_size"),
         num_layers=c.int("num_hidden_layers"),
@@ -72,7 +73,7 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
         norm="rmsnorm",
         norm_eps=c.float("rms_norm_eps", 1e-6),
         activation="swiglu",
-        head_dim=c.data.get("head_dim") or None,
+        head_dim=c.int("head_dim") if c.data.get("head_dim") else None,
         rope_theta=theta,
         rope_scaling=scaling,
         sliding_window=window,
@@ -83,9 +84,6 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
     )
-    if cfg.head_dim is not None:
-        c.int("head_dim")
-    return validate(cfg, where)
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -102,7 +100,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim or config.hidden_size // config.num_heads,
+        "head_dim": config.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacore.artifacts.manifest import ModelConfig
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import llama
 from megacore.models.families.common import TensorMap

@@ -1,23 +1,27 @@
-"""Layout planning: where each checkpoint tensor lives for a tensor/pipeline layout, and the checks
-that refuse an impossible layout before any work starts.
+"""The layout: which tensors a model has, where each lives for a tp/pp/dp layout, and every check
+that refuses an impossible layout before any process starts (docs/architecture.md).
 
-Pure functions of the model config and the sizes (no torch.distributed): mega-shard, mega-train and
-the live-model save/load all place tensors with these, so every layout agrees on what a rank holds.
+Pure functions of the model config and the sizes, no torch: mega-shard's box arithmetic, the
+tensor-parallel plan (`tp.apply_tp` builds its DTensor styles from `place`), the live-model
+save/load, mega-convert and mega-train's dry run all use these, so every layout agrees on what a
+rank holds.
 
-Tensor names follow the model naming contract ("embed.weight", "layers.3.attn.q_proj.weight", ...).
-Optimizer state is stored in the same checkpoint `tensors` map under `optim.<kind>.<param name>`
-(for AdamW: `optim.exp_avg.<param>` and `optim.exp_avg_sq.<param>`), with the parameter's global
-shape, and is split exactly like its parameter; scalar state such as the step count lives in the
-manifest's `training` section.
+Tensor names follow the model naming contract (`megacore.config.model_tensors`). Optimizer state
+is stored in the same checkpoint `tensors` map under `optim.<kind>.<param name>` (AdamW: `optim.exp_avg.<param>` and
+`optim.exp_avg_sq.<param>`), with the parameter's global shape, split exactly like its parameter;
+scalar state such as the step count lives in the manifest's `training` section.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import get_args
 
-from megacore.artifacts.manifest import ModelConfig, padded_vocab
+from megacore.artifacts.manifest import ParallelSpec, Schedule
+from megacore.artifacts.pieces import Box, even_split, whole
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 
 OPTIM_PREFIX = "optim."
@@ -89,6 +93,12 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
 
 
+def tp_box(p: TensorPlace, shape: Sequence[int], tp: int, rank: int) -> Box:
+    """The part of a tensor of `shape` that tensor-parallel rank `rank` holds (all of it when the
+    tensor is replicated)."""
+    return whole(shape) if p.tp_dim is None else even_split(shape, p.tp_dim, tp)[rank]
+
+
 def stage_of(p: TensorPlace, stage_layers: Sequence[Sequence[int]]) -> int:
     if p.where == "first":
         return 0
@@ -120,7 +130,7 @@ def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
         raise UserError(f"tp {tp} is neither a divisor nor a multiple of the {kv} kv heads", where)
     if config.ffn_hidden_size % tp:
         raise UserError(f"tp {tp} does not divide the ffn hidden size {config.ffn_hidden_size}", where)
-    pv = padded_vocab(config)
+    pv = config.padded_vocab_size
     if pv % tp:
         raise UserError(
             f"tp {tp} does not divide the padded vocab size {pv}; pad the vocab to a multiple of tp "
@@ -172,18 +182,61 @@ def check_microbatches(batch_size: int, microbatches: int, where: str = "batch")
     return batch_size // microbatches
 
 
-def check_layout(
-    config: ModelConfig,
-    tp: int,
-    pp: int,
-    pp_layers: Sequence[int] | None = None,
-    world_size: int | None = None,
-    virtual_stages: int = 1,
-) -> list[list[int]]:
-    """Every check of a (tp, pp[, world]) layout; returns the layers of each (virtual) stage."""
-    check_tp(config, tp)
-    _positive(virtual_stages, "virtual stages", "virtual_stages")
-    layers = stage_layers(config.num_layers, pp * virtual_stages, pp_layers)
-    if world_size is not None:
-        check_world(world_size, tp, pp)
+# --- the engine's layout -------------------------------------------------------------------------
+
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")  # several stages per pipeline rank
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What the engine builds: a run manifest's `parallel` section, and from the rest of the run
+    its precision, the microbatches of one pipeline step and whether blocks are compiled."""
+
+    spec: ParallelSpec = field(default_factory=ParallelSpec)
+    precision: str = "bf16"  # bf16 compute with fp32 master weights and reductions, or fp32
+    microbatches: int = 1  # per pipeline step
+    compile: bool = False  # torch.compile each transformer block
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds: `virtual_stages` for the interleaved schedules, 2 for zbv."""
+        if self.spec.schedule == "zbv":
+            return 2
+        return self.spec.virtual_stages if self.spec.schedule in MULTI_STAGE else 1
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """Stage indices held by pipeline rank `pp_rank`: looped for interleaved, V-shaped for zbv."""
+        if self.spec.schedule == "zbv":
+            return [pp_rank, 2 * self.spec.pp - 1 - pp_rank]
+        return [pp_rank + k * self.spec.pp for k in range(self.stages_per_rank)]
+
+
+def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.parallel") -> list[list[int]]:
+    """Every check of the engine's layout that needs no processes; returns the layers of each stage."""
+    spec = par.spec
+    if spec.schedule not in SCHEDULES:
+        raise UserError(
+            f"unknown schedule {spec.schedule!r}; choose one of {sorted(SCHEDULES)}", f"{where}.schedule"
+        )
+    if spec.schedule not in MULTI_STAGE and spec.virtual_stages != 1:
+        raise UserError(
+            f"schedule {spec.schedule!r} runs one stage per rank; virtual_stages must be 1", where
+        )
+    if par.precision not in ("bf16", "fp32"):
+        raise UserError(f"precision must be bf16 or fp32, got {par.precision!r}", "precision")
+    check_tp(config, spec.tp, f"{where}.tp")
+    stages = spec.pp * par.stages_per_rank
+    layers = stage_layers(
+        config.num_layers, stages, spec.pp_layers, f"{where}.pp_layers" if spec.pp_layers else f"{where}.pp"
+    )
+    if config.tie_embeddings and stages > 1:
+        raise UserError(
+            "tied embeddings with pipeline parallel are not supported yet; use pp 1", f"{where}.pp"
+        )
+    _positive(par.microbatches, "microbatches", where)
+    if spec.pp > 1 and par.microbatches < spec.pp and spec.schedule != "gpipe":
+        raise UserError(
+            f"{par.microbatches} microbatches are fewer than the {spec.pp} pipeline stages", where
+        )
     return layers

@@ -1,35 +1,28 @@
-"""The tensor layout algebra: logical tensors as rectangular pieces in safetensors files.
+"""Reading and writing tensors of the layout algebra (pieces.py) in safetensors files.
 
-A logical tensor (global shape, dtype) is held by pieces `{file, key, offset, shape}`. Any
-rectangular slice of it can be assembled from any set of pieces that covers it, reading only the
-bytes the slice needs (`safe_open(...).get_slice`). The same mechanism serves conversion (one
-piece per tensor), resharding (any layout to any other), training (load what this rank needs)
-and export.
-
-Writing goes through `SafetensorsStreamWriter`, which knows every tensor's shape up front, writes
-the header first and then streams the data, so a file larger than memory can be produced one
-slice at a time, its sha256 computed on the way.
+Any rectangular slice of a logical tensor is assembled from whatever pieces cover it, reading only
+the bytes the slice needs (`safe_open(...).get_slice`): the one mechanism behind conversion,
+resharding, a training rank loading its shard, and export. `SafetensorsStreamWriter` knows every
+tensor's shape up front, writes the header first and then streams the data, so a file larger than
+memory is produced one slice at a time, its sha256 computed on the way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import queue
 import struct
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from megacore.artifacts.manifest import Piece, TensorEntry
+from megacore.artifacts.manifest import TensorEntry
+from megacore.artifacts.pieces import SAFETENSORS_CODES, Box, intersect, numel, whole
 from megacore.artifacts.reader import confined_path
+from megacore.background import Background
 from megacore.errors import UserError
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,65 +34,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-_SAFETENSORS_CODES = {
-    "float32": "F32",
-    "bfloat16": "BF16",
-    "float16": "F16",
-    "int64": "I64",
-    "int32": "I32",
-    "uint16": "U16",
-    "uint8": "U8",
-}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES[dtype]
-
-
-# --- boxes ---------------------------------------------------------------------------------------
-
-
-def even_split(shape: Sequence[int], dim: int, parts: int) -> list[Box]:
-    """Tensor-parallel split: `parts` equal blocks along `dim` (must divide exactly)."""
-    if shape[dim] % parts:
-        raise ValueError(f"dim {dim} of shape {list(shape)} does not divide into {parts} parts")
-    return chunk_split(shape, dim, parts)
-
-
-def chunk_split(shape: Sequence[int], dim: int, parts: int) -> list[Box]:
-    """`torch.chunk` semantics, as FSDP2 shards dim 0: ceil-sized blocks, the last ones may be short
-    or empty (empty blocks are kept so that block i always belongs to rank i)."""
-    size = math.ceil(shape[dim] / parts) if shape[dim] else 0
-    boxes = []
-    for i in range(parts):
-        start = min(i * size, shape[dim])
-        stop = min(start + size, shape[dim])
-        off = [0] * len(shape)
-        shp = list(shape)
-        off[dim], shp[dim] = start, stop - start
-        boxes.append((tuple(off), tuple(shp)))
-    return boxes
-
-
-def sub_box(box: Box, inner: Box) -> Box:
-    """`inner` is relative to `box`: return it in global coordinates."""
-    return tuple(a + b for a, b in zip(box[0], inner[0], strict=True)), inner[1]
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The overlap of two boxes, or None when they share no element."""
-    off, shp = [], []
-    for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
-        if hi <= lo:
-            return None
-        off.append(lo)
-        shp.append(hi - lo)
-    return tuple(off), tuple(shp)
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -118,14 +56,25 @@ class TensorReader:
             path = confined_path(self.root, file, f"{self.root}: piece file")
             if not path.is_file():
                 raise UserError(f"piece file {file!r} is missing", str(self.root))
-            h = safe_open(str(path), framework="pt")
+            try:
+                h = safe_open(str(path), framework="pt")
+            except SafetensorError as e:
+                raise UserError(f"{file}: not a readable safetensors file ({e})", str(self.root)) from None
             self._files[file] = h
         return h
+
+    def _get(self, file: str, key: str, src: tuple[slice, ...]) -> torch.Tensor:
+        """`src` of tensor `key` in `file`, reading only those bytes (0-d tensors have no slice)."""
+        handle = self._handle(file)
+        try:
+            return handle.get_slice(key)[src] if src else handle.get_tensor(key)
+        except SafetensorError as e:
+            raise UserError(f"{file}: no tensor {key!r} ({e})", str(self.root)) from None
 
     def read(self, name: str, entry: TensorEntry, box: Box | None = None) -> torch.Tensor:
         """The slice `box` (offset, shape) of the logical tensor; the whole tensor when None."""
         if box is None:
-            box = ((0,) * len(entry.shape), tuple(entry.shape))
+            box = whole(entry.shape)
         off, shape = box
         if any(o < 0 or o + s > g for o, s, g in zip(off, shape, entry.shape, strict=True)):
             raise ValueError(f"{name}: box {box} is outside shape {entry.shape}")
@@ -135,7 +84,7 @@ class TensorReader:
             pbox = (tuple(piece.offset), tuple(piece.shape))
             if len(piece.shape) and intersect(pbox, box) == (tuple(off), tuple(shape)):
                 src = tuple(slice(o - p, o - p + s) for o, p, s in zip(off, piece.offset, shape, strict=True))
-                data = self._handle(piece.file).get_slice(piece.key)[src]
+                data = self._get(piece.file, piece.key, src)
                 if list(data.shape) == list(shape):
                     return data.to(TORCH_DTYPES[entry.dtype])
         out = torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype])
@@ -148,9 +97,7 @@ class TensorReader:
             hoff, hshape = hit
             src = tuple(slice(h - p, h - p + s) for h, p, s in zip(hoff, piece.offset, hshape, strict=True))
             dst = tuple(slice(h - o, h - o + s) for h, o, s in zip(hoff, off, hshape, strict=True))
-            handle = self._handle(piece.file)
-            # get_slice reads only the requested bytes; 0-d tensors have no slice to take.
-            data = handle.get_tensor(piece.key) if not piece.shape else handle.get_slice(piece.key)[src]
+            data = self._get(piece.file, piece.key, src)
             if list(data.shape) != list(hshape):
                 raise UserError(
                     f"{name}: piece {piece.key!r} in {piece.file} has shape {list(data.shape)}, "
@@ -178,33 +125,26 @@ class TensorReader:
 # --- writing -------------------------------------------------------------------------------------
 
 
-class _HashThread:
-    """sha256 on a helper thread, so hashing overlaps writing and reading (all release the GIL).
-    Data waits in a short queue of blocks of at most 64 MiB; each keeps its tensor alive until hashed."""
+class _Sha256:
+    """sha256 on a helper thread (hashing overlaps writing and reading: all release the GIL), fed in
+    blocks of at most 64 MiB; each block keeps its tensor alive until hashed."""
 
-    _BLOCK, _QUEUED = 64 << 20, 2
+    _BLOCK = 64 << 20
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
-        self._q: queue.Queue = queue.Queue(maxsize=self._QUEUED)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._bg = Background.sink(self._h.update, depth=2, name="mega-sha256")
         self._digest: str | None = None
-
-    def _run(self) -> None:
-        while (data := self._q.get()) is not None:
-            self._h.update(data)
 
     def update(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), self._BLOCK):
-            self._q.put(view[start : start + self._BLOCK])
+            self._bg.put(view[start : start + self._BLOCK])
 
     def hexdigest(self) -> str:
         """Wait for the queued data and stop the thread (further calls return the same digest)."""
         if self._digest is None:
-            self._q.put(None)
-            self._thread.join()
+            self._bg.close()
             self._digest = self._h.hexdigest()
         return self._digest
 
@@ -234,7 +174,7 @@ class SafetensorsStreamWriter:
         for key, dtype, shape in tensors:
             nbytes = numel(shape) * torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
             header[key] = {
-                "dtype": _SAFETENSORS_CODES[dtype],
+                "dtype": SAFETENSORS_CODES[dtype],
                 "shape": list(shape),
                 "data_offsets": [pos, pos + nbytes],
             }
@@ -249,7 +189,7 @@ class SafetensorsStreamWriter:
         self._written_in_key = 0
         self._skip_empty()
         self._f = open(self.path, "wb")  # noqa: SIM115 - held open across write() calls, closed by close()
-        self._hash = _HashThread()
+        self._hash = _Sha256()
         prefix = struct.pack("<Q", len(raw)) + raw
         self._f.write(prefix)
         self._hash.update(prefix)
@@ -299,22 +239,3 @@ class SafetensorsStreamWriter:
         else:  # an unfinished file: closed, and the hash thread stopped
             self._f.close()
             self._hash.hexdigest()
-
-
-def piece_entry(shape: Sequence[int], dtype: str, pieces: list[Piece]) -> TensorEntry:
-    """A TensorEntry, checking that the pieces tile the tensor exactly (no gap, no overlap)."""
-    total = 0
-    for p in pieces:
-        if len(p.offset) != len(shape) or len(p.shape) != len(shape):
-            raise ValueError(f"piece {p.key} rank differs from tensor shape {list(shape)}")
-        if any(o < 0 or o + s > g for o, s, g in zip(p.offset, p.shape, shape, strict=True)):
-            raise ValueError(f"piece {p.key} {p.offset}+{p.shape} is outside {list(shape)}")
-        total += numel(p.shape)
-    if total != numel(shape):
-        raise ValueError(f"pieces hold {total} elements, tensor has {numel(shape)}")
-    boxes = [(tuple(p.offset), tuple(p.shape)) for p in pieces if numel(p.shape)]
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if intersect(a, b) is not None:
-                raise ValueError(f"pieces {a} and {b} overlap")
-    return TensorEntry(shape=list(shape), dtype=dtype, pieces=pieces)

@@ -1,0 +1,125 @@
+"""The one background-I/O helper: a thread joined to the caller by a short bounded queue.
+
+File reads and writes, sha256, decompression and the tokenizer engines release the GIL, so a
+helper thread doing one of them overlaps the caller's work. Two shapes, one mechanism:
+
+- `Background.sink(fn)`: the caller `put`s items, the thread calls `fn(item)` on each, in order
+  (sha256 of a file being written, writing blocks to a file while the next ones are read);
+- `Background.source(items)`: the thread produces `items` ahead of the caller, who iterates
+  (reading and parsing the next batch, loading the next tensor).
+
+The queue is bounded (`depth`), so memory stays at a few items. An exception in the thread is
+re-raised in the caller at its next `put`, iteration or `close`; `cancel` stops the thread early.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Background:
+    """Use the constructors `sink` and `source`."""
+
+    def __init__(self, kind: str, depth: int, name: str) -> None:
+        self._kind = kind  # "sink" or "source"
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._name = name
+
+    def _start(self, target: Callable[[], None]) -> Background:
+        self._thread = threading.Thread(target=target, name=self._name, daemon=True)
+        self._thread.start()
+        return self
+
+    # --- sink ------------------------------------------------------------------------------------
+
+    @classmethod
+    def sink(cls, fn: Callable[[Any], None], depth: int = 2, name: str = "mega-sink") -> Background:
+        """A thread calling `fn` on every `put` item, in order."""
+        self = cls("sink", depth, name)
+
+        def work() -> None:
+            while (item := self._q.get()) is not _END:
+                if self._error is None and not self._stop.is_set():
+                    try:
+                        fn(item)
+                    except BaseException as e:  # re-raised in the caller
+                        self._error = e
+
+        return self._start(work)
+
+    def put(self, item: object) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put(item)
+
+    # --- source ----------------------------------------------------------------------------------
+
+    @classmethod
+    def source(cls, items: Iterable[Any], depth: int = 2, name: str = "mega-source") -> Background:
+        """A thread producing `items` up to `depth` ahead; iterate the returned object."""
+        self = cls("source", depth, name)
+
+        def offer(item: object) -> bool:
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def work() -> None:
+            try:
+                for item in items:
+                    if not offer(item):
+                        return
+                offer(_END)
+            except BaseException as e:
+                offer(_Failed(e))
+
+        return self._start(work)
+
+    def __iter__(self) -> Iterator[Any]:
+        while (item := self._q.get()) is not _END:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    # --- both ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Sink: wait until every item is handled, then re-raise the thread's error if any.
+        Source: stop producing (the caller may have stopped iterating early)."""
+        if self._thread is None:
+            return
+        if self._kind == "source":
+            self.cancel()
+            return
+        self._q.put(_END)
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """Stop the thread without waiting for queued work (after a failure elsewhere)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        if self._kind == "sink":
+            self._q.put(_END)  # the sink drains without working once stopped
+        self._thread.join()
+        self._thread = None

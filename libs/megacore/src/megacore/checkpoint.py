@@ -1,0 +1,196 @@
+"""Checkpoint artifacts: the one place that writes and reads them (docs/architecture.md).
+
+Writing (`CheckpointWriter`, inside `write_artifact(out, "checkpoint", ...)`, which applies the
+output policy and stages the directory): `open_file` declares a safetensors file with the slices
+of tensors it will hold, the caller streams them in, `close_file` records its checksum; `add_file`
+copies tokenizer and other side files in; `commit` writes the manifest, whose tensor entries are
+the pieces recorded on the way. mega-convert writes one file, mega-shard one per (stage, tp rank),
+a training job one per rank (rank 0 `merge`s the others' `records`).
+
+Reading (`CheckpointReader`): the manifest with its paths, files and pieces checked
+(`open_artifact`), and `read(name, box)`: any slice of any tensor from whatever layout the
+checkpoint has, reading only the bytes the slice needs. mega-shard, mega-export, mega-convert
+verify and a training job loading its shard all read through it.
+
+File names: one scheme for every layout, `shard_file`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megacore.artifacts import (
+    ArtifactWriter,
+    Box,
+    CheckpointManifest,
+    Piece,
+    SafetensorsStreamWriter,
+    TensorEntry,
+    TensorReader,
+    new_header_fields,
+    open_artifact,
+    piece_entry,
+)
+from megacore.artifacts.manifest import Layout, Parent, TrainingState
+from megacore.artifacts.reader import Verify, artifact_root
+from megacore.config import ModelConfig
+from megacore.errors import UserError
+from megacore.models import Decoder
+
+# A slice of a tensor that a file holds: (tensor name, global shape, dtype, box).
+Slice = tuple[str, Sequence[int], str, Box]
+
+
+def shard_file(pp: int, tp: int, dp: int | None = None) -> str:
+    """`model-pp{stage}-tp{rank}.safetensors`, with `-dp{rank}` when the layout also splits tensors
+    over data-parallel ranks (FSDP shards of a training job): one scheme for every layout."""
+    return f"model-pp{pp:02d}-tp{tp:02d}" + ("" if dp is None else f"-dp{dp:02d}") + ".safetensors"
+
+
+class CheckpointWriter:
+    """Builds a checkpoint artifact in the staging directory of an `ArtifactWriter`."""
+
+    def __init__(self, w: ArtifactWriter) -> None:
+        self.w = w
+        self.files: list[str] = []
+        self.bytes_written = 0
+        self._sums: list[tuple[str, str, int]] = []  # (file, sha256, size) of the files written here
+        self._tensors: dict[str, tuple[list[int], str, list[Piece]]] = {}
+
+    def open_file(
+        self, file: str, slices: Sequence[Slice], metadata: dict | None = None
+    ) -> SafetensorsStreamWriter:
+        """Declare `file` and the slices it holds, in the order they will be written."""
+        decl = []
+        for name, shape, dtype, (offset, size) in slices:
+            decl.append((name, dtype, list(size)))
+            piece = Piece(file=file, key=name, offset=list(offset), shape=list(size))
+            self._tensors.setdefault(name, (list(shape), dtype, []))[2].append(piece)
+        return SafetensorsStreamWriter(self.w.path(file), decl, metadata)
+
+    def close_file(self, file: str, sw: SafetensorsStreamWriter) -> None:
+        sha = sw.close()
+        self.w.record(file, sha, sw.size)
+        self._sums.append((file, sha, sw.size))
+        self.files.append(file)
+        self.bytes_written += sw.size
+
+    def write_file(self, file: str, tensors: Sequence[tuple[str, Sequence[int], Box, torch.Tensor]]) -> None:
+        """A whole file at once: (name, global shape, box, local tensor) per slice, in memory."""
+        slices = [(n, shape, dtype_of(t), box) for n, shape, box, t in tensors]
+        sw = self.open_file(file, slices)
+        for n, _, _, t in tensors:
+            sw.write(n, t)
+        self.close_file(file, sw)
+
+    def add_file(self, src: Path, relpath: str) -> str:
+        """Copy a side file (tokenizer, RNG state) into the artifact as `relpath`."""
+        shutil.copyfile(src, self.w.path(relpath))
+        return relpath
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def records(self) -> tuple[list[tuple[str, str, int]], dict[str, tuple[list[int], str, list[Piece]]]]:
+        """What this writer wrote (checksums and pieces), for the process that commits."""
+        return list(self._sums), dict(self._tensors)
+
+    def merge(
+        self, records: tuple[list[tuple[str, str, int]], dict[str, tuple[list[int], str, list[Piece]]]]
+    ) -> None:
+        """Add another process's `records` (same staging directory, other files)."""
+        sums, tensors = records
+        for file, sha, size in sums:
+            self.w.record(file, sha, size)
+            self.files.append(file)
+            self.bytes_written += size
+        for name, (shape, dtype, pieces) in tensors.items():
+            self._tensors.setdefault(name, (shape, dtype, []))[2].extend(pieces)
+
+    def commit(
+        self,
+        *,
+        config: ModelConfig,
+        dtype: str,
+        layout: Layout,
+        producer: tuple[str, str],
+        parents: Sequence[Parent] = (),
+        tokenizer_files: Sequence[str] = (),
+        training: TrainingState | None = None,
+        order: Sequence[str] | None = None,
+    ) -> CheckpointManifest:
+        """Write the manifest (tensors in `order`, default as declared) and move the artifact in."""
+        names = list(self._tensors) if order is None else list(order)
+        tensors = {n: piece_entry(*self._tensors[n]) for n in names}
+        manifest = CheckpointManifest(
+            **new_header_fields(*producer),
+            parents=list(parents),
+            config=config,
+            dtype=dtype,
+            layout=layout,
+            tensors=tensors,
+            tokenizer_files=list(tokenizer_files),
+            training=training,
+        )
+        return self.w.commit(manifest)
+
+
+def dtype_of(t: torch.Tensor) -> str:
+    from megacore.artifacts import dtype_name
+
+    return dtype_name(t.dtype)
+
+
+class CheckpointReader:
+    """A checkpoint artifact opened for reading slices; its paths, files (as `verify` says) and
+    pieces are checked on opening."""
+
+    def __init__(self, path: Path, verify: Verify = "size") -> None:
+        self.path = Path(path)
+        self.manifest = open_artifact(self.path, "checkpoint", verify=verify)
+        self.root = artifact_root(self.path)
+        self._reader = TensorReader(self.root)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.config
+
+    def entry(self, name: str) -> TensorEntry:
+        entry = self.manifest.tensors.get(name)
+        if entry is None:
+            raise UserError(f"tensor {name!r} is not in the checkpoint", str(self.path))
+        return entry
+
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        """The slice `box` (offset, shape) of tensor `name`; the whole tensor when None."""
+        return self._reader.read(name, self.entry(name), box)
+
+    def release(self) -> None:
+        """Unmap the files read so far: pages of a mapping left open count as resident memory, so
+        a reader streaming a large model calls this between tensors or blocks."""
+        self._reader.close()
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_decoder(path: Path, dtype: torch.dtype | None = None) -> Decoder:
+    """A whole Decoder with the weights of a checkpoint artifact (any layout; one process)."""
+    with CheckpointReader(path) as ckpt:
+        with torch.device("meta"):
+            model = Decoder(ckpt.config)
+        model.to_empty(device="cpu")
+        # Only the model's own tensors: a checkpoint may carry optimizer moments too.
+        state = {name: ckpt.read(name) for name in model.state_dict()}
+    model.load_state_dict(state, strict=True)
+    return model if dtype is None else model.to(dtype)

@@ -1,0 +1,168 @@
+"""The model config and the tensors it implies, torch-free (docs/architecture.md).
+
+`ModelConfig` is the `config` section of checkpoint manifests and of a run manifest's `model`. It
+is resolved and checked once, when it is made or decoded: `head_dim` and `padded_vocab_size` are
+always set afterwards (given, or derived: hidden_size / num_heads, and vocab_size), and an
+inconsistent config (heads not divisible by the kv heads, an odd head_dim, ...) never exists, so
+no consumer re-derives or re-checks them. `msgspec.structs.replace` keeps the resolved values; pass
+`head_dim=None` or `padded_vocab_size=None` to derive them again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+
+# Rows of the embedding and output projection are padded to a multiple of this when converting:
+# divisible by every power-of-two tensor-parallel size up to 128.
+DEFAULT_PAD_MULTIPLE = 128
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=False):
+    """Base of every config and manifest struct: strict (unknown fields are errors), keyword-only."""
+
+
+class RopeScaling(Struct):
+    type: Literal["linear", "dynamic", "llama3"]
+    factor: PositiveFloat
+    original_max_position_embeddings: Positive | None = None
+    low_freq_factor: PositiveFloat | None = None
+    high_freq_factor: PositiveFloat | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "llama3" and None in (
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_position_embeddings,
+        ):
+            raise ValueError(
+                "llama3 rope scaling needs low_freq_factor, high_freq_factor and "
+                "original_max_position_embeddings"
+            )
+
+
+class ModelConfig(Struct):
+    """Everything needed to build the decoder; every family is a choice of these switches."""
+
+    family: Literal["llama", "mistral", "falcon"]
+    vocab_size: Positive
+    hidden_size: Positive
+    num_layers: Positive
+    num_heads: Positive
+    num_kv_heads: Positive
+    ffn_hidden_size: Positive
+    max_seq_len: Positive = 4096
+    padded_vocab_size: Positive | None = None  # None: vocab_size (resolved on construction)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: PositiveFloat = 1e-5
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    head_dim: Positive | None = None  # None: hidden_size // num_heads (resolved on construction)
+    rope_theta: PositiveFloat = 10000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: Positive | None = None
+    parallel_attn: bool = False
+    num_ln_in_parallel_attn: Literal[1, 2] = 1
+    attn_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False
+    tie_embeddings: bool = False
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        # A ValueError here is a validation error at the config's path when decoding a manifest.
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of the kv heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+
+
+def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
+    """`vocab_size` rounded up to a multiple of `multiple`: the rows of the embedding and lm_head."""
+    if multiple < 1:
+        raise ValueError(f"the vocab pad multiple must be at least 1, got {multiple}")
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+# Fields that name tokens, not shapes: two configs that differ only there build the same model.
+TOKEN_ID_FIELDS = ("bos_id", "eos_id")
+
+
+def config_differences(
+    a: ModelConfig, b: ModelConfig, ignore: tuple[str, ...] = TOKEN_ID_FIELDS
+) -> list[str]:
+    """Names of the fields in which two configs differ (besides `ignore`), sorted."""
+    fa, fb = msgspec.structs.asdict(a), msgspec.structs.asdict(b)
+    return sorted(k for k in fa if k not in ignore and fa[k] != fb[k])
+
+
+# --- the naming contract -------------------------------------------------------------------------
+
+
+def model_tensors(
+    config: ModelConfig, layers: Sequence[int] | None = None, embed: bool = True, head: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """The model naming contract: names and global shapes of the model's tensors, in the Decoder's
+    state-dict order (tested), shared by the parallel layout, the converters, mega-shard and the
+    checkpoints: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.{q,k,v,o}_proj.
+    {weight,bias}", "layers.<i>.mlp_norm.weight", "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}",
+    "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline stage's part."""
+    hidden, hd, ffn, vocab = (
+        config.hidden_size,
+        config.head_dim,
+        config.ffn_hidden_size,
+        config.padded_vocab_size,
+    )
+    out: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, rows: int, cols: int, bias: bool) -> None:
+        out[f"{name}.weight"] = (rows, cols)
+        if bias:
+            out[f"{name}.bias"] = (rows,)
+
+    def norm(name: str) -> None:
+        out[f"{name}.weight"] = (hidden,)
+        if config.norm == "layernorm" and config.norm_bias:
+            out[f"{name}.bias"] = (hidden,)
+
+    if embed:
+        out["embed.weight"] = (vocab, hidden)
+    for i in range(config.num_layers) if layers is None else layers:
+        at = f"layers.{i}"
+        norm(f"{at}.attn_norm")
+        linear(f"{at}.attn.q_proj", config.num_heads * hd, hidden, config.attn_bias)
+        linear(f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
+        linear(f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
+        linear(f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
+        if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
+            norm(f"{at}.mlp_norm")
+        if config.activation == "swiglu":
+            linear(f"{at}.mlp.gate_proj", ffn, hidden, config.mlp_bias)
+        linear(f"{at}.mlp.up_proj", ffn, hidden, config.mlp_bias)
+        linear(f"{at}.mlp.down_proj", hidden, ffn, config.mlp_bias)
+    if head:
+        norm("norm")
+        if not config.tie_embeddings:
+            out["lm_head.weight"] = (vocab, hidden)
+    return out

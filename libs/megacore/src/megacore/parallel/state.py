@@ -1,0 +1,135 @@
+"""Saving and loading a live (parallel) model's state as a checkpoint artifact.
+
+Save: every rank writes one file (`shard_file`) with the pieces it owns (its shard of each parameter
+and of its AdamW moments, `optim.<kind>.<param>`); a piece replicated over some mesh dims is written
+by the rank at coordinate 0 of those dims only, so the pieces tile every tensor exactly once. Rank 0
+applies the output policy, gathers the others' records and commits the one manifest
+(`megacore.checkpoint.CheckpointWriter`).
+
+Load: every rank reads only the slices its parameters (and moments) need, from whatever layout the
+checkpoint has (`megacore.checkpoint.CheckpointReader`), so a run resumes with other tp/pp/dp sizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
+from megacore.artifacts.manifest import Layout, TrainingState
+from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
+from megacore.config import config_differences
+from megacore.errors import UserError
+from megacore.parallel.engine import ParallelModel, local_piece
+from megacore.parallel.layout import ADAMW_STATE_KINDS, optim_state_name
+
+
+def _owner(t: torch.Tensor, mesh) -> bool:
+    """Whether this rank writes its piece of `t`: coordinate 0 on every dim it is replicated over."""
+    if isinstance(t, DTensor):
+        coords = t.device_mesh.get_coordinate()
+        return all(c == 0 for c, p in zip(coords, t.placements, strict=True) if isinstance(p, Replicate))
+    # A plain parameter is the same on every tp and dp rank of its stage.
+    return mesh["tp"].get_local_rank() == 0 and mesh["dp"].get_local_rank() == 0
+
+
+def _named_tensors(pm: ParallelModel, optimizer: torch.optim.Optimizer | None):
+    for name, p in pm.named_parameters():
+        yield name, p
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for kind in ADAMW_STATE_KINDS:
+            if kind in state:
+                yield optim_state_name(kind, name), state[kind]
+
+
+def save_checkpoint(
+    out: Path,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    training: TrainingState | None = None,
+    producer: tuple[str, str] = ("megacore", "0.1.0"),
+    force: bool = False,
+) -> None:
+    """Collective: every rank calls it with its part of the model (and optimizer)."""
+    out = Path(out)
+    mesh, rank = pm.mesh, dist.get_rank()
+    w = ArtifactWriter(out, "checkpoint")
+    refusal = [None]
+    if rank == 0:
+        try:
+            prepare_output(out, "checkpoint", force=force)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            w.stage()
+        except UserError as e:
+            refusal = [str(e)]
+    dist.broadcast_object_list(refusal, src=0)  # every rank fails the same way, none waits forever
+    if refusal[0] is not None:
+        raise UserError(refusal[0])
+    try:
+        cw = CheckpointWriter(w)
+        coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "dp")}
+        file = shard_file(coords["pp"], coords["tp"], coords["dp"] if pm.dp > 1 else None)
+        mine = []
+        for name, t in _named_tensors(pm, optimizer):
+            offset, shape, local = local_piece(t.detach())
+            if _owner(t, mesh) and local.numel():
+                mine.append((name, list(t.shape), (offset, shape), local))
+        if mine:
+            cw.write_file(file, mine)
+        gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(cw.records(), gathered, dst=0)
+        if rank == 0:
+            for records in gathered[1:]:
+                cw.merge(records)
+            par = pm.par
+            cw.commit(
+                config=pm.config,
+                dtype=dtype_of(next(pm.parameters())),
+                layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.dp, stage_layers=pm.layers),
+                producer=producer,
+                training=training,
+                order=sorted(cw.tensor_names()),
+            )
+    except BaseException:
+        if rank == 0:
+            w.abort()
+        raise
+    dist.barrier()
+
+
+@torch.no_grad()
+def load_checkpoint(
+    path: Path, pm: ParallelModel, optimizer: torch.optim.Optimizer | None = None
+) -> CheckpointManifest:
+    """Fill this rank's parameters (and AdamW moments, when the checkpoint has them) from a
+    checkpoint of any layout, reading only the slices this rank holds."""
+    with CheckpointReader(path) as ckpt:
+        diff = config_differences(pm.config, ckpt.config)
+        if diff:
+            raise UserError(f"the checkpoint's model config differs from the run's in {diff}", str(path))
+        tensors = ckpt.manifest.tensors
+        step = ckpt.manifest.training.step if ckpt.manifest.training is not None else 0
+        for name, p in pm.named_parameters():
+            entry = ckpt.entry(name)
+            if list(entry.shape) != list(p.shape):
+                raise UserError(
+                    f"tensor {name!r} has shape {entry.shape}, the model needs {list(p.shape)}", str(path)
+                )
+            offset, shape, local = local_piece(p)
+            if local.numel():
+                local.copy_(ckpt.read(name, (offset, shape)))
+            kinds = [k for k in ADAMW_STATE_KINDS if optim_state_name(k, name) in tensors]
+            if optimizer is None or not kinds:
+                continue
+            state = optimizer.state[p]
+            state["step"] = torch.tensor(float(step))
+            for kind in kinds:
+                buf = torch.zeros_like(p)
+                _, _, loc = local_piece(buf)
+                if loc.numel():
+                    loc.copy_(ckpt.read(optim_state_name(kind, name), (offset, shape)))
+                state[kind] = buf
+        return ckpt.manifest

@@ -1,0 +1,112 @@
+"""Checkpoint artifact (any layout) -> Hugging Face model directory, one tensor in memory at a time.
+
+The directory is written like every artifact (staged in `<out>.partial/`, renamed into place, the
+output policy of megacore.artifacts.output): config.json, model*.safetensors (with an index above
+`max_shard_bytes`), the tokenizer files the checkpoint carries, and a `manifest.json` of kind `hf`
+that transformers ignores and that lets a rerun reuse or replace the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mega_export import __version__
+from megacore.artifacts import TORCH_DTYPES, HFManifest, SafetensorsStreamWriter, new_header_fields, parent_of
+from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
+from megacore.checkpoint import CheckpointReader
+from megacore.models import config_to_hf, export_tensors, hf_shapes
+from megacore.progress import Progress
+
+MAX_SHARD_BYTES = 5 << 30
+
+
+def _shards(shapes: dict[str, tuple[int, ...]], elem: int, max_bytes: int) -> list[list[str]]:
+    """HF tensor names per safetensors file, planned from shapes alone so that each file's header is
+    written before its data."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * elem
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def export_hf(
+    checkpoint: Path,
+    out: Path,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    force: bool = False,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Write `checkpoint` as a Hugging Face model directory at `out`; returns a summary."""
+    t0 = time.perf_counter()
+    checkpoint, out = Path(checkpoint), Path(out)
+    with CheckpointReader(checkpoint) as ckpt:
+        config, dtype = ckpt.config, dtype or ckpt.manifest.dtype
+        parent = parent_of(checkpoint)
+        recipe = recipe_sha256(
+            checkpoint=parent.manifest_sha256, dtype=dtype, max_shard_bytes=max_shard_bytes
+        )
+        summary: dict[str, Any] = {"out": str(out), "dtype": dtype, "family": config.family}
+        if not force and (old := reusable(out, "hf", recipe)) is not None:
+            files = sorted(e.path for e in old.files if e.path.endswith(".safetensors"))
+            return {**summary, "reused": True, "files": files, "seconds": round(time.perf_counter() - t0, 3)}
+
+        elem = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        shapes = hf_shapes(config)
+        shards = _shards(shapes, elem, max_shard_bytes)
+        files = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        total = sum(math.prod(s) * elem for s in shapes.values())
+        shown = Progress("mega-export", "tensors", total=len(shapes), total_bytes=total, enabled=progress)
+
+        def get(name: str) -> torch.Tensor:
+            t = ckpt.read(name)
+            ckpt.release()  # unmap: pages of a mapping left open count as resident (RSS ~ model)
+            return t
+
+        with write_artifact(out, "hf", inputs=[checkpoint], force=force, recipe=recipe) as w:
+            tensors = export_tensors(config, get)
+            weight_map = {}
+            for file, names in zip(files, shards, strict=True):
+                decl = [(n, dtype, shapes[n]) for n in names]
+                with SafetensorsStreamWriter(w.path(file), decl, metadata={"format": "pt"}) as sw:
+                    for n in names:
+                        hf_name, t = next(tensors)
+                        assert hf_name == n
+                        sw.write(n, t.to(TORCH_DTYPES[dtype]))
+                        shown.update(1, t.numel() * elem)
+                w.record(file, sw.close(), sw.size)
+                weight_map.update(dict.fromkeys(names, file))
+            if len(files) > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+            for rel in ckpt.manifest.tokenizer_files:
+                w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
+            w.commit(
+                HFManifest(**new_header_fields("mega-export", __version__), parents=[parent], dtype=dtype)
+            )
+        shown.done()
+    return {
+        **summary,
+        "reused": False,
+        "files": files,
+        "tensors": len(shapes),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
