@@ -1,6 +1,6 @@
 """`make demo`: the chain end to end on a built-in example, each step a real CLI call.
 
-    corpus (Python's own documentation, ~1 MB) --mega-tokenize--> tokens
+    corpus (Python's own documentation, about 0.2 MB) --mega-tokenize--> tokens
     tiny random Llama (transformers) --mega-convert hf--> checkpoint --mega-convert verify
     checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-export--> HF dir --mega-convert verify
     run.json --mega-train --dry-run--> the resolved 3D plan
@@ -82,8 +82,10 @@ def tiny_llama(out: Path, vocab_size: int) -> Path:
     if (path / "config.json").exists():
         return path
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    transformers.logging.disable_progress_bar()  # the demo prints the tools' output, not theirs
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=vocab_size,

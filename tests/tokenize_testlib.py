@@ -1,4 +1,4 @@
-"""Helpers shared by the mega-tokenize tests (conftest.py puts this folder on the path)."""
+"""Helpers shared by the tests (tests/ is on the path): real text to train tokenizers on and corpora."""
 
 from __future__ import annotations
 

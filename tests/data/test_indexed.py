@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from megatron.core.datasets import indexed_dataset  # required: a broken install fails, never skips
 
 from megacore.data.indexed import IndexedReader, IndexedWriter, token_dtype
 from megacore.errors import UserError
-
-indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
 def _docs(seed: int, n: int, high: int) -> list[np.ndarray]:

@@ -1,9 +1,10 @@
 """Worker for the equivalence tests, run under torchrun on gloo: `dist_worker.py SCENARIOS_JSON`.
 
 Every rank builds the single-process reference model itself (tiny, fp32, same seed), then for each
-scenario the parallel model from the same weights, and asserts that loss, gradients, gradient norm
-and the parameters after three AdamW steps match the reference within REL (norm-wise relative
-error), printing one line per passed check on rank 0.
+scenario the parallel model from the same weights, and asserts that loss, gradients, gradient norm,
+the gradients clipped by `clip_grad_norm` (max_norm CLIP times the norm: torch's clip_grad_norm_ on
+the reference) and the parameters after three AdamW steps (on unclipped gradients) match the
+reference within REL (norm-wise relative error), printing one line per passed scenario on rank 0.
 """
 
 from __future__ import annotations
@@ -40,7 +41,20 @@ FAMILIES = {
     # Mistral: GQA and a sliding window shorter than the sequence.
     "mistral": ModelConfig(family="mistral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
                            num_kv_heads=2, ffn_hidden_size=64, sliding_window=4),
+    # GQA with 4 query heads per kv head: under tp 4 the 2 kv heads are replicated and each rank's
+    # 2 query heads share one of them.
+    "llama-gqa8": ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=8,
+                              num_kv_heads=2, ffn_hidden_size=64),
+    # Falcon 40B style (new_decoder_architecture): parallel attention with two LayerNorms, kv groups
+    # (8 heads, 2 kv heads), with biases; untied (an lm_head under tp, unlike the tied 7B case).
+    "falcon40b": ModelConfig(family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=8,
+                             num_kv_heads=2, ffn_hidden_size=128, norm="layernorm", norm_bias=True,
+                             activation="gelu", parallel_attn=True, num_ln_in_parallel_attn=2, attn_bias=True,
+                             attn_out_bias=True, mlp_bias=True),
 }  # fmt: skip
+# Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
+# clip coefficient (about 0.1) really scales every gradient.
+CLIP = 0.1
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,6 +80,15 @@ def reference(cfg: ModelConfig, tokens, targets):
             out["loss"] = loss.detach()
             out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             out["norm"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            # The clipped gradients, as one process clips them; the AdamW steps use the unclipped ones.
+            out["max_norm"] = CLIP * float(out["norm"])
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), out["max_norm"])
+            out["clipped"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            clipped_norm = torch.nn.utils.get_total_norm(list(out["clipped"].values()))
+            assert rel(norm, out["norm"]) < 1e-6 and rel(clipped_norm, torch.tensor(out["max_norm"])) < 1e-5
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.grad.copy_(out["grads"][n])
         opt.step()
         opt.zero_grad()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -137,9 +160,18 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
                 assert e < tol, (label, "grad", name, e)
                 names.append(name)
             checks.append(f"grads({len(names)})")
-            norm = clip_grad_norm(pm.parameters(), 1e9, pp_group)
+            with torch.no_grad():
+                unclipped = [p.grad.clone() for p in pm.parameters()]
+            norm = clip_grad_norm(pm.parameters(), ref["max_norm"], pp_group)
             assert rel(norm, ref["norm"]) < tol, (label, "norm", float(norm), float(ref["norm"]))
             checks.append("grad-norm")
+            for name, p in pm.named_parameters():
+                e = rel(full(p.grad), ref["clipped"][name])
+                assert e < tol, (label, "clipped grad", name, e)
+            checks.append("clipped-grads")
+            with torch.no_grad():  # the AdamW steps below, like the reference's, are unclipped
+                for p, g in zip(pm.parameters(), unclipped, strict=True):
+                    p.grad.copy_(g)
         opt.step()
         opt.zero_grad()
     compare_params("params", "params-after-3-adamw")

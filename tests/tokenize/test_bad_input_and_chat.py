@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import zstandard
+from megatron.core.datasets import indexed_dataset  # required test dependency: fail, never skip
 
 from helpers import assert_one_line_error, run_tool
 from mega_tokenize.chat import ROLE_CODES
@@ -22,8 +23,6 @@ from megacore.artifacts.writer import STAGING_MARK
 from megacore.cli import run as cli_run
 from megacore.data.indexed import IndexedReader
 from tokenize_testlib import corpus, write_jsonl
-
-indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
 def _cli(capsys, *args) -> tuple[int, str, str]:

@@ -8,17 +8,17 @@ import hashlib
 import json
 from pathlib import Path
 
+import gigatoken  # noqa: F401  (required, like megatron-core: a broken install fails, never skips)
 import numpy as np
 import pytest
 import sentencepiece as spm
 import zstandard
+from megatron.core.datasets import indexed_dataset
 
 from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts.reader import open_artifact
 from megacore.data.indexed import IndexedReader
 from tokenize_testlib import corpus, write_jsonl
-
-indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
 def _tok(tmp_path: Path, inputs, tokenizer, out="out", **kw):
@@ -102,8 +102,6 @@ def test_bos_eos_are_explicit(tmp_path: Path, sp_model: Path):
 def test_every_engine_gives_sentencepiece_ids_and_literal_tags_stay_text(
     tmp_path: Path, sp_model: Path, engine
 ):
-    if engine != "sentencepiece":  # both convert the .model with gigatoken's converter
-        pytest.importorskip("gigatoken")
     docs = [*corpus(60), "<s>", "a</s>b", "<unk> <s></s>", "x <s>\n</s> y"]
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
     m = _tok(tmp_path, [src], sp_model, engine=engine).manifest
@@ -115,7 +113,6 @@ def test_every_engine_gives_sentencepiece_ids_and_literal_tags_stay_text(
 
 
 def test_auto_picks_fast_engine_and_falls_back_loudly(tmp_path: Path, sp_model: Path, sp_unigram: Path):
-    pytest.importorskip("gigatoken")
     docs = corpus(40)
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
     assert _tok(tmp_path, [src], sp_model, out="a").manifest.engine == "gigatoken"
@@ -205,7 +202,6 @@ def test_real_mistral_tokenizer_every_engine_matches_sentencepiece(tmp_path: Pat
     from helpers import mistral_tokenizer
 
     model = mistral_tokenizer()
-    pytest.importorskip("gigatoken")
     docs = [*corpus(150), "<s>[INST] typed tags [/INST]</s>", "  x\n\n\t  y  ", "😀 漢字 émigré"]
     src = write_jsonl(tmp_path / "c.jsonl.zst", [{"text": d} for d in docs], "zst")
     expected = _sp_expected(model, docs)
@@ -236,7 +232,6 @@ def test_auto_starts_over_with_the_reference_when_the_fast_engine_differs(
 
     from megacore.errors import UserError
 
-    pytest.importorskip("gigatoken")
     docs = [*corpus(30), "words word sword", *corpus(5)]
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
     logs: list[str] = []
@@ -273,3 +268,43 @@ def test_batches_ramp_up_and_shrink_same_bytes(tmp_path: Path, sp_model: Path, m
     assert [b.first_line for b in batches] == list(np.cumsum([1] + [b.nlines for b in batches[:-1]]))
     m = _tok(tmp_path, [src], sp_model, out="small", workers=2, batch_bytes=32 << 10).manifest
     assert {f.path: f.sha256 for f in m.files} == {f.path: f.sha256 for f in ref.files}
+
+
+def test_auto_detects_a_difference_in_a_late_batch(tmp_path: Path, hf_single_word: Path, monkeypatch):
+    """Every batch is checked, not only the first: the only documents on which gigatoken differs
+    ("words word sword", a single_word added token it does not honour) come in the last batch of
+    many, after hundreds of documents on which the engines agree."""
+    from tokenizers import Tokenizer
+
+    from mega_tokenize import inputs, pipeline
+    from megacore.errors import UserError
+
+    monkeypatch.setattr(inputs, "_READ", 512)  # reads of 512 B, so a small file makes many batches
+    batch_bytes = 4096
+    clean = [d for d in corpus(400) if "word" not in d]
+    tricky = "words word sword"
+    docs = [*clean[:300], *[f"{tricky} {i}" for i in range(3)], *clean[300:305]]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
+    # The batches the run makes (its own batching): many, and the tricky documents only in a late one.
+    batches = list(inputs.read_lines(src, pipeline._batch_sizes([src], batch_bytes, 2)[0]))
+    late = [i for i, b in enumerate(batches) if tricky.encode() in bytes(b.data)]
+    assert len(batches) >= 10 and late and min(late) >= len(batches) - 3, (len(batches), late)
+
+    # The engines agree on everything else: without the tricky documents auto keeps gigatoken.
+    clean_src = write_jsonl(tmp_path / "clean.jsonl", [{"text": d} for d in docs if tricky not in d])
+    kept = _tok(tmp_path, [clean_src], hf_single_word, out="clean", batch_bytes=batch_bytes).manifest
+    assert kept.engine == "gigatoken"
+
+    logs: list[str] = []
+    opts = Options(inputs=[str(src)], out=tmp_path / "out", tokenizer=hf_single_word, progress=False)
+    opts.batch_bytes = batch_bytes
+    m = tokenize(opts, log=logs.append).manifest
+    assert m.engine == "hf"
+    assert any("WARNING" in line and "gigatoken" in line and "starting over" in line for line in logs), logs
+    ref = Tokenizer.from_file(str(hf_single_word))
+    eos = ref.token_to_id("<|endoftext|>")
+    assert _megatron_docs(tmp_path / "out") == [[*ref.encode(d).ids, eos] for d in docs]
+
+    with pytest.raises(UserError, match="gives different ids"):
+        _tok(tmp_path, [src], hf_single_word, out="named", engine="gigatoken", batch_bytes=batch_bytes)
+    assert not (tmp_path / "named").exists() and not (tmp_path / "named.partial").exists()

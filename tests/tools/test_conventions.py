@@ -115,6 +115,18 @@ def test_dry_run_accepts_a_good_manifest(run_dir: Path, capsys):
             ["$.parallel.tp: tp 8 does not divide the 4 attention heads"],
         ),
         (lambda d: d["parallel"].update(pp=8, tp=1), ["$.parallel.pp", "8"]),
+        (lambda d: d.update(train_steps=-5), ["run.json: $.train_steps: expected int >= 1"]),
+        (lambda d: d["batch"].update(micro_batch_size=0), ["$.batch.micro_batch_size: expected int >= 1"]),
+        (lambda d: d["batch"].update(micro_batch_size=-2), ["$.batch.micro_batch_size: expected int >= 1"]),
+        (
+            lambda d: d["batch"].update(seq_length=100_000),
+            ["$.batch.seq_length: 100000 exceeds the model's max_seq_len 4096"],
+        ),
+        (lambda d: d.update(optimizer={"lr": 1e-4, "min_lr": 1e-3}), ["$.optimizer.min_lr"]),
+        (
+            lambda d: d["model"]["config"].update(num_kv_heads=3),
+            ["$.model.config", "not a multiple of the kv heads 3"],
+        ),
     ],
 )
 def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str], capsys):
@@ -130,6 +142,21 @@ def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str], capsys):
         (lambda d: d["files"][0].update(path="../run.json"), ["$.files[0]", "leaves the artifact directory"]),
         (lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1), ["differs from the manifest's"]),
         (lambda d: d.update(format_version=2), ["$.format_version: 2 is newer"]),
+        (
+            lambda d: d["shards"][0].update(prefix="../../../etc/passwd"),
+            ["$.shards[0].prefix", "leaves the artifact directory"],
+        ),
+        (lambda d: d["shards"][0].update(prefix="shards/none"), ["$.shards[0].prefix", "names no file"]),
+        (
+            lambda d: d["tokenizer"].update(
+                vocab_size=32002, added_special_tokens={"<|im_start|>": 32000, "<|im_end|>": 32001}
+            ),
+            [
+                "$.data.sources[0]",
+                "token ids up to 32001 (2 of them added special tokens)",
+                "vocab_size 32000",
+            ],
+        ),
         (
             lambda d: d["tokenizer"].update(vocab_size="big"),
             ["$.tokenizer.vocab_size: expected int, got str"],

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import typer
+from typer.core import TyperCommand
 from typer.exceptions import TyperException
 
 from megacore.errors import UserError
@@ -24,11 +25,27 @@ from megacore.errors import UserError
 Verify = Literal["sha256", "size", "none"]
 
 
+class Command(TyperCommand):
+    """Usage lines as in man pages, `mega-shard [OPTIONS] CHECKPOINT OUT`: typer would write
+    `{CHECKPOINT} {OUT}`."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
+
+
+class App(typer.Typer):
+    """typer.Typer whose commands are `Command`s."""
+
+    def command(self, *args, **kwargs):
+        kwargs.setdefault("cls", Command)
+        return super().command(*args, **kwargs)
+
+
 def make_app(help: str) -> typer.Typer:
     """A typer app with the project's settings. A tool with one command gets it as its main
     command (`mega-shard CKPT OUT --tp 2`); add `version_option` to that command's parameters.
     A tool with subcommands (mega-convert) calls `add_group_options` instead."""
-    return typer.Typer(
+    return App(
         help=help,
         add_completion=False,
         no_args_is_help=True,
@@ -77,12 +94,17 @@ def error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so the tool unwinds (and cleans up) as on Ctrl-C."""
+class Stopped(BaseException):
+    """SIGINT or SIGTERM, raised in the main thread so the tool unwinds (and cleans up) as on any
+    failure. Not a KeyboardInterrupt: typer would turn that into a silent exit 130."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
 
 
 def _split_debug(args: list[str]) -> tuple[list[str], bool]:
@@ -97,9 +119,9 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     debug = debug or os.environ.get("MEGA_DEBUG") == "1"
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
-    previous = None
-    if argv is None:  # a console-script run owns the process: SIGTERM unwinds like Ctrl-C
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {}
+    if argv is None:  # a console-script run owns the process and its signals
+        previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
         return int(result) if isinstance(result, int) else 0
@@ -121,20 +143,17 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
             traceback.print_exc()
         error(prog, str(e))
         return e.exit_code
-    except KeyboardInterrupt:
-        error(prog, "interrupted")
-        return 130
-    except Terminated:
-        error(prog, "terminated")
-        return 143
+    except Stopped as e:
+        error(prog, "interrupted" if e.signum == signal.SIGINT else "terminated")
+        return 128 + e.signum
     except Exception as e:
         if debug:
             traceback.print_exc()
         error(prog, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main_for(app: typer.Typer, prog: str) -> Callable[[], None]:

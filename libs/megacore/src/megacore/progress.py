@@ -39,7 +39,6 @@ class Progress:
         self.items = self.bytes = 0
         self.extras = dict.fromkeys(extras, 0)
         self.t0 = self.last = time.perf_counter()
-        self._drawn = False
 
     def update(self, items: int = 1, nbytes: int = 0, **extras: int) -> None:
         self.items += items
@@ -52,8 +51,8 @@ class Progress:
             self._draw(now, end="")
 
     def done(self) -> None:
-        """The final line (on a terminal, when anything was drawn)."""
-        if self.enabled and self._drawn:
+        """The final line (on a terminal)."""
+        if self.enabled:
             self._draw(time.perf_counter(), end="\n")
 
     def line(self, now: float | None = None) -> str:
@@ -71,4 +70,3 @@ class Progress:
 
     def _draw(self, now: float, end: str) -> None:
         print(f"\r{self.line(now)}\033[K", end=end, file=sys.stderr, flush=True)
-        self._drawn = True

@@ -11,7 +11,6 @@ import typer
 
 from mega_tokenize import __version__
 from megacore.cli import debug_option, main_for, make_app, version_option
-from megacore.errors import UserError
 from megacore.progress import plural
 
 app = make_app("Text corpora (jsonl, .zst, .gz) to Megatron-compatible token shards.")
@@ -33,10 +32,9 @@ def _split(values: list[str]) -> list[str]:
 )
 def run(
     inputs: list[str] = typer.Argument(
-        ...,
-        metavar="INPUTS... OUT",
-        help="Input .jsonl / .jsonl.zst / .jsonl.gz files, globs or directories, then the output path.",
+        ..., metavar="INPUTS", help="Input .jsonl / .jsonl.zst / .jsonl.gz files, globs or directories."
     ),
+    out: Path = typer.Argument(..., metavar="OUT", help="Output tokens artifact directory."),
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", "-t", help="SentencePiece .model, tokenizer.json, or a tokenizer directory."
     ),
@@ -78,11 +76,9 @@ def run(
     """Tokenize INPUTS... into the tokens artifact OUT (Megatron MMIDIDX shards + manifest)."""
     from mega_tokenize.pipeline import Options, tokenize
 
-    if len(inputs) < 2:
-        raise UserError("give at least one input and the output path: mega-tokenize INPUTS... OUT")
     opts = Options(
-        inputs=inputs[:-1],
-        out=Path(inputs[-1]),
+        inputs=inputs,
+        out=out,
         tokenizer=tokenizer,
         json_keys=_split(json_key),
         format=format,

@@ -53,12 +53,14 @@ def reusable(out: Path, kind: Kind, recipe: str) -> Manifest | None:
 
 def _check_inputs(out: Path, inputs: Sequence[Path], where: str) -> None:
     real_out = os.path.realpath(out)
-    for inp in inputs:
-        real_in = os.path.realpath(inp)
+    real = [(inp, os.path.realpath(inp)) for inp in inputs]
+    for inp, real_in in real:
         if real_out == real_in:
             raise UserError(f"the output is the input {inp}; choose another path", where)
+    for inp, real_in in real:
         if real_out.startswith(real_in.rstrip(os.sep) + os.sep):
             raise UserError(f"the output lies inside the input {inp}; choose a path outside it", where)
+    for inp, real_in in real:
         if real_in.startswith(real_out.rstrip(os.sep) + os.sep):
             raise UserError(f"the output contains the input {inp}; choose another path", where)
 

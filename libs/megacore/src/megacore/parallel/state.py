@@ -12,6 +12,7 @@ checkpoint has (`megacore.checkpoint.CheckpointReader`), so a run resumes with o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -52,15 +53,17 @@ def save_checkpoint(
     training: TrainingState | None = None,
     producer: tuple[str, str] = ("megacore", "0.1.0"),
     force: bool = False,
+    inputs: Sequence[Path] = (),
 ) -> None:
-    """Collective: every rank calls it with its part of the model (and optimizer)."""
+    """Collective: every rank calls it with its part of the model (and optimizer). `inputs` (the
+    run's init checkpoint and data) are never written over, nor into (the output policy)."""
     out = Path(out)
     mesh, rank = pm.mesh, dist.get_rank()
     w = ArtifactWriter(out, "checkpoint")
     refusal = [None]
     if rank == 0:
         try:
-            prepare_output(out, "checkpoint", force=force)
+            prepare_output(out, "checkpoint", inputs=inputs, force=force)
             out.parent.mkdir(parents=True, exist_ok=True)
             w.stage()
         except UserError as e:

@@ -1,5 +1,5 @@
-"""Tokenizers the tests make themselves: a tiny SentencePiece BPE (byte fallback, like Llama's) and
-a tiny byte-level `tokenizers` BPE with special tokens and a chat template."""
+"""Fixtures every test can use: tokenizers the tests make themselves, a tiny SentencePiece BPE (byte
+fallback, like Llama's) and a tiny byte-level `tokenizers` BPE with special tokens and a chat template."""
 
 from __future__ import annotations
 

@@ -1,0 +1,218 @@
+"""Every path field of every manifest schema is typed and checked in one place.
+
+The schemas in schemas/ mark each path field with `x-path` (file, prefix, ref or record). This walks
+every schema, finds every such field, and for each `file` and `prefix` field of a real artifact of
+each kind points it at an absolute path, a `..` escape, a symlink out of the artifact and a file
+the artifact does not list: `open_artifact` refuses each, naming the field. `record` paths are
+never opened; `ref` paths (run manifests) resolve against the manifest's directory. A string
+field whose name says it is a path but that carries no `x-path` fails the test, so a path field
+added later cannot escape the check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY, write_checkpoint
+from mega_export.export import export_hf
+from mega_tokenize.pipeline import Options, tokenize
+from megacore.artifacts import MANIFEST_NAME, open_artifact
+from megacore.artifacts.manifest import TrainingState
+from megacore.artifacts.reader import path_fields
+from megacore.config import model_tensors
+from megacore.errors import UserError
+from tokenize_testlib import write_jsonl
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+PATHY = re.compile(r"(^|_)(path|prefix|file|files|dir|init|sidecars)$")
+
+
+def _leaves(schema: dict, defs: dict, path: str, seen: tuple = ()):
+    """(dotted property path, leaf schema) of every string-typed leaf, through $ref, arrays, maps."""
+    if "$ref" in schema:
+        name = schema["$ref"].split("/")[-1]
+        if name in seen:
+            return
+        yield from _leaves(defs[name], defs, path, (*seen, name))
+        return
+    for sub in schema.get("anyOf", []):
+        yield from _leaves(sub, defs, path, seen)
+    if schema.get("type") == "string":
+        yield path, schema
+    if "items" in schema:
+        yield from _leaves(schema["items"], defs, path, seen)
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _leaves(schema["additionalProperties"], defs, path, seen)
+    for prop, sub in schema.get("properties", {}).items():
+        yield from _leaves(sub, defs, f"{path}.{prop}" if path else prop, seen)
+
+
+def schema_paths(kind: str) -> dict[str, str]:
+    """Dotted field path -> x-path kind, for every path field of a manifest kind's schema."""
+    schema = json.loads((SCHEMAS / f"{kind}.schema.json").read_text())
+    out = {}
+    for dotted, leaf in _leaves(schema, schema["$defs"], ""):
+        if "x-path" in leaf:
+            out[dotted] = leaf["x-path"]
+        else:
+            assert not PATHY.search(dotted.split(".")[-1]), (
+                f"{kind}: {dotted} looks like a path but has no x-path"
+            )
+    return out
+
+
+def dotted(jsonpath: str) -> str:
+    """`$.tensors["embed.weight"].pieces[0].file` -> `tensors.pieces.file`."""
+    return re.sub(r'\["[^"]*"\]|\[\d+\]', "", jsonpath).removeprefix("$.")
+
+
+def test_every_kind_has_its_path_fields_typed():
+    kinds = sorted(p.name.removesuffix(".schema.json") for p in SCHEMAS.glob("*.schema.json"))
+    assert kinds == ["checkpoint", "hf", "run", "tokens"]
+    assert schema_paths("tokens") == {
+        "parents.path": "record",
+        "files.path": "file",
+        "tokenizer.files": "file",
+        "inputs.path": "record",
+        "shards.prefix": "prefix",
+        "shards.sidecars": "prefix",
+    }
+    assert schema_paths("checkpoint") == {
+        "parents.path": "record",
+        "files.path": "file",
+        "tensors.pieces.file": "file",
+        "tokenizer_files": "file",
+        "training.rng_files": "file",
+    }
+    assert schema_paths("hf") == {"parents.path": "record", "files.path": "file"}
+    assert schema_paths("run") == {
+        "parents.path": "record",
+        "files.path": "file",
+        "model.init": "ref",
+        "data.sources.path": "ref",
+        "checkpoint.dir": "ref",
+    }
+
+
+# --- real artifacts of every kind, with every path field in use --------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, sp_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kinds")
+    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 3
+    src = write_jsonl(root / "chat.jsonl", chats)
+    opts = Options(
+        inputs=[str(src)],
+        out=root / "tokens",
+        tokenizer=sp_model,
+        format="chat",
+        add_special_tokens=["<|im_start|>", "<|im_end|>"],
+        progress=False,
+    )
+    tokenize(opts, log=lambda _: None)
+    g = torch.Generator().manual_seed(0)
+    write_checkpoint(
+        root / "ckpt",
+        {n: torch.randn(s, generator=g) for n, s in model_tensors(TINY).items()},
+        side_files={"tokenizer/tokenizer.model": sp_model.read_bytes(), "rng/rank0.bin": b"rng"},
+        tokenizer_files=["tokenizer/tokenizer.model"],
+        training=TrainingState(step=1, rng_files=["rng/rank0.bin"]),
+    )
+    export_hf(root / "ckpt", root / "hf")
+    return {"tokens": root / "tokens", "checkpoint": root / "ckpt", "hf": root / "hf"}
+
+
+def _set(doc: dict, jsonpath: str, value: str) -> None:
+    parts = re.findall(r'\.(\w+)|\[(\d+)\]|\["([^"]*)"\]', jsonpath)
+    node = doc
+    keys = [int(i) if i else (a or k) for a, i, k in parts]
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+
+
+BAD = [
+    ("/etc/passwd", "is absolute"),
+    ("../outside", "leaves the artifact directory"),
+    ("escape", "resolves outside the artifact"),
+    ("no-such-file", "names no file of the artifact"),
+]
+
+
+@pytest.mark.parametrize("kind", ["tokens", "checkpoint", "hf"])
+def test_every_file_and_prefix_field_is_confined(kind: str, artifacts, tmp_path: Path):
+    original = artifacts[kind]
+    manifest = open_artifact(original, kind)
+    hits = list(path_fields(manifest))
+    declared = {p for p, k in schema_paths(kind).items() if k in ("file", "prefix")}
+    assert {dotted(at) for at, k, _ in hits if k in ("file", "prefix")} == declared, (
+        "a path field is not exercised"
+    )
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"not the artifact's")
+    checked = 0
+    for at, path_kind, _ in hits:
+        if path_kind not in ("file", "prefix"):
+            continue
+        for value, message in BAD:
+            if dotted(at) == "files.path" and value == "no-such-file":
+                continue  # $.files defines what is listed; a missing file there is verify's error
+            work = tmp_path / "a"
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(original, work, symlinks=True)
+            for name in ("escape", "escape.bin", "escape.idx"):
+                (work / name).symlink_to(outside)
+            doc = json.loads((work / MANIFEST_NAME).read_text())
+            _set(doc, at, value)
+            (work / MANIFEST_NAME).write_text(json.dumps(doc))
+            with pytest.raises(UserError, match=re.escape(message)) as e:
+                open_artifact(work, kind, verify="none")
+            assert at in str(e.value), (at, str(e.value))
+            checked += 1
+    assert checked >= 3 * len(declared)
+
+
+@pytest.mark.parametrize("kind", ["tokens", "checkpoint", "hf"])
+def test_record_paths_are_never_opened(kind: str, artifacts, tmp_path: Path):
+    work = tmp_path / "a"
+    shutil.copytree(artifacts[kind], work)
+    doc = json.loads((work / MANIFEST_NAME).read_text())
+    doc["parents"] = [{"path": "/no/such/../place", "kind": "checkpoint", "manifest_sha256": "0" * 64}]
+    for item in doc.get("inputs", []):
+        item["path"] = "../../anywhere.jsonl"
+    (work / MANIFEST_NAME).write_text(json.dumps(doc))
+    open_artifact(work, kind)
+
+
+def test_run_refs_resolve_against_the_manifest_not_the_working_directory(
+    artifacts, tmp_path: Path, monkeypatch
+):
+    from mega_train.plan import plan_run
+
+    runs = tmp_path / "runs" / "exp1"
+    runs.mkdir(parents=True)
+    shutil.copytree(artifacts["checkpoint"], tmp_path / "ckpt")
+    run = {
+        "kind": "run",
+        "format_version": 1,
+        "model": {"init": "../../ckpt"},
+        "data": {"sources": [{"path": str(artifacts["tokens"])}]},  # absolute paths are kept
+        "batch": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 8},
+        "train_steps": 1,
+    }
+    (runs / "run.json").write_text(json.dumps(run))
+    monkeypatch.chdir(tmp_path / "runs")  # the relative path would miss from here
+    # The chat tokens artifact has 2 more ids than the tiny model: the vocab check speaks.
+    with pytest.raises(UserError, match="beyond the model's vocab_size 64"):
+        plan_run(runs / "run.json", 1)
+    with pytest.raises(UserError, match="no such artifact directory"):
+        run["model"]["init"] = "../ckpt"
+        (runs / "run.json").write_text(json.dumps(run))
+        plan_run(runs / "run.json", 1)
