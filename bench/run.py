@@ -3,6 +3,10 @@
 Each benchmark module has `run(quick: bool) -> list[Row]`. Ours and the peer are measured side by
 side in the same run (this machine is shared and noisy: ratios, never absolute times alone).
 `python bench/run.py [NAME ...] [--quick]` runs a subset.
+
+A row whose target is checked by its benchmark (ids that must agree, a memory ceiling) says so in the
+`check` column: `ok`, or `FAIL`, which makes the run exit 1 after printing the whole table. Other
+targets are goals to read against the ratio, not checked.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class Row:
     ratio: float | None  # >1 means we are better, whatever the metric's direction
     target: str = ""
     note: str = ""
+    passed: bool | None = None  # None: target not checked; False: the row fails the run (exit 1)
 
 
 def discover() -> dict[str, Path]:
@@ -42,7 +47,7 @@ def load(path: Path):
 
 
 def table(rows: list[Row]) -> str:
-    head = ("benchmark", "metric", "ours", "peer", "ratio", "target", "note")
+    head = ("benchmark", "metric", "ours", "peer", "ratio", "target", "check", "note")
     body = [
         (
             r.benchmark,
@@ -51,6 +56,7 @@ def table(rows: list[Row]) -> str:
             r.peer,
             "-" if r.ratio is None else f"{r.ratio:.2f}x",
             r.target,
+            {None: "", True: "ok", False: "FAIL"}[r.passed],
             r.note,
         )
         for r in rows
@@ -64,7 +70,7 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {', '.join(discover())}")
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the benchmarks run")
     args = ap.parse_args(argv)
     found = discover()
@@ -88,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         rows.append(Row("(none)", "-", "-", "-", None, note="no benchmarks yet"))
     print(table(rows))
-    return 1 if failed else 0
+    failing = [f"{r.benchmark}: {r.metric}" for r in rows if r.passed is False]
+    if failing:
+        print(
+            f"bench: {len(failing)} row(s) failed their checked target: {'; '.join(failing)}", file=sys.stderr
+        )
+    return 1 if failed or failing else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ File reads and writes, sha256, decompression and the tokenizer engines release t
 helper thread doing one of them overlaps the caller's work. Two shapes, one mechanism:
 
 - `Background.sink(fn)`: the caller `put`s items, the thread calls `fn(item)` on each, in order
-  (sha256 of a file being written, writing blocks to a file while the next ones are read);
+  (sha256 of a file being written, writing blocks to a file while the next ones are read,
+  flushing a growing token shard to the device);
 - `Background.source(items)`: the thread produces `items` ahead of the caller, who iterates
   (reading and parsing the next batch, loading the next tensor).
 
@@ -64,6 +65,17 @@ class Background:
         if self._error is not None:
             raise self._error
         self._q.put(item)
+
+    def offer(self, item: object) -> bool:
+        """`put` unless the queue is full (then drop the item and return False): for work that only
+        gives a head start, such as flushing a file early."""
+        if self._error is not None:
+            raise self._error
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            return False
+        return True
 
     # --- source ----------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from megacore.artifacts import (
     SafetensorsStreamWriter,
     TensorEntry,
     TensorReader,
+    dtype_name,
     new_header_fields,
     open_artifact,
     piece_entry,
@@ -140,8 +141,6 @@ class CheckpointWriter:
 
 
 def dtype_of(t: torch.Tensor) -> str:
-    from megacore.artifacts import dtype_name
-
     return dtype_name(t.dtype)
 
 

@@ -16,11 +16,11 @@ import contextlib
 import hashlib
 import os
 import struct
-import threading
 from pathlib import Path
 
 import numpy as np
 
+from megacore.background import Background
 from megacore.errors import UserError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -58,8 +58,9 @@ class IndexedWriter:
     `add(flat, lengths)` takes many documents at once (their tokens back to back and each one's
     length), so no Python work is done per document. The .bin sha256 is computed while writing.
     Memory: 8 bytes per document for the lengths; the tokens go straight to disk. Every
-    `FLUSH_BYTES` written, a background thread flushes them to the device, so the artifact's
-    final fsync does not wait for the whole file.
+    `FLUSH_BYTES` written, a background thread flushes them to the device (skipped while it is
+    still busy with the previous ones), so the artifact's final fsync does not wait for the whole
+    file.
     """
 
     FLUSH_BYTES = 64 << 20
@@ -77,17 +78,15 @@ class IndexedWriter:
         self.bin_sha256: str | None = None
         self.idx_sha256: str | None = None
         self._unflushed = 0
-        self._flusher: threading.Thread | None = None
+        self._flusher: Background | None = None
 
     def _flush_behind(self) -> None:
-        """Start an fdatasync of what is written so far, unless one is still running."""
-        if self._flusher is not None and self._flusher.is_alive():
-            return
+        """Queue an fdatasync of what is written so far, unless one is already waiting."""
+        if self._flusher is None:
+            self._flusher = Background.sink(_fdatasync_quiet, depth=1, name="mega-flush")
         self._bin.flush()
-        fd = self._bin.fileno()
-        self._flusher = threading.Thread(target=_fdatasync_quiet, args=(fd,), daemon=True)
-        self._flusher.start()
-        self._unflushed = 0
+        if self._flusher.offer(self._bin.fileno()):
+            self._unflushed = 0
 
     def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents: `flat` holds their tokens concatenated, `lengths` each one's count."""
@@ -135,7 +134,7 @@ class IndexedWriter:
 
     def _join_flusher(self) -> None:
         if self._flusher is not None:
-            self._flusher.join()  # the fd must stay open until its fdatasync returns
+            self._flusher.close()  # the fd must stay open until its fdatasync returns
 
 
 def _fdatasync_quiet(fd: int) -> None:

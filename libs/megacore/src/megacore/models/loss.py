@@ -23,11 +23,17 @@ _CHUNK_ELEMENTS = 1 << 26
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """Mean cross entropy of `hidden @ weight.T` (hidden [..., H], weight [V_padded, H]) at `targets`."""
+    """Mean cross entropy of `hidden @ weight.T` (hidden [..., H], weight [V_padded, H]) at `targets`.
+
+    `bench/run.py kernels` (CPU, 2 threads, 2048 tokens x hidden 4096, vocab 32000, two runs):
+    forward+backward 0.75-0.77x the time of `F.cross_entropy(F.linear(h, w).float(), t)` in bf16,
+    0.76-0.96x in fp32 (the matmuls both share dominate there). It pays in both, most in bf16."""
     return _FusedLinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), vocab_size)
 
 
 class _FusedLinearCE(torch.autograd.Function):
+    """`fused_linear_cross_entropy`'s autograd function (benchmark figures in its docstring)."""
+
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
         n, v = h.shape[0], w.shape[0]

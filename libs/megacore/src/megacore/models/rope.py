@@ -66,7 +66,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Same result as transformers' `x * cos + rotate_half(x) * sin`, written as a rotation of the two
     halves into one output buffer: no rotate_half copy, no neg/cat, and a backward that is the inverse
-    rotation (about half the elementwise traffic of autograd through the composite form)."""
+    rotation (about half the elementwise traffic of autograd through the composite form).
+
+    `bench/run.py kernels` (CPU, 2 threads, x 1 x 4096 x 32 heads x 128, two runs): forward+backward
+    0.39-0.41x the time of the composite form in fp32 and 0.67-0.87x in bf16, not counting the
+    heads-major output layout that saves SDPA a copy. It pays in both."""
     if torch.compiler.is_compiling():  # the compiler fuses the composite form on its own
         h = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
@@ -93,6 +97,8 @@ def _rotate(
 
 
 class _Rope(torch.autograd.Function):
+    """`apply_rope`'s eager path (what the benchmark shows it saves: `apply_rope`'s docstring)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)

@@ -1,15 +1,15 @@
-"""The layout: which tensors a model has, where each lives for a tp/pp/dp layout, and every check
-that refuses an impossible layout before any process starts (docs/architecture.md).
+"""The layout: where each of a model's tensors lives for a tp/pp/dp layout, and every check that
+refuses an impossible layout before any process starts (docs/architecture.md).
 
 Pure functions of the model config and the sizes, no torch: mega-shard's box arithmetic, the
-tensor-parallel plan (`tp.apply_tp` builds its DTensor styles from `place`), the live-model
-save/load, mega-convert and mega-train's dry run all use these, so every layout agrees on what a
-rank holds.
+tensor-parallel styles (`tp.apply_tp` builds them from `place`), the engine, the live-model
+save/load and mega-train's dry run all use these, so every layout agrees on what a rank holds.
 
 Tensor names follow the model naming contract (`megacore.config.model_tensors`). Optimizer state
-is stored in the same checkpoint `tensors` map under `optim.<kind>.<param name>` (AdamW: `optim.exp_avg.<param>` and
-`optim.exp_avg_sq.<param>`), with the parameter's global shape, split exactly like its parameter;
-scalar state such as the step count lives in the manifest's `training` section.
+is stored in the same checkpoint `tensors` map under `optim.<kind>.<param name>` (AdamW:
+`optim.exp_avg.<param>` and `optim.exp_avg_sq.<param>`), with the parameter's global shape, split
+exactly like its parameter; scalar state such as the step count lives in the manifest's `training`
+section.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ from megacore.parallel.layout import place
 
 
 class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over a process group."""
+    """Identity forward; backward all-reduces (sums) the gradient over a process group. Needed for
+    correctness, not speed: each tp rank slices its kv heads out of a replicated projection, so
+    the replicated weight's gradient is the sum of every rank's part."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
