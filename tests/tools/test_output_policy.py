@@ -13,6 +13,7 @@ it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -119,88 +120,50 @@ def live_model():
                 os.environ[k] = v
 
 
+# The command line of each tool: (input key, arguments for OUT, with the other settings or not).
+COMMANDS: dict[str, tuple[str, Callable[[dict, Path, bool], list]]] = {
+    "mega-tokenize": (
+        "corpus",
+        lambda i, out, other: (
+            [i["corpus"], out, "-t", i["tokenizer"], "--no-progress"] + (["--no-append-eos"] if other else [])
+        ),
+    ),
+    "mega-convert": (
+        "hf",
+        lambda i, out, other: ["hf", i["hf"], out] + (["--dtype", "bfloat16"] if other else []),
+    ),
+    "mega-shard": ("ckpt", lambda i, out, other: [i["ckpt"], out, "--tp", "2" if other else "1"]),
+    "mega-export": (
+        "ckpt",
+        lambda i, out, other: [i["ckpt"], out] + (["--dtype", "bfloat16"] if other else []),
+    ),
+}
+
+
 @pytest.fixture
 def tool(request, inputs, capsys) -> Tool:
     name = request.param
-    if name == "mega-tokenize":
-        from mega_tokenize.cli import app
+    if name in COMMANDS:
+        app = importlib.import_module(f"{name.replace('-', '_')}.cli").app
+        key, args = COMMANDS[name]
 
-        def call(out, force, other):
-            extra = ["--no-append-eos"] if other else []
-            flags = ["--force"] if force else []
-            return cli(
-                capsys,
-                app,
-                name,
-                inputs["corpus"],
-                out,
-                "-t",
-                inputs["tokenizer"],
-                "--no-progress",
-                *extra,
-                *flags,
-            )
+        def call(out: Path, force: bool, other: bool) -> Outcome:
+            return cli(capsys, app, name, *args(inputs, out, other), *(["--force"] if force else []))
 
-        return Tool(name, inputs["corpus"], call)
-    if name == "mega-convert":
-        from mega_convert.cli import app
+        return Tool(name, inputs[key], call)
+    # mega-train writes checkpoints from a live model (its training loop will call this).
+    from megacore.parallel.state import save_checkpoint
 
-        def call(out, force, other):
-            return cli(
-                capsys,
-                app,
-                name,
-                "hf",
-                inputs["hf"],
-                out,
-                *(["--dtype", "bfloat16"] if other else []),
-                *(["--force"] if force else []),
-            )
-
-        return Tool(name, inputs["hf"], call)
-    if name == "mega-shard":
-        from mega_shard.cli import app
-
-        def call(out, force, other):
-            return cli(
-                capsys,
-                app,
-                name,
-                inputs["ckpt"],
-                out,
-                "--tp",
-                "2" if other else "1",
-                *(["--force"] if force else []),
-            )
-
-        return Tool(name, inputs["ckpt"], call)
-    if name == "mega-export":
-        from mega_export.cli import app
-
-        def call(out, force, other):
-            return cli(
-                capsys,
-                app,
-                name,
-                inputs["ckpt"],
-                out,
-                *(["--dtype", "bfloat16"] if other else []),
-                *(["--force"] if force else []),
-            )
-
-        return Tool(name, inputs["ckpt"], call)
     pm = request.getfixturevalue("live_model")
 
-    def call(out, force, other):
-        from megacore.parallel.state import save_checkpoint
-
+    def save(out: Path, force: bool, other: bool) -> Outcome:
         try:
             save_checkpoint(out, pm, force=force, inputs=[inputs["ckpt"]])
         except UserError as e:
             return Outcome(2, f"mega-train: error: {e}\n")
         return Outcome(0, "")
 
-    return Tool(name, inputs["ckpt"], call)
+    return Tool(name, inputs["ckpt"], save)
 
 
 def refused(

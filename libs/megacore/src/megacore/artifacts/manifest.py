@@ -141,6 +141,7 @@ class TokensManifest(Header, tag="tokens", kw_only=True):
     json_keys: list[str] = []
     on_error: Literal["fail", "skip"] = "fail"
     inputs: list[InputFile] = []
+    settings_sha256: str | None = None  # written before recipe_sha256 existed; read, no longer written
     shards: list[Shard] = []
     counts: TokenCounts = msgspec.field(default_factory=TokenCounts)
 
