@@ -249,6 +249,17 @@ def test_a_previous_complete_output(tool: Tool, tmp_path: Path):
 
 
 @by_tool
+def test_a_symlinked_output_is_written_where_it_points(tool: Tool, tmp_path: Path):
+    """An output linked to big storage stays a link: the artifact appears at its target."""
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "storage")
+    assert tool(tmp_path / "out").code == 0
+    assert (tmp_path / "out").is_symlink()
+    complete(tool, tmp_path / "storage")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "storage"]
+
+
+@by_tool
 def test_a_user_file_inside_a_previous_output_is_never_deleted(tool: Tool, tmp_path: Path):
     out = tmp_path / "out"
     assert tool(out).code == 0

@@ -168,6 +168,15 @@ class CheckpointReader:
         """The slice `box` (offset, shape) of tensor `name`; the whole tensor when None."""
         return self._reader.read(name, self.entry(name), box)
 
+    def decoder(self, dtype: torch.dtype | None = None) -> Decoder:
+        """A whole Decoder with this checkpoint's weights (one process); optimizer moments and other
+        training state are left out."""
+        with torch.device("meta"):
+            model = Decoder(self.config)
+        model.to_empty(device="cpu")
+        model.load_state_dict({name: self.read(name) for name in model.state_dict()}, strict=True)
+        return model if dtype is None else model.to(dtype)
+
     def release(self) -> None:
         """Unmap the files read so far: pages of a mapping left open count as resident memory, so
         a reader streaming a large model calls this between tensors or blocks."""
@@ -186,10 +195,4 @@ class CheckpointReader:
 def load_decoder(path: Path, dtype: torch.dtype | None = None) -> Decoder:
     """A whole Decoder with the weights of a checkpoint artifact (any layout; one process)."""
     with CheckpointReader(path) as ckpt:
-        with torch.device("meta"):
-            model = Decoder(ckpt.config)
-        model.to_empty(device="cpu")
-        # Only the model's own tensors: a checkpoint may carry optimizer moments too.
-        state = {name: ckpt.read(name) for name in model.state_dict()}
-    model.load_state_dict(state, strict=True)
-    return model if dtype is None else model.to(dtype)
+        return ckpt.decoder(dtype)

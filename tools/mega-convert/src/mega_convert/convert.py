@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from mega_convert import __version__
-from megacore.artifacts import TORCH_DTYPES
+from megacore.artifacts import TORCH_DTYPES, whole
 from megacore.artifacts.manifest import Layout
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import safetensors_header
@@ -177,9 +177,7 @@ def convert_hf(
     shown = Progress("mega-convert", "tensors", total=len(order), total_bytes=total, enabled=progress)
     with write_artifact(out, "checkpoint", inputs=[model_dir], force=force, recipe=rec) as w:
         cw = CheckpointWriter(w)
-        sw = cw.open_file(
-            WEIGHTS, [(n, shapes[n], out_dtype, ((0,) * len(shapes[n]), shapes[n])) for n in order]
-        )
+        sw = cw.open_file(WEIGHTS, [(n, shapes[n], out_dtype, whole(shapes[n])) for n in order])
         # The next HF tensor is read on a helper thread while this one is written and hashed.
         tensors = Background.source(
             import_tensors(config, get, str(model_dir)), depth=1, name="mega-convert-read"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mega_convert.convert import check_hf_tensors, read_hf_config, weight_files
 from megacore.artifacts import TORCH_DTYPES
-from megacore.checkpoint import CheckpointReader, load_decoder
+from megacore.checkpoint import CheckpointReader
 from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
 from megacore.models import config_from_hf
@@ -42,13 +42,13 @@ def verify(
     # architecture (vocab padding aside), and safetensors weights of the shapes config.json implies.
     with CheckpointReader(Path(checkpoint)) as ckpt:
         diff = config_differences(ckpt.config, hf_config, ignore=(*TOKEN_ID_FIELDS, "padded_vocab_size"))
-    if diff:
-        raise UserError(
-            f"the checkpoint's model config differs from {model_dir / 'config.json'} in {', '.join(diff)}",
-            str(checkpoint),
-        )
-    check_hf_tensors(hf_config, weight_files(model_dir), model_dir)
-    ours = load_decoder(Path(checkpoint), torch_dtype).eval()
+        if diff:
+            raise UserError(
+                f"the checkpoint's model config differs from {model_dir / 'config.json'} in {', '.join(diff)}",
+                str(checkpoint),
+            )
+        check_hf_tensors(hf_config, weight_files(model_dir), model_dir)
+        ours = ckpt.decoder(torch_dtype).eval()
     hf = _load_transformers(model_dir, torch_dtype)
     vocab = hf_config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(seed))

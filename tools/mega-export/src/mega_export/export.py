@@ -64,7 +64,7 @@ def export_hf(
             files = sorted(e.path for e in old.files if e.path.endswith(".safetensors"))
             return {**summary, "reused": True, "files": files, "seconds": round(time.perf_counter() - t0, 3)}
 
-        elem = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        elem = TORCH_DTYPES[dtype].itemsize
         shapes = hf_shapes(config)
         shards = _shards(shapes, elem, max_shard_bytes)
         files = (

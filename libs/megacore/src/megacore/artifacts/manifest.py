@@ -31,7 +31,6 @@ MANIFEST_NAME = "manifest.json"
 Kind = Literal["tokens", "checkpoint", "run", "hf"]
 DType = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint16", "uint8"]
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "interleavedzb"]
-PATH_KINDS = ("file", "prefix", "ref", "record")
 
 
 def _path(kind: str) -> object:
@@ -270,7 +269,7 @@ class CheckpointSpec(Struct):
 
 
 class EvalSpec(Struct):
-    every: NonNegative = 0  # 0: only at the end
+    every: NonNegative = 0
     iters: Positive = 10
 
 

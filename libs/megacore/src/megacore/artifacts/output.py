@@ -116,12 +116,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def prepare_output(out: Path, kind: Kind, *, inputs: Sequence[Path] = (), force: bool = False) -> None:
+def prepare_output(out: Path, kind: Kind, *, inputs: Sequence[Path] = (), force: bool = False) -> Path:
     """Apply the policy to `out` before writing a `kind` artifact there: raise a UserError when it
-    must not be touched, remove a leftover staging directory of ours. Reuse is decided before
-    this, with `reusable`."""
-    out = Path(out)
+    must not be touched, remove a leftover staging directory of ours. Returns the path to write:
+    a symlinked output is written where it points (its staging directory beside it there), so the
+    link stays. Reuse is decided before this, with `reusable`."""
     where = str(out)
+    out = Path(os.path.realpath(out)) if Path(out).is_symlink() else Path(out)
     _check_inputs(out, inputs, where)
     if out.exists() or out.is_symlink():
         if not out.is_dir():
@@ -134,6 +135,7 @@ def prepare_output(out: Path, kind: Kind, *, inputs: Sequence[Path] = (), force:
                     where,
                 )
     _remove_leftover_staging(staging_dir(out), where)
+    return out
 
 
 @contextmanager
@@ -147,9 +149,7 @@ def write_artifact(
 ) -> Iterator[ArtifactWriter]:
     """Stage a `kind` artifact at `<out>.partial/` after applying the output policy; the body must
     call `writer.commit(manifest)`. On any exception (Ctrl-C included) the staging is removed."""
-    # A symlinked output is written where it points (the staging directory goes beside it there).
-    out = Path(os.path.realpath(out)) if Path(out).is_symlink() else Path(out)
-    prepare_output(out, kind, inputs=inputs, force=force)
+    out = prepare_output(out, kind, inputs=inputs, force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = ArtifactWriter(out, kind, recipe)
     writer.stage()

@@ -57,20 +57,20 @@ def save_checkpoint(
 ) -> None:
     """Collective: every rank calls it with its part of the model (and optimizer). `inputs` (the
     run's init checkpoint and data) are never written over, nor into (the output policy)."""
-    out = Path(out)
     mesh, rank = pm.mesh, dist.get_rank()
-    w = ArtifactWriter(out, "checkpoint")
-    refusal = [None]
+    decided: list = [None, None]  # (path to write, refusal) from rank 0
     if rank == 0:
         try:
-            prepare_output(out, "checkpoint", inputs=inputs, force=force)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            w.stage()
+            decided[0] = prepare_output(Path(out), "checkpoint", inputs=inputs, force=force)
+            decided[0].parent.mkdir(parents=True, exist_ok=True)
+            ArtifactWriter(decided[0], "checkpoint").stage()
         except UserError as e:
-            refusal = [str(e)]
-    dist.broadcast_object_list(refusal, src=0)  # every rank fails the same way, none waits forever
-    if refusal[0] is not None:
-        raise UserError(refusal[0])
+            decided[1] = str(e)
+    # Every rank fails the same way (none waits forever), and writes only once the staging exists.
+    dist.broadcast_object_list(decided, src=0)
+    if decided[1] is not None:
+        raise UserError(decided[1])
+    w = ArtifactWriter(decided[0], "checkpoint")
     try:
         cw = CheckpointWriter(w)
         coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "dp")}
