@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = {
     "kind": "run",
     "format_version": 1,
+    "out": "run-out",
     "model": {"init": "ckpt"},
     "data": {"sources": [{"path": "tokens"}]},
     "batch": {"micro_batch_size": 2, "global_batch_size": 8, "seq_length": 128},

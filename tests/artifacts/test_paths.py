@@ -94,6 +94,7 @@ def test_every_kind_has_its_path_fields_typed():
     assert schema_paths("run") == {
         "parents.path": "record",
         "files.path": "file",
+        "out": "ref",
         "model.init": "ref",
         "data.sources.path": "ref",
         "checkpoint.dir": "ref",
@@ -202,6 +203,7 @@ def test_run_refs_resolve_against_the_manifest_not_the_working_directory(
     run = {
         "kind": "run",
         "format_version": 1,
+        "out": "run-out",
         "model": {"init": "../../ckpt"},
         "data": {"sources": [{"path": str(artifacts["tokens"])}]},  # absolute paths are kept
         "batch": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 8},

@@ -65,6 +65,7 @@ def run_dir(tmp_path: Path) -> Path:
     run = {
         "kind": "run",
         "format_version": 1,
+        "out": "run-out",
         "model": {
             "config": {
                 "family": "llama",
@@ -108,7 +109,8 @@ def test_dry_run_accepts_a_good_manifest(run_dir: Path, capsys):
             lambda d: d.update(format_version=99),
             ["$.format_version: 99 is newer than this megacore supports"],
         ),
-        (lambda d: d["parallel"].update(tp=3), ["world size 8 is not a multiple of tp*pp = 3*2"]),
+        (lambda d: d["parallel"].update(tp=3), ["$.parallel.tp: tp 3 does not divide the 4 attention heads"]),
+        (lambda d: d["parallel"].update(tp=1, pp=3), ["world size 8 is not a multiple of tp*pp = 1*3"]),
         (lambda d: d["batch"].update(global_batch_size=6), ["$.batch.global_batch_size"]),
         (
             lambda d: d["parallel"].update(tp=8, pp=1),

@@ -259,6 +259,7 @@ def test_dry_run_json_paths_are_all_resolved_the_same_way(tmp_path: Path, sp_mod
     run = {
         "kind": "run",
         "format_version": 1,
+        "out": "run-out",
         "model": {"init": "../models/ckpt"},
         "data": {"sources": [{"path": "../data/tok"}]},
         "batch": {"micro_batch_size": 1, "global_batch_size": 2, "seq_length": 16},
@@ -269,6 +270,8 @@ def test_dry_run_json_paths_are_all_resolved_the_same_way(tmp_path: Path, sp_mod
     plan = json.loads(p.stdout)
     assert (tmp_path / plan["init"]).resolve() == (tmp_path / "models" / "ckpt").resolve()
     assert (tmp_path / plan["data"][0]["path"]).resolve() == (tmp_path / "data" / "tok").resolve()
+    assert (tmp_path / plan["out"]).resolve() == (tmp_path / "runs" / "run-out").resolve()
+    assert not (tmp_path / "runs" / "run-out").exists()  # a dry run writes nothing
     p = run_tool(
         "mega-train",
         "--manifest",

@@ -20,7 +20,7 @@ import typer
 from typer.core import TyperCommand
 from typer.exceptions import TyperException
 
-from megacore.errors import UserError
+from megacore.errors import Silent, UserError
 
 Verify = Literal["sha256", "size", "none"]
 
@@ -141,7 +141,8 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
     except UserError as e:
         if debug:
             traceback.print_exc()
-        error(prog, str(e))
+        if not isinstance(e, Silent):
+            error(prog, str(e))
         return e.exit_code
     except Stopped as e:
         error(prog, "interrupted" if e.signum == signal.SIGINT else "terminated")

@@ -166,3 +166,14 @@ def model_tensors(
         if not config.tie_embeddings:
             out["lm_head.weight"] = (vocab, hidden)
     return out
+
+
+def flops_per_token(config: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token (forward and backward, recompute not counted), PaLM's count: 6 x the
+    matmul parameters (the output projection, not the embedding lookup) + 12 x layers x heads x
+    head_dim x sequence length for attention scores and values. MFU divides by this."""
+    tensors = model_tensors(config)
+    matmul = sum(math.prod(s) for n, s in tensors.items() if len(s) == 2 and n != "embed.weight")
+    if config.tie_embeddings:
+        matmul += math.prod(tensors["embed.weight"])
+    return 6.0 * matmul + 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length

@@ -14,3 +14,12 @@ class UserError(Exception):
     def __init__(self, message: str, where: str | None = None) -> None:
         self.where = where
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class Silent(UserError):
+    """An error another process of the same job reports (rank 0 of a torchrun job): this process
+    exits with the same code and prints nothing, so the user reads it once."""
+
+    def __init__(self, exit_code: int = 2) -> None:
+        super().__init__("")
+        self.exit_code = exit_code

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import typer
 
 from mega_train import __version__
-from megacore.cli import Verify, debug_option, error, main_for, make_app, verify_option, version_option
+from megacore.cli import Verify, debug_option, main_for, make_app, verify_option, version_option
+from megacore.errors import Silent, UserError
 from megacore.progress import plural
 
 app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, under torchrun.")
@@ -19,7 +22,7 @@ app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, und
 def train(
     manifest: Path = typer.Option(..., "--manifest", "-m", help="The run manifest (run.json)."),
     dry_run: bool = typer.Option(
-        False, "--dry-run", help="Check the manifest and its artifacts, print the plan."
+        False, "--dry-run", help="Check the manifest and its artifacts, print the plan, train nothing."
     ),
     world_size: int | None = typer.Option(
         None,
@@ -27,34 +30,58 @@ def train(
         show_default=False,
         help="Processes to plan for  [default: $WORLD_SIZE (set by torchrun), else 1]",
     ),
+    peak_tflops: float | None = typer.Option(
+        None,
+        "--peak-tflops",
+        show_default=False,
+        help="Peak TFLOP/s of one device, for MFU  [default: a table of known GPUs; none on CPU]",
+    ),
     verify: Verify = verify_option("the referenced artifacts' files"),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON on stdout."),
     version: bool = version_option("mega-train", __version__),
     debug: bool = debug_option(),
 ) -> None:
-    """Train from a run manifest (the training loop is not in this version yet: --dry-run checks a
-    manifest and every artifact it references, and prints the resolved 3D plan).
+    """Train from a run manifest, in one process or under torchrun (one process per device).
 
-    Example: mega-train --manifest run.json --dry-run --world-size 8
+    Checkpoints go to the run's `out` directory; rerunning the same command resumes from the newest
+    complete one (in any tp/pp/dp layout). SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
+
+    Example: torchrun --nproc-per-node 8 $(which mega-train) --manifest run.json
     """
     from mega_train.plan import plan_run
 
+    rank = int(os.environ.get("RANK", "0"))
     ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    plan = plan_run(manifest, ws, verify)
-    summary = plan.summary()
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2))
-    else:
-        par, batch = summary["parallel"], summary["batch"]
-        typer.echo(
-            f"{manifest}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
-            f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
-            f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
-            f"{plural(len(summary['data']), 'data source')}"
-        )
-    if not dry_run:
-        error("mega-train", "training is not in this version yet; use --dry-run to check a manifest")
-        raise typer.Exit(1)
+    try:
+        plan = plan_run(manifest, ws, verify)
+    except UserError as e:
+        if rank == 0:
+            raise
+        # Every rank finds the same; rank 0 says it once. Torchrun stops the others (SIGTERM) as
+        # soon as one exits, so the silent ones give rank 0 a moment to print, and go quietly.
+        code = e.exit_code
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+        time.sleep(2)
+        raise Silent(code) from None
+    if dry_run or rank == 0:
+        summary = plan.summary()
+        if as_json:
+            typer.echo(json.dumps(summary, indent=2))
+        else:
+            par, batch = summary["parallel"], summary["batch"]
+            typer.echo(
+                f"{manifest}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
+                f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
+                f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
+                f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps"
+            )
+    if dry_run:
+        return
+    if world_size is not None and world_size != int(os.environ.get("WORLD_SIZE", "1")):
+        raise UserError("--world-size is for --dry-run; a run's world size is torchrun's", "--world-size")
+    from mega_train.train import train as run_training
+
+    raise typer.Exit(run_training(plan, peak_tflops))
 
 
 main = main_for(app, "mega-train")

@@ -7,16 +7,19 @@ seconds with one line instead of after a torchrun launch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.manifest import decode_manifest
+from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, read_manifest_bytes
+from megacore.artifacts.writer import sha256_bytes
 from megacore.config import ModelConfig, model_tensors
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.layout import Parallelism, check_parallelism, check_world
+from megacore.parallel.layout import Parallelism, check_parallelism, check_tp, check_world
 
 
 @dataclass
@@ -32,6 +35,14 @@ class RunPlan:
     dp: int
     grad_accum: int
     stage_layers: list[list[int]]
+    out: Path  # the run directory
+    checkpoints: Path  # where step-NNNNNNNN checkpoints and `latest` go
+    fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
+
+    @property
+    def inputs(self) -> list[Path]:
+        """The artifacts this run reads: never written over, nor into."""
+        return ([self.init[0]] if self.init else []) + [path for path, _, _ in self.data]
 
     def summary(self) -> dict:
         """The plan as JSON-able data; every path is resolved the same way (against the manifest's
@@ -45,6 +56,8 @@ class RunPlan:
                 "hidden": self.config.hidden_size,
             },
             "init": str(self.init[0]) if self.init is not None else None,
+            "out": str(self.out),
+            "checkpoints": str(self.checkpoints),
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
             "parallel": {"world_size": self.world_size, "tp": p.tp, "pp": p.pp, "dp": self.dp},
             "stage_layers": self.stage_layers,
@@ -85,11 +98,15 @@ def _check_tokens(
             f"{config.vocab_size}: resize the model's vocab (embeddings) first",
             where,
         )
-    if run.data.loss_on == "assistant" and (
-        tokens.format != "chat" or not tokens.shards[0].sidecars.get("roles")
-    ):
+    if run.data.loss_on == "assistant":
+        if tokens.format != "chat" or not tokens.shards[0].sidecars.get("roles"):
+            raise UserError(
+                f"{at}: loss_on assistant needs a chat tokens artifact (mega-tokenize --format chat)", where
+            )
         raise UserError(
-            f"{at}: loss_on assistant needs a chat tokens artifact (mega-tokenize --format chat)", where
+            "$.data.loss_on: 'assistant' (loss on assistant tokens only) is not in this version of "
+            "mega-train yet; use 'all'",
+            where,
         )
     if tokens.counts.documents < 1:
         raise UserError(f"{at}: {path} holds no documents", where)
@@ -140,6 +157,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         raise UserError(
             f"$.optimizer.warmup_steps: {opt.warmup_steps} exceeds train_steps {run.train_steps}", where
         )
+    check_tp(config, run.parallel.tp, "$.parallel.tp")  # before the world: the more basic mistake
     dp = check_world(world_size, run.parallel.tp, run.parallel.pp, "$.parallel")
     if b.global_batch_size % (b.micro_batch_size * dp):
         raise UserError(
@@ -147,10 +165,22 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
             f"micro_batch_size * dp = {b.micro_batch_size} * {dp}",
             where,
         )
-    # The pipeline runs the whole per-rank batch as microbatches of `micro_batch_size`.
+    # One step runs the rank's share of the batch as microbatches of `micro_batch_size`.
     microbatches = b.global_batch_size // (b.micro_batch_size * dp)
-    par = Parallelism(run.parallel, run.precision, microbatches, run.compile)
+    par = Parallelism(run.parallel, run.precision, microbatches, run.compile, run.recompute)
     stages = check_parallelism(config, par, "$.parallel")
+    if run.eval.every and (len(run.data.split) < 2 or run.data.split[1] == 0):
+        raise UserError(
+            f"$.eval.every: evaluation needs a valid split, and $.data.split {run.data.split} gives it "
+            "no documents; set eval.every to 0 or give the valid split a fraction",
+            where,
+        )
+    out = resolve_ref(base, run.out)
+    checkpoints = resolve_ref(base, run.checkpoint.dir) if run.checkpoint.dir else out / "checkpoints"
+    inputs = ([init[0]] if init else []) + [path for path, _, _ in sources]
+    check_inputs(out, inputs, "$.out")
+    check_inputs(checkpoints, inputs, "$.checkpoint.dir")
+    check_run_dir(out, "$.out")
     return RunPlan(
         path=manifest_path,
         run=run,
@@ -161,4 +191,45 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         dp=dp,
         grad_accum=microbatches,
         stage_layers=stages,
+        out=out,
+        checkpoints=checkpoints,
+        fingerprint=fingerprint(run, init, sources),
     )
+
+
+RUN_MARK = ".mega-train"  # in a run directory this tool made: a rerun resumes there
+
+
+def check_run_dir(out: Path, where: str) -> None:
+    """`out` is absent, an empty directory, or a run directory mega-train made (a rerun resumes)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory", where)
+    if any(out.iterdir()) and not (out / RUN_MARK).is_file():
+        raise UserError(
+            f"{out} exists and is not a mega-train run directory (no {RUN_MARK}); it is not written "
+            "into: choose another path",
+            where,
+        )
+
+
+def fingerprint(
+    run: RunManifest,
+    init: tuple[Path, CheckpointManifest] | None,
+    sources: list[tuple[Path, TokensManifest, float]],
+) -> dict[str, str]:
+    """What decides the model's start and the sequence of batches, by manifest field: a run resumes
+    only from a checkpoint with the same values (train_steps, the optimizer and the layout may change)."""
+    out = {
+        "$.data.split": json.dumps(run.data.split),
+        "$.data.loss_on": run.data.loss_on,
+        "$.seed": str(run.seed),
+        "$.batch.seq_length": str(run.batch.seq_length),
+        "$.batch.global_batch_size": str(run.batch.global_batch_size),
+        "$.model.init": sha256_bytes(read_manifest_bytes(init[0])[1]) if init else "none",
+        "$.data.sources": str(len(sources)),
+    }
+    for i, (path, _, weight) in enumerate(sources):
+        out[f"$.data.sources[{i}]"] = f"{sha256_bytes(read_manifest_bytes(path)[1])} weight {weight}"
+    return out

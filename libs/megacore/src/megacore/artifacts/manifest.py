@@ -173,12 +173,20 @@ class Layout(Struct):
 
 
 class TrainingState(Struct):
-    """Resume state beside the weights; readers that want weights only ignore it."""
+    """Resume state beside the weights; readers that want weights only ignore it.
+
+    `run` fingerprints what a resumed run must share with the one that saved (the data sources,
+    split, seed, sequence length, batch size), by field path, so a refusal names the field;
+    `rng_files` hold each rank's RNG states."""
 
     step: NonNegative
     consumed_samples: NonNegative = 0
     scheduler: dict[str, float | int | str] = {}
     optimizer: str | None = None
+    optimizer_steps: NonNegative | None = None  # updates applied (skipped steps make it < step)
+    loss_scale: PositiveFloat | None = None  # fp16's dynamic loss scale
+    counters: dict[str, NonNegative] = {}  # skipped steps, non-finite steps
+    run: dict[str, str] = {}
     rng_files: list[FilePath] = []
 
 
@@ -210,6 +218,7 @@ class ModelSpec(Struct):
 
     init: Ref | None = None
     config: ModelConfig | None = None
+    init_std: PositiveFloat = 0.02  # of fresh weights (with `config`), drawn per tensor from the seed
 
 
 class DataSource(Struct):
@@ -260,12 +269,27 @@ class OptimizerSpec(Struct):
     grad_clip: NonNegativeFloat = 1.0  # 0: no clipping
     warmup_steps: NonNegative = 0
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    # fp16's dynamic loss scale: halved on an overflow (the step is skipped), doubled after
+    # `loss_scale_window` steps without one.
+    initial_loss_scale: PositiveFloat = 65536.0
+    loss_scale_window: Positive = 1000
 
 
 class CheckpointSpec(Struct):
-    dir: Ref
+    """Save every `every` steps and at the end into `dir` (default: `checkpoints` in the run's
+    `out`), as `step-00000012` checkpoint artifacts and a `latest` link; `keep` the last K."""
+
+    dir: Ref | None = None
     every: Positive = 1000
     keep: Positive | None = None
+
+
+class NanSpec(Struct):
+    """A step whose loss or gradients are not finite is never applied: `skip` goes on, `halt` stops
+    (exit 1) once `max_steps` such steps happened in the run."""
+
+    policy: Literal["skip", "halt"] = "skip"
+    max_steps: Positive = 1
 
 
 class EvalSpec(Struct):
@@ -280,17 +304,19 @@ class LoggingSpec(Struct):
 
 
 class RunManifest(Header, tag="run", kw_only=True):
+    out: Ref  # the run directory: metrics.jsonl, checkpoints, the data index cache
     model: ModelSpec
     data: DataSpec
     batch: BatchSpec
     train_steps: Positive
     parallel: ParallelSpec = msgspec.field(default_factory=ParallelSpec)
     optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
-    precision: Literal["fp32", "bf16"] = "bf16"
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     recompute: Literal["none", "full", "selective"] = "none"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
     compile: bool = False  # torch.compile each transformer block (Decoder.compile_blocks)
-    checkpoint: CheckpointSpec | None = None
+    checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
+    nan: NanSpec = msgspec.field(default_factory=NanSpec)
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
     logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)
     seed: int = 1234

@@ -51,7 +51,8 @@ def reusable(out: Path, kind: Kind, recipe: str) -> Manifest | None:
     return manifest if manifest.recipe_sha256 == recipe else None
 
 
-def _check_inputs(out: Path, inputs: Sequence[Path], where: str) -> None:
+def check_inputs(out: Path, inputs: Sequence[Path], where: str) -> None:
+    """Refuse an output that is an input, lies inside one, or contains one."""
     real_out = os.path.realpath(out)
     real = [(inp, os.path.realpath(inp)) for inp in inputs]
     for inp, real_in in real:
@@ -123,7 +124,7 @@ def prepare_output(out: Path, kind: Kind, *, inputs: Sequence[Path] = (), force:
     link stays. Reuse is decided before this, with `reusable`."""
     where = str(out)
     out = Path(os.path.realpath(out)) if Path(out).is_symlink() else Path(out)
-    _check_inputs(out, inputs, where)
+    check_inputs(out, inputs, where)
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise UserError(f"exists and is not a directory; {NOT_REPLACED}", where)
@@ -158,3 +159,19 @@ def write_artifact(
     finally:
         if not writer.committed:
             writer.abort()
+
+
+def remove_artifact(path: Path, kind: Kind, producer: str) -> bool:
+    """Delete `path` when it provably is what `producer` wrote: a complete `kind` artifact of that
+    producer holding only the files its manifest lists (keep-last-K checkpoints). Returns whether it
+    was removed; anything else is left as it is."""
+    try:
+        manifest = _own_artifact(Path(path), kind, str(path))
+    except UserError:
+        return False
+    if manifest.producer is None or manifest.producer.name != producer:
+        return False
+    doomed = Path(path).with_name(f".{Path(path).name}.removing-{os.getpid()}")
+    os.replace(path, doomed)  # gone from view at once: never a half-deleted artifact
+    shutil.rmtree(doomed)
+    return True

@@ -9,15 +9,20 @@ and drops `embed` or `norm`/`lm_head` by setting them to None.
 Single-device fast paths are switched by a `fused` attribute on the module that has one (the
 q/k/v and gate/up matmuls, RMSNorm's backward, the loss fused with the output projection); a
 tensor-parallel layout turns them off where its DTensor shards need the plain module code.
+Activation recompute is switched the same way (`set_recompute`), and fresh weights come from
+`initial_value`, a function of the tensor's name and the seed only, so a model initialised in any
+layout holds the same weights.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megacore.config import ModelConfig
 from megacore.models.attention import Impl, causal_attention
@@ -87,6 +92,7 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 class Attention(nn.Module):
     fused = True  # q/k/v as one matmul
+    recompute = False  # recompute the attention core in backward (selective recompute)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -104,7 +110,11 @@ class Attention(nn.Module):
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
         qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
-        out = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.window, self.impl)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
+            out = checkpoint(causal_attention, q, k, v, self.window, self.impl, use_reentrant=False)
+        else:
+            out = causal_attention(q, k, v, self.window, self.impl)
         return self.o_proj(out.reshape(b, s, -1))
 
 
@@ -130,6 +140,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block; sequential (x + attn, then + mlp) or parallel (x + attn(n1 x) + mlp(n2 x))."""
 
+    recompute = False  # keep only the block's input for backward and run it again there (full)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.parallel = config.parallel_attn
@@ -140,6 +152,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.attn_norm(x)
         a = self.attn(h, cos, sin)
         if self.parallel:
@@ -206,17 +223,30 @@ class Decoder(nn.Module):
         for block in self.layers.values():
             block.attn.impl = impl
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recompute: 'none', 'selective' (the attention core) or 'full' (each block)."""
+        for block in self.layers.values():
+            block.recompute = mode == "full"
+            block.attn.recompute = mode == "selective"
+
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Fresh-training init (works after `to_empty` from the meta device): normal(0, std) matrices
-        and embeddings, zero biases, unit norms, zero padded-vocab rows."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.RMSNorm | nn.LayerNorm):
-                module.reset_parameters()
-        for table in (self.embed, self.lm_head):
-            if table is not None:
-                table.weight[self.config.vocab_size :].zero_()
+    def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        """Fresh-training init (works after `to_empty` from the meta device): `initial_value` for
+        every parameter."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, tuple(p.shape), self.config, std, seed))
+
+
+def initial_value(
+    name: str, shape: tuple[int, ...], config: ModelConfig, std: float = 0.02, seed: int = 0
+) -> torch.Tensor:
+    """The fresh fp32 value of parameter `name` (a contract name): normal(0, std) matrices and
+    embeddings, zero biases, unit norm scales, zero padded-vocab rows. Drawn from a generator seeded
+    by `seed` and the name, so every layout (each rank slicing what it holds) gets the same model."""
+    if len(shape) == 1:
+        return torch.zeros(shape) if name.endswith(".bias") else torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    value = torch.empty(shape).normal_(0.0, std, generator=gen)
+    if name in ("embed.weight", "lm_head.weight"):
+        value[config.vocab_size :] = 0
+    return value

@@ -6,6 +6,10 @@ on the meta device from the layer ModuleDict, tensor parallel is applied, then d
 `fully_shard` per block and per stage, or `replicate`), then the parameters are materialised with
 `to_empty` and filled by the caller (`load_state` / `megacore.parallel.state.load_checkpoint`, or
 `init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
+
+One `forward_backward` takes this rank's whole batch of a step and runs it as `par.microbatches`
+microbatches: the pipeline schedule's, or gradient accumulation without a pipeline (gradient
+reduction over dp only after the last one). Either way the gradients are those of the mean loss.
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ SCHEDULE_CLASSES = {
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
 
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
-    """FSDP2 per block and per stage (bf16 compute, fp32 master weights and gradient reduction), or
-    plain replication."""
+    """FSDP2 per block and per stage (bf16/fp16 compute, fp32 master weights and gradient
+    reduction), or plain replication."""
+    dtype = COMPUTE_DTYPES.get(par.precision)
     mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if par.precision == "bf16"
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype is not None
         else MixedPrecisionPolicy()
     )
     if par.spec.dp_mode == "replicate":
@@ -89,9 +97,10 @@ class ParallelModel:
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
             if par.spec.tp > 1:
                 apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel)
+            part.set_recompute(par.recompute)
             if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
                 part.compile_blocks()
-            if self.dp > 1 or par.precision == "bf16":
+            if self.dp > 1 or par.precision in COMPUTE_DTYPES:
                 apply_dp(part, mesh["dp"], par)
             part.to_empty(device=self.device)
             self.parts.append(part)
@@ -106,8 +115,11 @@ class ParallelModel:
             first = stages if par.spec.schedule in MULTI_STAGE else stages[0]
             self.schedule = cls(first, n_microbatches=par.microbatches, loss_fn=self.loss_fn)
 
+        self._scale = 1.0
+
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh)
+        """The pipeline's loss: a microbatch's mean, times the step's scale (fp16 loss scaling)."""
+        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh) * self._scale
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Checkpoint tensor names (the contract's) and this rank's parameters (DTensor or plain)."""
@@ -127,25 +139,61 @@ class ParallelModel:
         return self.num_stages - 1 in self.stage_ids
 
     def forward_backward(
-        self, tokens: torch.Tensor | None, targets: torch.Tensor | None
+        self, tokens: torch.Tensor | None, targets: torch.Tensor | None, scale: float = 1.0
     ) -> torch.Tensor | None:
-        """Forward and backward over this rank's batch (its dp share); gradients are accumulated in
-        the parameters. Returns the mean loss on ranks holding the last stage, else None."""
+        """Forward and backward over this rank's batch (its dp share) as `par.microbatches`
+        microbatches; the gradients of `scale` times the mean loss are accumulated in the
+        parameters. Returns the mean loss (unscaled) on ranks holding the last stage, else None."""
+        n = self.par.microbatches
+        data = tokens if tokens is not None else targets
+        if data is not None:  # middle pipeline stages get no batch; the ends check it
+            check_microbatches(data.shape[0], n, "microbatches")
         with loss_context(self.tp_mesh):
             if self.schedule is None:
-                model = self.parts[0]
-                # The loss is fused with the output projection unless the logits are vocab-parallel.
-                loss = model(tokens, targets) if model.fused else self.loss_fn(model(tokens), targets)
-                loss.backward()
-                return loss.detach()
-            data = tokens if tokens is not None else targets
-            if data is not None:  # middle stages get no batch; the ends check it
-                check_microbatches(data.shape[0], self.par.microbatches, "microbatches")
+                total = 0.0
+                for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n), strict=True)):
+                    self._grad_sync(i == n - 1)
+                    loss = self._loss(x, y)
+                    (loss * (scale / n)).backward()
+                    total = total + loss.detach().float()
+                return (total / n).cpu()
+            self._scale = scale
             args = (tokens,) if self.has_first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": targets, "losses": losses} if self.has_last else {}
             self.schedule.step(*args, **kwargs)
-            return torch.stack([x.detach() for x in losses]).mean() if self.has_last else None
+            return (
+                torch.stack([x.detach().float() for x in losses]).mean().cpu() / scale
+                if self.has_last
+                else None
+            )
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward only over this rank's batch: the mean loss on ranks holding the last stage."""
+        n = self.par.microbatches
+        with loss_context(self.tp_mesh):
+            if self.schedule is None:
+                losses = [self._loss(x, y) for x, y in zip(tokens.chunk(n), targets.chunk(n), strict=True)]
+                return torch.stack([x.float() for x in losses]).mean().cpu()
+            self._scale = 1.0
+            args = (tokens,) if self.has_first else ()
+            losses = []
+            kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+            self.schedule.eval(*args, **kwargs)
+            return torch.stack([x.float() for x in losses]).mean().cpu() if self.has_last else None
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A microbatch's mean loss without a pipeline: fused with the output projection unless the
+        logits are vocab-parallel."""
+        model = self.parts[0]
+        return model(x, y) if model.fused else lm_loss(model(x), y, self.config.vocab_size, self.tp_mesh)
+
+    def _grad_sync(self, on: bool) -> None:
+        """Reduce gradients over dp in this backward (the last microbatch's) or not yet."""
+        if self.dp > 1:
+            for part in self.parts:
+                part.set_requires_gradient_sync(on)
 
     @torch.no_grad()
     def load_state(self, get: Callable[[str, Box], torch.Tensor]) -> None:
@@ -155,9 +203,18 @@ class ParallelModel:
             if local.numel():
                 local.copy_(get(name, (offset, shape)))
 
-    def init_weights(self, std: float = 0.02) -> None:
-        for part in self.parts:
-            part.init_weights(std)
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        """Fresh weights, the same as a single-process `Decoder.init_weights(std, seed)`'s: each
+        rank draws a whole tensor and keeps its slice."""
+        from megacore.models.decoder import initial_value
+
+        for name, p in self.named_parameters():
+            offset, shape, local = local_piece(p)
+            if local.numel():
+                local.copy_(
+                    box_slice(initial_value(name, tuple(p.shape), self.config, std, seed), (offset, shape))
+                )
 
 
 def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
@@ -172,10 +229,14 @@ def state_getter(state: dict[str, torch.Tensor]) -> Callable[[str, Box], torch.T
     """A `load_state` source from full tensors (e.g. a single-process model's state dict)."""
 
     def get(name: str, box: Box) -> torch.Tensor:
-        offset, shape = box
-        return state[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+        return box_slice(state[name], box)
 
     return get
+
+
+def box_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
+    offset, shape = box
+    return t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
 
 @torch.no_grad()

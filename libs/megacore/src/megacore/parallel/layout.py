@@ -188,15 +188,20 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")  # several stages per pipeline rank
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """What the engine builds: a run manifest's `parallel` section, and from the rest of the run
-    its precision, the microbatches of one pipeline step and whether blocks are compiled."""
+    its precision, the microbatches of one step, whether blocks are compiled and what is recomputed."""
 
     spec: ParallelSpec = field(default_factory=ParallelSpec)
-    precision: str = "bf16"  # bf16 compute with fp32 master weights and reductions, or fp32
-    microbatches: int = 1  # per pipeline step
+    precision: str = "bf16"  # bf16 or fp16 compute with fp32 master weights and reductions, or fp32
+    microbatches: int = 1  # per step: a pipeline's microbatches, or gradient accumulation without one
     compile: bool = False  # torch.compile each transformer block
+    recompute: str = "none"  # activation recompute: none, selective (attention core), full (per block)
 
     @property
     def stages_per_rank(self) -> int:
@@ -223,8 +228,10 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         raise UserError(
             f"schedule {spec.schedule!r} runs one stage per rank; virtual_stages must be 1", where
         )
-    if par.precision not in ("bf16", "fp32"):
-        raise UserError(f"precision must be bf16 or fp32, got {par.precision!r}", "precision")
+    if par.precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {list(PRECISIONS)}, got {par.precision!r}", "precision")
+    if par.recompute not in RECOMPUTE:
+        raise UserError(f"recompute must be one of {list(RECOMPUTE)}, got {par.recompute!r}", "recompute")
     check_tp(config, spec.tp, f"{where}.tp")
     stages = spec.pp * par.stages_per_rank
     layers = stage_layers(

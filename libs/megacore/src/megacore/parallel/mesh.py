@@ -18,14 +18,17 @@ def device_type() -> str:
 
 
 def init_distributed() -> None:
-    """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, ...)."""
+    """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, ...), or
+    a group of one process when they are absent (a plain `python` or console-script run)."""
     if dist.is_initialized():
         return
+    backend = "nccl" if device_type() == "cuda" else "gloo"
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+    if "RANK" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
 
 
 def build_mesh(tp: int = 1, pp: int = 1) -> DeviceMesh:

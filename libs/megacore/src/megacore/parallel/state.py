@@ -4,7 +4,8 @@ Save: every rank writes one file (`shard_file`) with the pieces it owns (its sha
 and of its AdamW moments, `optim.<kind>.<param>`); a piece replicated over some mesh dims is written
 by the rank at coordinate 0 of those dims only, so the pieces tile every tensor exactly once. Rank 0
 applies the output policy, gathers the others' records and commits the one manifest
-(`megacore.checkpoint.CheckpointWriter`).
+(`megacore.checkpoint.CheckpointWriter`). Per-rank state that is no tensor of the model (RNG states)
+goes into `rank-state/rank-NNNNN.safetensors`, listed in `training.rng_files`.
 
 Load: every rank reads only the slices its parameters (and moments) need, from whatever layout the
 checkpoint has (`megacore.checkpoint.CheckpointReader`), so a run resumes with other tp/pp/dp sizes.
@@ -12,11 +13,12 @@ checkpoint has (`megacore.checkpoint.CheckpointReader`), so a run resumes with o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate
 
 from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
@@ -54,9 +56,13 @@ def save_checkpoint(
     producer: tuple[str, str] = ("megacore", "0.1.0"),
     force: bool = False,
     inputs: Sequence[Path] = (),
+    rank_state: dict[str, torch.Tensor] | None = None,
+    on_written: Callable[[], None] | None = None,
 ) -> None:
-    """Collective: every rank calls it with its part of the model (and optimizer). `inputs` (the
-    run's init checkpoint and data) are never written over, nor into (the output policy)."""
+    """Collective: every rank calls it with its part of the model (and optimizer) and its
+    `rank_state`. `inputs` (the run's init checkpoint and data) are never written over, nor into
+    (the output policy). `on_written` runs on every rank once its files are written, before the
+    commit (a point for fault-injection tests)."""
     mesh, rank = pm.mesh, dist.get_rank()
     decided: list = [None, None]  # (path to write, refusal) from rank 0
     if rank == 0:
@@ -82,12 +88,18 @@ def save_checkpoint(
                 mine.append((name, list(t.shape), (offset, shape), local))
         if mine:
             cw.write_file(file, mine)
+        if rank_state is not None:
+            save_file({k: v.contiguous().cpu() for k, v in rank_state.items()}, w.path(rank_state_file(rank)))
+        if on_written is not None:
+            on_written()
         gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(cw.records(), gathered, dst=0)
         if rank == 0:
             for records in gathered[1:]:
                 cw.merge(records)
             par = pm.par
+            if training is not None and rank_state is not None:
+                training.rng_files = [rank_state_file(r) for r in range(dist.get_world_size())]
             cw.commit(
                 config=pm.config,
                 dtype=dtype_of(next(pm.parameters())),
@@ -114,7 +126,10 @@ def load_checkpoint(
         if diff:
             raise UserError(f"the checkpoint's model config differs from the run's in {diff}", str(path))
         tensors = ckpt.manifest.tensors
-        step = ckpt.manifest.training.step if ckpt.manifest.training is not None else 0
+        training = ckpt.manifest.training
+        step = 0 if training is None else training.step
+        if training is not None and training.optimizer_steps is not None:
+            step = training.optimizer_steps  # AdamW's bias correction counts applied updates
         for name, p in pm.named_parameters():
             entry = ckpt.entry(name)
             if list(entry.shape) != list(p.shape):
@@ -136,3 +151,16 @@ def load_checkpoint(
                     loc.copy_(ckpt.read(optim_state_name(kind, name), (offset, shape)))
                 state[kind] = buf
         return ckpt.manifest
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank-state/rank-{rank:05d}.safetensors"
+
+
+def load_rank_state(path: Path, manifest: CheckpointManifest) -> dict[str, torch.Tensor] | None:
+    """This rank's `rank_state` from a checkpoint saved by a job of the same world size, else None."""
+    training = manifest.training
+    rel = rank_state_file(dist.get_rank())
+    if training is None or len(training.rng_files) != dist.get_world_size() or rel not in training.rng_files:
+        return None
+    return load_file(str(Path(path) / rel))

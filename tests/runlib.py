@@ -1,0 +1,51 @@
+"""Helpers for mega-train tests (tests/ is on the path): a tiny Llama config, run manifests, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Tiny Llama, vocab 400 (the tokenizer's) padded to 512: GQA, the padding rows stay zero.
+TINY_LLAMA = {
+    "family": "llama",
+    "vocab_size": 400,
+    "hidden_size": 32,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "ffn_hidden_size": 64,
+    "max_seq_len": 64,
+}
+
+
+def write_run(directory: Path, tokens: Path, **overrides) -> Path:
+    """A run.json in `directory`: the tiny Llama from config on `tokens`, fp32, 12 steps, batch 8 x 32
+    tokens; `overrides` replace top-level sections (dicts are merged one level deep)."""
+    run = {
+        "kind": "run",
+        "format_version": 1,
+        "out": "run",
+        "model": {"config": dict(TINY_LLAMA)},
+        "data": {"sources": [{"path": str(tokens)}], "split": [0.9, 0.1]},
+        "batch": {"micro_batch_size": 2, "global_batch_size": 8, "seq_length": 32},
+        "train_steps": 12,
+        "precision": "fp32",
+        "attention": "sdpa",
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2, "min_lr": 3e-4},
+        "checkpoint": {"every": 4},
+        "logging": {"every": 1},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(run.get(key), dict):
+            run[key] = {**run[key], **value}
+        else:
+            run[key] = value
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "run.json"
+    path.write_text(json.dumps(run, indent=1))
+    return path
+
+
+def metrics(out: Path, kind: str = "train") -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]

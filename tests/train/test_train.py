@@ -1,0 +1,335 @@
+"""mega-train end to end, as users run it: real processes (torchrun on gloo for the parallel ones), a
+real tokens artifact, checkpoints read back through the checkpoint module and the other tools.
+
+The reference is one process, fp32, micro batch 2 (accumulation 4). Parallel layouts must reach its
+loss at every step within LOSS_REL (fp32; reductions run in another order); a resumed run in the same
+layout must end bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import BIN, assert_bitwise_equal, assert_one_line_error, run_tool
+from megacore.artifacts import open_artifact
+from megacore.checkpoint import CheckpointReader, load_decoder
+from runlib import TINY_LLAMA, metrics, write_run
+
+LOSS_REL = 1e-4
+
+
+def torchrun(nproc: int, run_json: Path, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **kw.pop("env", {})}
+    cmd += [str(BIN / "mega-train"), "--manifest", str(run_json)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, **kw)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(run_json: Path, **kw) -> subprocess.CompletedProcess:
+    return run_tool("mega-train", "--manifest", run_json, **kw)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in metrics(out)]
+
+
+def assert_losses_close(got: list[float], want: list[float], rel: float = LOSS_REL) -> None:
+    assert len(got) == len(want), (got, want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert abs(a - b) <= rel * abs(b), (step, a, b)
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(path) as ckpt:
+        return {name: ckpt.read(name).clone() for name in ckpt.manifest.tensors}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokens: Path) -> Path:
+    """12 steps in one process, checkpoints every 4: the run every other test compares against."""
+    run_json = write_run(tmp_path_factory.mktemp("reference"), tokens)
+    ok(train(run_json))
+    return run_json.parent / "run"
+
+
+def test_one_process_trains_and_writes_everything(reference: Path) -> None:
+    train_rows, eval_rows = metrics(reference), metrics(reference, "eval")
+    assert [r["step"] for r in train_rows] == list(range(1, 13))
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.3, losses(reference)
+    assert all(r["skipped"] == 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in train_rows)
+    # warmup over 2 steps, then cosine from 3e-3 to min_lr 3e-4 at step 12
+    assert [r["lr"] for r in train_rows[:3]] == pytest.approx([1.5e-3, 3e-3, 3e-3])
+    assert train_rows[-1]["lr"] > 3e-4 and train_rows[-1]["lr"] < train_rows[2]["lr"]
+    assert eval_rows == []  # eval.every is 0 by default
+    ckpts = reference / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "latest",
+        "step-00000004",
+        "step-00000008",
+        "step-00000012",
+    ]
+    assert os.readlink(ckpts / "latest") == "step-00000012"
+    with CheckpointReader(ckpts / "latest") as ckpt:
+        t = ckpt.manifest.training
+        assert (t.step, t.optimizer_steps, t.consumed_samples) == (12, 12, 96)
+        assert t.rng_files == ["rank-state/rank-00000.safetensors"]
+        assert "optim.exp_avg.layers.0.attn.q_proj.weight" in ckpt.manifest.tensors
+        # vocab padding rows (400..511) of the embedding and output projection stay exactly zero
+        for name in ("embed.weight", "lm_head.weight", "optim.exp_avg.embed.weight"):
+            assert not ckpt.read(name)[TINY_LLAMA["vocab_size"] :].any(), name
+
+
+def test_parallel_layouts_match_one_process(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """tp2 x pp2 (4 processes, micro batch 1) and dp2 with FSDP2 (micro batch 4), both from fresh
+    seeded weights: the loss at every step within LOSS_REL of one process with micro batch 2."""
+    want = losses(reference)
+    tp_pp = write_run(tmp_path / "tp2pp2", tokens, parallel={"tp": 2, "pp": 2}, batch={"micro_batch_size": 1})
+    out = ok(torchrun(4, tp_pp))
+    assert "world 4 = tp 2 x pp 2 x dp 1; batch 8 = micro 1 x dp 1 x accum 8" in out.stdout
+    assert out.stdout.count("step 12/12") == 1  # rank 0 alone reports
+    assert_losses_close(losses(tp_pp.parent / "run"), want)
+    dp = write_run(tmp_path / "dp2", tokens, batch={"micro_batch_size": 4})
+    ok(torchrun(2, dp))
+    assert_losses_close(losses(dp.parent / "run"), want)
+    # Both final checkpoints are artifacts the other tools take as they are (dp2 has -dp pieces).
+    for run_json in (tp_pp, dp):
+        final = run_json.parent / "run" / "checkpoints" / "latest"
+        hf = run_json.parent / "hf"
+        run_tool("mega-export", final, hf, check=True)
+        run_tool("mega-convert", "verify", final, hf, check=True)
+
+
+def test_resume_in_another_layout(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """Checkpointed at tp1 (step 4 of the reference), resumed at tp2 x pp2: steps 5..12 match."""
+    run_json = write_run(tmp_path, tokens, parallel={"tp": 2, "pp": 2}, batch={"micro_batch_size": 1})
+    out = tmp_path / "run"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("step-00000008", "step-00000012", "latest"))
+    proc = ok(torchrun(4, run_json))
+    assert f"resuming from {out / 'checkpoints' / 'step-00000004'} (step 4 of 12)" in proc.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, 13))
+    assert_losses_close(losses(out), losses(reference))
+
+
+def test_killed_runs_resume_bit_identical(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """SIGKILL at three random steps after the first checkpoint (mid-step: after backward, before the
+    update), and once in the middle of writing a checkpoint; each rerun resumes from the newest
+    complete checkpoint and ends with the reference's weights, moments and loss history, bit for bit."""
+    seed = random.randrange(1 << 30)
+    kill_steps = sorted(random.Random(seed).sample(range(5, 13), 3))
+    want = checkpoint_tensors(reference / "checkpoints" / "step-00000012")
+    want_history = [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in metrics(reference)]
+    cases = [f"kill@{k}" for k in kill_steps] + ["kill-in-save@8"]
+    for case in cases:
+        run_json = write_run(tmp_path / case.replace("@", "-"), tokens)
+        out = run_json.parent / "run"
+        killed = train(run_json, env={"MEGA_TRAIN_INJECT": case})
+        assert killed.returncode == -signal.SIGKILL, (seed, case, killed.stderr)
+        if case.startswith("kill-in-save"):
+            assert (out / "checkpoints" / "step-00000008.partial").is_dir()
+            assert os.readlink(out / "checkpoints" / "latest") == "step-00000004"
+        resumed = ok(train(run_json))
+        newest = 4 * ((int(case.split("@")[1]) - 1) // 4)
+        assert f"step-{newest:08d} (step {newest} of 12)" in resumed.stdout, (seed, case, resumed.stdout)
+        got = checkpoint_tensors(out / "checkpoints" / "step-00000012")
+        assert got.keys() == want.keys()
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], (seed, case, name))
+        history = [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in metrics(out)]
+        assert history == want_history, (seed, case)
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path: Path, tokens: Path) -> None:
+    """SIGTERM (as SLURM sends before preemption) in one process and to every worker under torchrun:
+    a checkpoint at the next step boundary, exit 0, and the rerun resumes from it."""
+    long = {"train_steps": 100000, "checkpoint": {"every": 100000}}
+    single = write_run(tmp_path / "single", tokens, **long)
+    dp2 = write_run(tmp_path / "dp2", tokens, batch={"micro_batch_size": 4}, **long)
+    for run_json, nproc in ((single, 1), (dp2, 2)):
+        out = run_json.parent / "run"
+        cmd = [str(BIN / "mega-train"), "--manifest", str(run_json)]
+        if nproc > 1:
+            cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), *cmd]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and len(metrics(out)) >= 3):
+            time.sleep(0.05)
+        for pid in [proc.pid] if nproc == 1 else children(proc.pid):
+            os.kill(pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (nproc, stdout[-2000:], stderr[-3000:])
+        saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+        assert len(saved) == 1, saved
+        step = int(saved[0].removeprefix("step-"))
+        assert f"SIGTERM at step {step}: checkpoint saved" in stdout
+        assert metrics(out)[-1]["step"] == step
+        with CheckpointReader(out / "checkpoints" / saved[0]) as ckpt:
+            assert ckpt.manifest.training.step == step
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (torchrun's workers), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_nan_policies(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """A poisoned gradient (step 3) and a poisoned loss (step 6) are never applied: `skip` counts them
+    and goes on; `halt` stops at the second (exit 1, one line), leaving the step-4 checkpoint intact."""
+    inject = {"MEGA_TRAIN_INJECT": "nan-grad@3,nan-loss@6"}
+    skip = write_run(tmp_path / "skip", tokens)
+    ok(train(skip, env=inject))
+    rows = metrics(skip.parent / "run")
+    assert [(r["skipped"], r["nan_steps"]) for r in rows][1:7] == [
+        (0, 0),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+        (2, 2),
+        (2, 2),
+    ]
+    assert rows[2]["grad_norm"] is None and rows[5]["loss"] is None
+    # Steps 1-2 equal the reference; step 3's update was skipped, so step 4 differs from it.
+    assert losses(skip.parent / "run")[:3] == losses(reference)[:3]
+    with CheckpointReader(skip.parent / "run" / "checkpoints" / "latest") as ckpt:
+        t = ckpt.manifest.training
+        assert (t.step, t.optimizer_steps, t.counters["skipped"], t.counters["nan_steps"]) == (12, 10, 2, 2)
+
+    halt = write_run(tmp_path / "halt", tokens, nan={"policy": "halt", "max_steps": 2})
+    proc = train(halt, env=inject)
+    out = halt.parent / "run"
+    assert_one_line_error(proc, "step 6: loss or gradients not finite (2 such steps", "step-00000004", code=1)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000004"]
+    open_artifact(out / "checkpoints" / "step-00000004", "checkpoint", verify="sha256")
+    load_decoder(out / "checkpoints" / "step-00000004")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precisions_train(tmp_path: Path, tokens: Path, precision: str) -> None:
+    """bf16 and fp16 compute (fp32 master weights) lower the loss; fp16 starting at a loss scale that
+    overflows skips those steps, halving the scale each time, and then trains."""
+    opt = {"initial_loss_scale": 2.0**20} if precision == "fp16" else {}
+    run_json = write_run(tmp_path, tokens, precision=precision, train_steps=20, optimizer=opt)
+    ok(train(run_json))
+    rows = metrics(tmp_path / "run")
+    applied = [r for r in rows if r["grad_norm"] is not None]
+    assert applied[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
+    if precision == "fp16":
+        skipped = rows[-1]["skipped"]
+        assert skipped >= 1 and rows[-1]["nan_steps"] == 0
+        assert rows[-1]["loss_scale"] == 2.0 ** (20 - skipped)
+    else:
+        assert rows[-1]["skipped"] == 0 and rows[-1]["loss_scale"] is None
+
+
+def test_full_recompute_lowers_peak_memory(tmp_path: Path, tokens: Path) -> None:
+    """Long sequences, few parameters: activations dominate. Full recompute keeps only each block's
+    input for backward: a lower peak resident set, and the same losses (fp32, same kernels)."""
+    config = {**TINY_LLAMA, "num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 256, "max_seq_len": 1024}
+    peak, history = {}, {}
+    for mode in ("none", "full"):
+        run_json = write_run(
+            tmp_path / mode, tokens, model={"config": config}, recompute=mode, train_steps=3,
+            batch={"micro_batch_size": 8, "global_batch_size": 8, "seq_length": 1024},
+            data={"split": [1, 0]},
+        )  # fmt: skip
+        ok(train(run_json))
+        rows = metrics(tmp_path / mode / "run")
+        peak[mode], history[mode] = max(r["memory_gb"] for r in rows), [r["loss"] for r in rows]
+    assert peak["full"] < peak["none"] - 0.2, peak
+    assert_losses_close(history["full"], history["none"], rel=1e-6)
+
+
+BAD_CASES = [
+    (lambda r: r["batch"].update(micro_batch_size="2"), ["$.batch.micro_batch_size: expected int"]),
+    (lambda r: r.update(learning_rate=1), ["unknown field learning_rate"]),
+    (lambda r: r.pop("out"), ["missing required field"]),
+    (lambda r: r["parallel"].update(tp=3), ["$.parallel.tp", "3"]),
+    (lambda r: r["data"]["sources"].append({"path": "nowhere"}), ["nowhere", "no such artifact directory"]),
+    (lambda r: r["model"]["config"].update(vocab_size=300), ["beyond the model's vocab_size 300"]),
+    (lambda r: r["batch"].update(global_batch_size=9), ["$.batch.global_batch_size: 9 is not a multiple"]),
+    (lambda r: r["eval"].update(every=5) or r["data"].update(split=[1, 0]), ["$.eval.every"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+def test_invalid_manifests_exit_2_with_one_line(tmp_path: Path, tokens: Path, case: int) -> None:
+    edit, fragments = BAD_CASES[case]
+    run_json = write_run(tmp_path, tokens, parallel={"tp": 1, "pp": 1}, eval={"every": 0})
+    run = json.loads(run_json.read_text())
+    edit(run)
+    run_json.write_text(json.dumps(run))
+    assert_one_line_error(train(run_json), *fragments)
+    assert not (tmp_path / "run").exists()  # nothing written before the checks pass
+
+
+def test_invalid_manifest_under_torchrun_is_reported_once(tmp_path: Path, tokens: Path) -> None:
+    run_json = write_run(tmp_path, tokens, batch={"global_batch_size": 6, "micro_batch_size": 2})
+    proc = torchrun(2, run_json)
+    assert proc.returncode != 0
+    assert proc.stderr.count("mega-train: error: ") == 1, proc.stderr
+    assert "$.batch.global_batch_size: 6 is not a multiple of micro_batch_size * dp = 2 * 2" in proc.stderr
+
+
+def test_run_directory_of_someone_else_is_refused(tmp_path: Path, tokens: Path) -> None:
+    run_json = write_run(tmp_path, tokens)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert_one_line_error(train(run_json), "$.out", "not a mega-train run directory")
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_changed_data_refuses_to_resume(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    run_json = write_run(tmp_path, tokens, seed=7)
+    shutil.copytree(reference, tmp_path / "run")
+    assert_one_line_error(train(run_json), "$.seed differs from the run that saved", "step-00000012")
+    bigger = {**TINY_LLAMA, "ffn_hidden_size": 96}
+    run_json = write_run(tmp_path, tokens, model={"config": bigger})
+    assert_one_line_error(train(run_json), "$.model.config.ffn_hidden_size differs")
+
+
+def test_examples_plan(tmp_path: Path, tokens: Path) -> None:
+    """examples/*.json are valid run manifests; the pretraining one plans for 8 processes against a
+    tokens artifact where it expects one (after `make demo`)."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "demo-out").mkdir()
+    (tmp_path / "demo-out" / "tokens").symlink_to(tokens)
+    for name in ("pretrain.json", "finetune.json"):
+        shutil.copy(examples / name, tmp_path / "examples" / name)
+    proc = run_tool(
+        "mega-train", "--manifest", tmp_path / "examples" / "pretrain.json", "--dry-run", "--world-size", "8"
+    )
+    assert "world 8 = tp 2 x pp 2 x dp 2; batch 64 = micro 4 x dp 2 x accum 8" in ok(proc).stdout
+    proc = run_tool("mega-train", "--manifest", tmp_path / "examples" / "finetune.json", "--dry-run")
+    assert_one_line_error(proc, "demo-out/ckpt-tp2pp2", "no such artifact directory")

@@ -1,0 +1,92 @@
+"""A run's checkpoints: `step-00000012` checkpoint artifacts in one directory, a `latest` link to the
+newest, keep-last-K, and which one a rerun resumes from (and whether it may).
+
+A checkpoint is complete when its `manifest.json` is there (the artifact writer writes it last and
+renames the staging directory into place), so a write killed halfway leaves `step-N.partial/`,
+which resuming ignores and the next save of that step replaces. `latest` is a convenience for
+people (`mega-export run/checkpoints/latest hf`); resuming trusts only the manifests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from megacore.artifacts import CheckpointManifest, open_artifact
+from megacore.artifacts.output import remove_artifact
+from megacore.config import ModelConfig, config_differences
+from megacore.errors import UserError
+
+PRODUCER = "mega-train"
+LATEST = "latest"
+_STEP = re.compile(r"step-(\d{8})")
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"step-{step:08d}"
+
+
+def complete(checkpoints: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    if not checkpoints.is_dir():
+        return []
+    found = []
+    for p in checkpoints.iterdir():
+        m = _STEP.fullmatch(p.name)
+        if m and not p.is_symlink() and (p / "manifest.json").is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def newest(checkpoints: Path) -> tuple[Path, CheckpointManifest] | None:
+    """The newest complete checkpoint that opens cleanly (sizes and pieces checked), if any."""
+    for _, path in reversed(complete(checkpoints)):
+        try:
+            manifest = open_artifact(path, "checkpoint", verify="size")
+        except UserError:
+            continue  # damaged after it was written: an older one is the one to resume from
+        if manifest.training is not None:
+            return path, manifest
+    return None
+
+
+def check_resumable(
+    path: Path, manifest: CheckpointManifest, config: ModelConfig, fingerprint: dict[str, str], where: str
+) -> None:
+    """A run resumes only from a checkpoint of the same model and data; the refusal names the field."""
+    diff = config_differences(config, manifest.config)
+    if diff:
+        raise UserError(
+            f"$.model.config.{diff[0]} differs from the checkpoint {path} this run would resume from; "
+            "give the run another `out` (or restore the manifest)",
+            where,
+        )
+    saved = manifest.training.run if manifest.training is not None else {}
+    for field, value in fingerprint.items():
+        if saved.get(field, value) != value:
+            raise UserError(
+                f"{field} differs from the run that saved {path}, so it cannot resume from it; give the "
+                "run another `out` (or restore the manifest)",
+                where,
+            )
+
+
+def point_latest(checkpoints: Path, path: Path) -> None:
+    """Make `latest` a relative link to `path`, replaced atomically."""
+    link = checkpoints / LATEST
+    if link.exists() and not link.is_symlink():
+        return  # someone else's file: not ours to replace
+    tmp = checkpoints / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(path.name)
+    os.replace(tmp, link)
+
+
+def prune(checkpoints: Path, keep: int | None) -> list[Path]:
+    """Remove complete checkpoints this tool wrote beyond the newest `keep`; returns the removed."""
+    if keep is None:
+        return []
+    return [
+        path for _, path in complete(checkpoints)[:-keep] if remove_artifact(path, "checkpoint", PRODUCER)
+    ]

@@ -1,0 +1,335 @@
+"""mega-train's training loop, top to bottom: set up, resume or start, step, report, save.
+
+Every rank runs this with the same checked `RunPlan`. A step takes global batch `step` of the train
+samples (`megacore.data.Dataset`: the sequence depends on the seed and the data only), gives this
+rank its dp share, and runs it through `ParallelModel.forward_backward` as microbatches; the loss of
+the step is the mean over all its tokens. Then one small all-reduce brings every rank the same
+loss and the same stop request, the gradients are unscaled (fp16), their global norm is taken and
+clipped, and the update is applied only when loss and norm are finite. A step that is not applied
+still counts (its batch is consumed): Megatron's convention, and what keeps resumes exact.
+
+Faults: SIGTERM or SIGUSR1 ask for a checkpoint at the next step boundary and an exit 0; a
+non-finite step follows `nan.policy`; checkpoints are atomic (`checkpoints.py`). Test hooks:
+`MEGA_TRAIN_INJECT="nan-grad@3,nan-loss@5,kill@7,kill-in-save@4"` poisons a gradient or the loss
+of a step, SIGKILLs the job in the middle of a step (after backward, before the update), or in the
+middle of writing a checkpoint (after the shard files, before the manifest).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mega_train import __version__
+from mega_train.allocator import configure_allocator
+from mega_train.checkpoints import PRODUCER, check_resumable, newest, point_latest, prune, step_dir
+from mega_train.metrics import MetricsLog, eval_line, memory_gb, peak_tflops, perplexity, say, train_line
+from mega_train.plan import RUN_MARK, RunPlan
+from megacore.artifacts.manifest import OptimizerSpec, TrainingState
+from megacore.config import flops_per_token
+from megacore.data.dataset import Dataset
+from megacore.errors import Silent, UserError
+from megacore.parallel.engine import ParallelModel, clip_grad_norm
+from megacore.parallel.layout import Parallelism
+from megacore.parallel.mesh import build_mesh, device_type, shutdown
+from megacore.parallel.state import load_checkpoint, load_rank_state, save_checkpoint
+from megacore.progress import Progress
+
+
+class Halted(UserError):
+    """The run stopped itself (nan.policy halt): exit 1, the last checkpoint left as it was."""
+
+    exit_code = 1
+
+
+@dataclass
+class State:
+    """What a checkpoint's `training` section restores, besides weights and moments."""
+
+    step: int = 0
+    optimizer_steps: int = 0
+    loss_scale: float | None = None
+    counters: dict[str, int] = field(default_factory=lambda: {"skipped": 0, "nan_steps": 0, "scale_good": 0})
+
+
+def lr_at(step: int, opt: OptimizerSpec, total: int) -> float:
+    """Linear warmup from lr/warmup to lr, then cosine / linear decay to min_lr at `total`, or constant."""
+    if step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return opt.lr
+    progress = min(1.0, (step - opt.warmup_steps) / max(1, total - opt.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if opt.schedule == "cosine" else 1 - progress
+    return opt.min_lr + (opt.lr - opt.min_lr) * decay
+
+
+def make_optimizer(pm: ParallelModel, opt: OptimizerSpec) -> torch.optim.AdamW:
+    """AdamW; norms and biases (1-D) are not decayed. Vocab padding rows get no gradient and so stay zero."""
+    decay = [p for p in pm.parameters() if p.ndim >= 2]
+    plain = [p for p in pm.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+
+
+def injected(kind: str, step: int) -> bool:
+    """A test hook (module docstring): whether MEGA_TRAIN_INJECT asks for `kind` at this step."""
+    return f"{kind}@{step}" in os.environ.get("MEGA_TRAIN_INJECT", "").split(",")
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (SLURM's warning before preemption) set a flag read at step boundaries."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
+def train(plan: RunPlan, peak: float | None = None) -> int:
+    run, config = plan.run, plan.config
+    G, S = run.batch.global_batch_size, run.batch.seq_length
+    configure_allocator(device_type())
+    mesh = build_mesh(run.parallel.tp, run.parallel.pp)
+    rank = dist.get_rank()
+    device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else "cpu"
+    torch.manual_seed(run.seed)
+    if rank == 0:
+        plan.out.mkdir(parents=True, exist_ok=True)
+        (plan.out / RUN_MARK).write_text(f"{PRODUCER} {__version__}\n")
+        plan.checkpoints.mkdir(parents=True, exist_ok=True)
+
+    # Resume from the newest complete checkpoint of this run (when it is the same run), else start
+    # from `init` or from fresh weights.
+    found = [newest(plan.checkpoints) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    resumed = found[0]
+    if resumed is not None:
+        try:
+            check_resumable(*resumed, config, plan.fingerprint, str(plan.path))
+        except UserError as e:
+            shutdown()
+            raise e if rank == 0 else Silent(e.exit_code) from None
+
+    # Data: rank 0 builds (or finds) the index, the others then load it from the cache.
+    def datasets() -> tuple[Dataset, Dataset | None]:
+        cache = plan.out / "data-index"
+        build = lambda which, n: Dataset.build(plan.data, run.data.split, which, S, n, run.seed, cache)  # noqa: E731
+        return build("train", run.train_steps * G), build(
+            "valid", run.eval.iters * G
+        ) if run.eval.every else None
+
+    if rank == 0:
+        train_data, valid_data = datasets()
+    dist.barrier()
+    if rank != 0:
+        train_data, valid_data = datasets()
+
+    par = Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
+    pm = ParallelModel(config, par, mesh, device)
+    for part in pm.parts:
+        part.set_attention(run.attention)
+    opt = make_optimizer(pm, run.optimizer)
+    state = State(loss_scale=run.optimizer.initial_loss_scale if run.precision == "fp16" else None)
+
+    if resumed is not None:
+        path, manifest = resumed
+        load_checkpoint(path, pm, opt)
+        t = manifest.training
+        applied = t.step if t.optimizer_steps is None else t.optimizer_steps
+        state = State(t.step, applied, t.loss_scale, {**state.counters, **t.counters})
+        rng = load_rank_state(path, manifest)
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+        if rank == 0:
+            done = " — already complete, nothing to do" if state.step >= run.train_steps else ""
+            say(f"mega-train: resuming from {path} (step {state.step} of {run.train_steps}){done}")
+    elif plan.init is not None:
+        load_checkpoint(plan.init[0], pm)  # weights only: fine-tuning starts a new optimizer
+    else:
+        pm.init_weights(run.model.init_std, run.seed)
+    log = MetricsLog(plan.out, state.step if resumed else None) if rank == 0 else None
+
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    pp_group = mesh["pp"].get_group() if run.parallel.pp > 1 else None
+    params = list(pm.parameters())
+    flops = flops_per_token(config, S)
+    peak_flops = peak_tflops(peak, run.precision)
+    world = dist.get_world_size()
+    # On a terminal: the steps of this invocation, their rate and the ETA.
+    todo = run.train_steps - state.step
+    progress = Progress("mega-train", "steps", total=todo, enabled=None if rank == 0 else False)
+    stop = StopRequest()
+    saved_at = state.step if resumed else None
+
+    def save() -> None:
+        nonlocal saved_at
+        path = step_dir(plan.checkpoints, state.step)
+        training = TrainingState(
+            step=state.step,
+            consumed_samples=state.step * G,
+            scheduler={
+                "name": run.optimizer.schedule,
+                "lr": lr_at(max(state.step - 1, 0), run.optimizer, run.train_steps),
+            },
+            optimizer="adamw",
+            optimizer_steps=state.optimizer_steps,
+            loss_scale=state.loss_scale,
+            counters=dict(state.counters),
+            run=plan.fingerprint,
+        )
+        kill = injected("kill-in-save", state.step)
+        save_checkpoint(
+            path, pm, opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
+            rank_state={"cpu": torch.get_rng_state()},
+            on_written=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None,
+        )  # fmt: skip
+        saved_at = state.step
+        if rank == 0:
+            point_latest(plan.checkpoints, path)
+            prune(plan.checkpoints, run.checkpoint.keep)
+            say(f"mega-train: saved {path}")
+
+    def evaluate() -> float:
+        losses = []
+        for k in range(run.eval.iters):
+            tokens, targets = batch(valid_data, k)
+            losses.append(reduce_loss(pm.evaluate(tokens, targets))[0])
+        return sum(losses) / len(losses)
+
+    def batch(data: Dataset, k: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's rows of global batch k: inputs where it holds the first stage, targets the last."""
+        rows = G // dp
+        x, _ = data.batch(k * G + dp_rank * rows, k * G + (dp_rank + 1) * rows)
+        x = torch.from_numpy(x).to(device)
+        return (x[:, :-1] if pm.has_first else None), (x[:, 1:] if pm.has_last else None)
+
+    def reduce_loss(loss: torch.Tensor | None, flag: int = 0) -> tuple[float, int]:
+        """The loss every rank holding the last stage has, and the sum of `flag`, on every rank."""
+        v = torch.zeros(3, dtype=torch.float64, device=device)
+        if loss is not None:
+            v[0], v[1] = loss.double(), 1.0
+        v[2] = flag
+        dist.all_reduce(v)
+        return float(v[0] / v[1]), int(v[2])
+
+    clean = False
+    try:
+        while state.step < run.train_steps:
+            t0 = time.perf_counter()
+            lr = lr_at(state.step, run.optimizer, run.train_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            tokens, targets = batch(train_data, state.step)
+            scale = state.loss_scale or 1.0
+            local = pm.forward_backward(tokens, targets, scale)
+            state.step += 1
+            if injected("kill", state.step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if local is not None and injected("nan-loss", state.step):
+                local = torch.full_like(local, float("nan"))
+            if rank == 0 and injected("nan-grad", state.step):
+                next(p for p in params if p.grad is not None).grad.fill_(float("nan"))
+            loss, stopping = reduce_loss(local, stop.signum)
+            with torch.no_grad():
+                if scale != 1.0:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(1.0 / scale)
+                clip = run.optimizer.grad_clip or math.inf
+                norm = float(clip_grad_norm(params, clip, pp_group))
+            applied = math.isfinite(loss) and math.isfinite(norm)
+            if applied:
+                opt.step()
+                state.optimizer_steps += 1
+            opt.zero_grad(set_to_none=True)
+            update_counters(state, run, loss, applied)
+            dt = time.perf_counter() - t0
+            progress.update(1)
+
+            if rank == 0:
+                tps = G * S / dt
+                record = {
+                    "step": state.step, "kind": "train", "loss": loss, "lr": lr, "grad_norm": norm,
+                    "tokens_per_s": tps, "tflops": tps * flops / 1e12,
+                    "mfu": tps * flops / 1e12 / peak_flops if peak_flops else None,
+                    "skipped": state.counters["skipped"], "nan_steps": state.counters["nan_steps"],
+                    "loss_scale": state.loss_scale, "memory_gb": memory_gb(), "step_time_s": dt,
+                    "world_size": world,
+                }  # fmt: skip
+                log.write(record)
+                if state.step % run.logging.every == 0 or state.step == run.train_steps:
+                    say(train_line(record, run.train_steps))
+            if run.nan.policy == "halt" and state.counters["nan_steps"] >= run.nan.max_steps:
+                if rank != 0:
+                    raise Silent(Halted.exit_code)
+                last = newest(plan.checkpoints)
+                raise Halted(
+                    f"step {state.step}: loss or gradients not finite ({state.counters['nan_steps']} such "
+                    f"steps, $.nan.max_steps {run.nan.max_steps}); stopped without saving, the last "
+                    f"checkpoint is {last[0] if last else 'none'}"
+                )
+            if run.eval.every and state.step % run.eval.every == 0:
+                ev = evaluate()
+                if rank == 0:
+                    record = {"step": state.step, "kind": "eval", "loss": ev, "ppl": perplexity(ev)}
+                    log.write(record)
+                    say(eval_line(record))
+            if stopping:
+                name = signal.Signals(stop.signum or signal.SIGTERM).name
+                if saved_at != state.step:
+                    save()
+                if rank == 0:
+                    say(
+                        f"mega-train: {name} at step {state.step}: checkpoint saved; rerun the command to resume"
+                    )
+                clean = True
+                return 0
+            if state.step % run.checkpoint.every == 0 or state.step == run.train_steps:
+                save()
+        if saved_at != state.step:
+            save()
+        progress.done()
+        clean = True
+        return 0
+    except UserError:
+        clean = True  # every rank decided it alike (a halt): they can still meet at the barrier
+        raise
+    finally:
+        stop.restore()
+        if log is not None:
+            log.close()
+        if clean:
+            shutdown()
+
+
+def update_counters(state: State, run, loss: float, applied: bool) -> None:
+    """fp16: an overflow in the gradients (finite loss) halves the loss scale and skips the step;
+    `loss_scale_window` clean steps double it. Any other non-finite step is a NaN step (nan.policy)."""
+    c = state.counters
+    if not applied:
+        c["skipped"] += 1
+    if state.loss_scale is not None:
+        if not applied and math.isfinite(loss):
+            state.loss_scale = max(state.loss_scale / 2, 1.0)
+            c["scale_good"] = 0
+            return
+        c["scale_good"] = c["scale_good"] + 1 if applied else 0
+        if c["scale_good"] >= run.optimizer.loss_scale_window:
+            state.loss_scale *= 2
+            c["scale_good"] = 0
+    if not applied:
+        c["nan_steps"] += 1
