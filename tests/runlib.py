@@ -20,7 +20,8 @@ TINY_LLAMA = {
 
 def write_run(directory: Path, tokens: Path, **overrides) -> Path:
     """A run.json in `directory`: the tiny Llama from config on `tokens`, fp32, 12 steps, batch 8 x 32
-    tokens; `overrides` replace top-level sections (dicts are merged one level deep)."""
+    tokens, checkpoints every 4 steps, evaluation every 6; `overrides` replace top-level sections
+    (dicts are merged one level deep)."""
     run = {
         "kind": "run",
         "format_version": 1,
@@ -33,6 +34,7 @@ def write_run(directory: Path, tokens: Path, **overrides) -> Path:
         "attention": "sdpa",
         "optimizer": {"lr": 3e-3, "warmup_steps": 2, "min_lr": 3e-4},
         "checkpoint": {"every": 4},
+        "eval": {"every": 6, "iters": 2},
         "logging": {"every": 1},
     }
     for key, value in overrides.items():

@@ -3,8 +3,9 @@
 Every rank builds the single-process reference model itself (tiny, fp32, same seed), then for each
 scenario the parallel model from the same weights, and asserts that loss, gradients, gradient norm,
 the gradients clipped by `clip_grad_norm` (max_norm CLIP times the norm: torch's clip_grad_norm_ on
-the reference) and the parameters after three AdamW steps (on unclipped gradients) match the
-reference within REL (norm-wise relative error), printing one line per passed scenario on rank 0.
+the reference) match the reference within REL (norm-wise relative error), and the parameters after
+three AdamW steps (on unclipped gradients) within ADAM_REL, printing one line per passed scenario
+on rank 0.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from megacore.parallel.state import load_checkpoint, save_checkpoint
 from megacore.parallel.tp import lm_loss
 
 REL = 1e-5
+# After AdamW steps: Adam divides every gradient element by its own running RMS, so an element that
+# is tiny within its tensor (a few of Falcon's k_proj.bias) moves by about lr either way and carries
+# its own rounding error, not the tensor's (measured up to 1.04e-5 on fp32 layouts).
+ADAM_REL = 1e-4
 BF16_REL = 3e-2
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 1e-3
 FAMILIES = {
@@ -133,9 +138,10 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         )
 
     def compare_params(key: str, what: str) -> None:
+        limit = max(tol, ADAM_REL)  # every stored reference is after AdamW steps
         for name, p in pm.named_parameters():
             e = rel(full(p.detach()), ref[key][name])
-            assert e < tol, (label, what, name, e)
+            assert e < limit, (label, what, name, e)
         checks.append(what)
 
     if "load" in sc:

@@ -83,7 +83,8 @@ def test_one_process_trains_and_writes_everything(reference: Path) -> None:
     # warmup over 2 steps, then cosine from 3e-3 to min_lr 3e-4 at step 12
     assert [r["lr"] for r in train_rows[:3]] == pytest.approx([1.5e-3, 3e-3, 3e-3])
     assert train_rows[-1]["lr"] > 3e-4 and train_rows[-1]["lr"] < train_rows[2]["lr"]
-    assert eval_rows == []  # eval.every is 0 by default
+    assert [r["step"] for r in eval_rows] == [6, 12]
+    assert eval_rows[1]["loss"] < eval_rows[0]["loss"] and eval_rows[1]["ppl"] > 1
     ckpts = reference / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [
         "latest",
@@ -111,6 +112,8 @@ def test_parallel_layouts_match_one_process(tmp_path: Path, tokens: Path, refere
     assert "world 4 = tp 2 x pp 2 x dp 1; batch 8 = micro 1 x dp 1 x accum 8" in out.stdout
     assert out.stdout.count("step 12/12") == 1  # rank 0 alone reports
     assert_losses_close(losses(tp_pp.parent / "run"), want)
+    want_eval = [r["loss"] for r in metrics(reference, "eval")]
+    assert_losses_close([r["loss"] for r in metrics(tp_pp.parent / "run", "eval")], want_eval)
     dp = write_run(tmp_path / "dp2", tokens, batch={"micro_batch_size": 4})
     ok(torchrun(2, dp))
     assert_losses_close(losses(dp.parent / "run"), want)
@@ -207,9 +210,17 @@ def test_nan_policies(tmp_path: Path, tokens: Path, reference: Path) -> None:
     """A poisoned gradient (step 3) and a poisoned loss (step 6) are never applied: `skip` counts them
     and goes on; `halt` stops at the second (exit 1, one line), leaving the step-4 checkpoint intact."""
     inject = {"MEGA_TRAIN_INJECT": "nan-grad@3,nan-loss@6"}
-    skip = write_run(tmp_path / "skip", tokens)
+    # Checkpoints in a directory of the user's choice, keeping the last 2; a directory there that
+    # is not a checkpoint of this run is never touched.
+    skip = write_run(tmp_path / "skip", tokens, checkpoint={"every": 4, "keep": 2, "dir": "ckpts"})
+    notes = tmp_path / "skip" / "ckpts" / "step-00000002"
+    notes.mkdir(parents=True)
+    (notes / "notes.txt").write_text("mine")
     ok(train(skip, env=inject))
     rows = metrics(skip.parent / "run")
+    kept = sorted(p.name for p in (skip.parent / "ckpts").iterdir())
+    assert kept == ["latest", "step-00000002", "step-00000008", "step-00000012"]
+    assert (notes / "notes.txt").read_text() == "mine"
     assert [(r["skipped"], r["nan_steps"]) for r in rows][1:7] == [
         (0, 0),
         (1, 1),
@@ -221,7 +232,7 @@ def test_nan_policies(tmp_path: Path, tokens: Path, reference: Path) -> None:
     assert rows[2]["grad_norm"] is None and rows[5]["loss"] is None
     # Steps 1-2 equal the reference; step 3's update was skipped, so step 4 differs from it.
     assert losses(skip.parent / "run")[:3] == losses(reference)[:3]
-    with CheckpointReader(skip.parent / "run" / "checkpoints" / "latest") as ckpt:
+    with CheckpointReader(skip.parent / "ckpts" / "latest") as ckpt:
         t = ckpt.manifest.training
         assert (t.step, t.optimizer_steps, t.counters["skipped"], t.counters["nan_steps"]) == (12, 10, 2, 2)
 
@@ -261,7 +272,7 @@ def test_full_recompute_lowers_peak_memory(tmp_path: Path, tokens: Path) -> None
         run_json = write_run(
             tmp_path / mode, tokens, model={"config": config}, recompute=mode, train_steps=3,
             batch={"micro_batch_size": 8, "global_batch_size": 8, "seq_length": 1024},
-            data={"split": [1, 0]},
+            data={"split": [1, 0]}, eval={"every": 0},
         )  # fmt: skip
         ok(train(run_json))
         rows = metrics(tmp_path / mode / "run")

@@ -7,7 +7,10 @@ of a CPU step). With mmap off for the heap (`M_MMAP_MAX` 0) and trimming raised,
 in the heap and the next step reuses them. `MEGA_TRAIN_MALLOC=default` keeps glibc's behaviour.
 Accelerators have caching allocators of their own; nothing is changed there.
 
-Measured with `python bench/run.py train` (see the closing figures in bench/bench_train.py).
+Measured (2 threads, bf16, a 6-layer hidden-512 Llama with a 32k vocab, 4 x 512 tokens per step,
+median step time of steps 3-6, six interleaved rounds of `MEGA_TRAIN_MALLOC=default` then `heap`):
+default/heap per round 1.32, 1.01, 1.05, 0.93, 1.35, 1.25 (median 1.15x faster with heap), peak
+RSS 2.28 GB with heap against 2.23-2.27 GB with glibc's default: on by default on CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ M_MMAP_MAX = -4
 
 def configure_allocator(device: str) -> str:
     """Apply the allocator setting for a run on `device`; returns what was done, for the log."""
-    mode = os.environ.get("MEGA_TRAIN_MALLOC", "default")
+    mode = os.environ.get("MEGA_TRAIN_MALLOC", "heap")
     if device != "cpu" or mode != "heap":
         return "default"
     name = ctypes.util.find_library("c")

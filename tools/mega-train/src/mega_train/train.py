@@ -74,7 +74,7 @@ def make_optimizer(pm: ParallelModel, opt: OptimizerSpec) -> torch.optim.AdamW:
     decay = [p for p in pm.parameters() if p.ndim >= 2]
     plain = [p for p in pm.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True)
 
 
 def injected(kind: str, step: int) -> bool:
@@ -126,8 +126,11 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
 
     # Data: rank 0 builds (or finds) the index, the others then load it from the cache.
     def datasets() -> tuple[Dataset, Dataset | None]:
-        cache = plan.out / "data-index"
-        build = lambda which, n: Dataset.build(plan.data, run.data.split, which, S, n, run.seed, cache)  # noqa: E731
+        def build(which: str, samples: int) -> Dataset:
+            return Dataset.build(
+                plan.data, run.data.split, which, S, samples, run.seed, plan.out / "data-index"
+            )
+
         return build("train", run.train_steps * G), build(
             "valid", run.eval.iters * G
         ) if run.eval.every else None
