@@ -12,7 +12,7 @@ Configurations, each run in its own fresh subprocess (OMP_NUM_THREADS=2 and torc
 their wall time (from the end of the last warm-up step to the end of the last step):
 - bare: megacore's `ParallelModel` (FSDP2 on a 1-process gloo group, precision bf16 =
   MixedPrecisionPolicy with fp32 master weights): `forward_backward` per micro batch, fused torch
-  AdamW step, zero_grad. No clipping, scheduler, logging or data pipeline: the floor of a trainer
+  AdamW step, zero_grad, under the trainer's allocator setting (mega_train/allocator.py). No clipping, scheduler, logging or data pipeline: the floor of a trainer
   built on this engine.
 - hf: transformers' `Trainer` on `LlamaForCausalLM` (random init, SDPA attention), `bf16=True`
   (autocast), `use_cpu=True`, its default optimizer (fused torch AdamW), otherwise its defaults
@@ -345,11 +345,14 @@ def tokens_per_s(setup: Setup, step_ends: list[float]) -> float:
 def child_bare(setup: Setup, spec: dict) -> dict:
     import torch
 
+    from mega_train.allocator import configure_allocator
     from megacore.config import ModelConfig
     from megacore.parallel.engine import ParallelModel
     from megacore.parallel.layout import Parallelism
     from megacore.parallel.mesh import build_mesh, shutdown
 
+    # The trainer's process-wide allocator setting too, so that the overhead row measures the loop.
+    configure_allocator("cpu")
     rows = load_rows(spec)
     torch.manual_seed(0)
     model = ParallelModel(
