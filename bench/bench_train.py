@@ -10,10 +10,10 @@ that `mega-tokenize` wrote from the Python standard library's sources (the Mistr
 Configurations, each run in its own fresh subprocess (OMP_NUM_THREADS=2 and torch.set_num_threads(2)),
 2 warm-up optimizer steps, then 4 timed steps (`--quick`: 1 and 2); tokens/s = timed steps x 8 x seq /
 their wall time (from the end of the last warm-up step to the end of the last step):
-- bare: megacore's `ParallelModel` (FSDP2 on a 1-process gloo group, precision bf16 =
-  MixedPrecisionPolicy with fp32 master weights): `forward_backward` per micro batch, fused torch
-  AdamW step, zero_grad, under the trainer's allocator setting (mega_train/allocator.py). No clipping, scheduler, logging or data pipeline: the floor of a trainer
-  built on this engine.
+- bare: megacore's `ParallelModel` (a 1-process gloo group, precision bf16: bf16 compute copies of
+  fp32 master weights): one `forward_backward` per step over its accum micro batches, fused torch
+  AdamW step, zero_grad, under the trainer's allocator setting (mega_train/allocator.py). No
+  clipping, scheduler, logging or data pipeline: the floor of a trainer built on this engine.
 - hf: transformers' `Trainer` on `LlamaForCausalLM` (random init, SDPA attention), `bf16=True`
   (autocast), `use_cpu=True`, its default optimizer (fused torch AdamW), otherwise its defaults
   (clipping at 1.0, linear schedule, progress bar); no eval or saving, report_to none, 0 dataloader
@@ -355,16 +355,14 @@ def child_bare(setup: Setup, spec: dict) -> dict:
     configure_allocator("cpu")
     rows = load_rows(spec)
     torch.manual_seed(0)
-    model = ParallelModel(
-        ModelConfig(**ours_config(setup)), Parallelism(precision="bf16"), build_mesh(), "cpu"
-    )
+    par = Parallelism(precision="bf16", microbatches=setup.accum)
+    model = ParallelModel(ModelConfig(**ours_config(setup)), par, build_mesh(), "cpu")
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     ends = []
     for step in range(setup.steps):
-        for m in range(setup.accum):
-            batch = rows[(step * setup.accum + m) * setup.micro :][: setup.micro]
-            model.forward_backward(batch[:, :-1], batch[:, 1:])
+        batch = rows[step * setup.global_batch :][: setup.global_batch]
+        model.forward_backward(batch[:, :-1], batch[:, 1:])  # accum microbatches of setup.micro
         opt.step()
         opt.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())

@@ -5,7 +5,7 @@ every rank checks against the single-process reference it computes itself (dist_
 step loss, every gradient, the global gradient norm and the gradients after `clip_grad_norm` with a
 max_norm that really clips (against torch's clip_grad_norm_ on the reference), then the parameters
 after three AdamW steps, all in fp32 within 1e-5 relative (norm-wise; bf16 mixed precision within
-3e-2). Llama (GQA, padded vocab; and 8 heads over 2 kv heads, replicated under tp 4), Falcon 7B style
+3e-2, under FSDP2 with dp and through bf16 compute copies without). Llama (GQA, padded vocab; and 8 heads over 2 kv heads, replicated under tp 4), Falcon 7B style
 (parallel attention, multi-query, tied embeddings), Falcon 40B style (two norms, kv groups, biases)
 and Mistral (sliding window); tp, pp, dp and their combinations, sequence parallel on and off, all
 five pipeline schedules (1F1B also with more microbatches than stages), FSDP2 and replicate, and a
@@ -67,6 +67,11 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
             {"family": "llama", "pp": 2, "schedule": "1f1b", "microbatches": 4},  # steady 1F1B phase
             {"family": "llama", "dp_mode": "replicate"},
             {"family": "llama", "precision": "bf16"},  # FSDP2 bf16 compute, fp32 master: 3e-2
+            # Without dp: bf16 compute copies (DTensors under TP, a pipeline stage's), and zbv's
+            # fallback to FSDP2.
+            {"family": "llama", "tp": 2, "sp": True, "precision": "bf16"},
+            {"family": "llama", "pp": 2, "schedule": "1f1b", "precision": "bf16"},
+            {"family": "llama", "pp": 2, "schedule": "zbv", "precision": "bf16"},
             {"family": "falcon", "tp": 2},
             {"family": "falcon", "tp": 2, "sp": True},
             {"family": "falcon"},
