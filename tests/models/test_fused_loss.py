@@ -68,3 +68,32 @@ def test_scratch_reuse_across_sizes() -> None:
         (loss, gh, gw), (loss_ref, gh_ref, gw_ref) = _both(h, w, t, 90)
         assert abs(loss - loss_ref) < 1e-5 and (gh - gh_ref).abs().max() < 1e-6
         assert (gw - gw_ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 700], ids=["one-chunk", "many-chunks"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ignored_targets_count_for_nothing(chunk_elements: int, reduction: str, monkeypatch) -> None:
+    """Targets equal to IGNORE (not assistant tokens, document boundaries) as F.cross_entropy's
+    ignore_index: mean over the others, or their sum; a mean over none is 0 with zero gradients."""
+    monkeypatch.setattr(loss_mod, "_CHUNK_ELEMENTS", chunk_elements)
+    h, w, t = _case(40, 16, 90, 96, torch.float32, 2)
+    t[::3] = loss_mod.IGNORE
+    t[20:30] = loss_mod.IGNORE  # a whole chunk ignored when 7 rows make a chunk
+    out = []
+    for fused in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            loss = fused_linear_cross_entropy(hh, ww, t, 90, reduction=reduction)
+        else:
+            loss = F.cross_entropy((hh @ ww.T)[:, :90], t, reduction=reduction)
+        (loss * 2.0).backward()
+        out.append((loss, hh.grad, ww.grad))
+    (loss, gh, gw), (loss_ref, gh_ref, gw_ref) = out
+    assert abs(loss - loss_ref) < 1e-5 * abs(loss_ref)
+    assert (gh - gh_ref).abs().max() < 1e-6 and (gw - gw_ref).abs().max() < 1e-6
+    assert torch.all(gh[t == loss_mod.IGNORE] == 0)
+
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    none = fused_linear_cross_entropy(hh, ww, torch.full_like(t, loss_mod.IGNORE), 90)
+    none.backward()
+    assert none.item() == 0 and not hh.grad.any() and not ww.grad.any()

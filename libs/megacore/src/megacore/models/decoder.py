@@ -105,16 +105,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=config.attn_out_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
         qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
-            out = checkpoint(causal_attention, q, k, v, self.window, self.impl, use_reentrant=False)
+            out = checkpoint(causal_attention, q, k, v, self.window, self.impl, segments, use_reentrant=False)
         else:
-            out = causal_attention(q, k, v, self.window, self.impl)
+            out = causal_attention(q, k, v, self.window, self.impl, segments)
         return self.o_proj(out.reshape(b, s, -1))
 
 
@@ -151,14 +153,19 @@ class Block(nn.Module):
         self.mlp_norm = None if one_norm else make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, segments, use_reentrant=False)
+        return self._forward(x, cos, sin, segments)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None
+    ) -> torch.Tensor:
         h = self.attn_norm(x)
-        a = self.attn(h, cos, sin)
+        # segments by keyword: tensor-parallel input styles describe the positional inputs only
+        a = self.attn(h, cos, sin, segments=segments)
         if self.parallel:
             m = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
             return x + (m + a)
@@ -186,16 +193,21 @@ class Decoder(nn.Module):
             nn.Linear(config.hidden_size, vocab, bias=False) if head and not config.tie_embeddings else None
         )
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
 
-        With `targets` [B, S] (last stage only) returns the mean next-token cross entropy instead,
-        fused with the output projection (never full fp32 logits)."""
+        With `targets` [B, S] (last stage only) returns the mean next-token cross entropy over the
+        targets that are not IGNORE instead, fused with the output projection (never full fp32
+        logits). `positions` [B, S] packs several documents in a row: each counts its positions from
+        0, and attends only within itself (HF's packing convention, `position_ids`)."""
         if self.embed is not None:
             x = self.embed(x)
-        cos, sin = rope_tables(self.config, x.shape[1], x.device, x.dtype)
+        cos, sin = rope_tables(self.config, x.shape[1], x.device, x.dtype, positions)
+        segments = None if positions is None else (positions == 0).cumsum(-1)
         for block in self.layers.values():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, segments)
         if self.norm is None:
             if targets is not None:
                 raise RuntimeError("targets given to a stage without the output head")

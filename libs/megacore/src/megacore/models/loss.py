@@ -6,14 +6,19 @@ freshly allocated memory. Here each chunk's logits go through reused fp32 scratc
 exp in place), turn into their gradient right away (softmax minus one-hot, rounded once to the
 compute dtype), and the input and weight gradients are computed in the same forward, so backward only
 scales them. Same loss and gradients as `F.cross_entropy(logits.float(), targets)` (up to float
-rounding); vocab padding columns (>= `vocab_size`) get no probability mass.
+rounding), targets equal to IGNORE (F.cross_entropy's ignore_index) included: they count for
+nothing; vocab padding columns (>= `vocab_size`) get no probability mass.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from megacore.models.scratch import scratch
+
+IGNORE = -100  # a target that is not predicted (not an assistant token, a document boundary)
 
 # Tokens per chunk: fp32 logits stay under 64M elements (256 MiB of scratch) whatever the vocab size,
 # while a chunk keeps enough rows for the matmuls to run near full speed.
@@ -21,24 +26,37 @@ _CHUNK_ELEMENTS = 1 << 26
 
 
 def fused_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> torch.Tensor:
-    """Mean cross entropy of `hidden @ weight.T` (hidden [..., H], weight [V_padded, H]) at `targets`.
+    """Cross entropy of `hidden @ weight.T` (hidden [..., H], weight [V_padded, H]) at `targets`: the
+    mean or the sum over the targets that are not IGNORE (a mean over none is 0, with zero gradients).
 
     `bench/run.py kernels` (CPU, 2 threads, 2048 tokens x hidden 4096, vocab 32000, two runs):
     forward+backward 0.75-0.77x the time of `F.cross_entropy(F.linear(h, w).float(), t)` in bf16,
     0.76-0.96x in fp32 (the matmuls both share dominate there). It pays in both, most in bf16."""
-    return _FusedLinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), vocab_size)
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    return _FusedLinearCE.apply(h, weight, t, vocab_size, reduction == "sum")
 
 
 class _FusedLinearCE(torch.autograd.Function):
     """`fused_linear_cross_entropy`'s autograd function (benchmark figures in its docstring)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    def forward(
+        ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab_size: int, summed: bool
+    ) -> torch.Tensor:
         n, v = h.shape[0], w.shape[0]
         chunk = max(1, min(n, _CHUNK_ELEMENTS // v))
-        scale = 1.0 / n
+        # Ignored targets: gathered at 0, then their row of the gradient and their loss zeroed.
+        keep = t != IGNORE
+        counted = int(keep.sum())
+        if counted < n:
+            t = t.masked_fill(~keep, 0)
+        scale = 1.0 if summed else 1.0 / max(counted, 1)
         low_precision = h.dtype != torch.float32
         grad_h, grad_w = torch.empty_like(h), torch.empty_like(w)
         # Over several chunks a low-precision weight gradient is summed in fp32, then rounded once.
@@ -60,9 +78,13 @@ class _FusedLinearCE(torch.autograd.Function):
                 logits[:, vocab_size:] = float("-inf")
             logp = torch.log_softmax(logits, 1, out=logits)
             target_logp = logp.gather(1, tc)
-            total -= target_logp.sum()
-            # n * d loss / d logits = softmax - onehot; the 1/n goes into the matmuls' alpha.
+            # d loss / d logits = (softmax - onehot) * scale; the scale goes into the matmuls' alpha.
             g = logp.exp_().scatter_(1, tc, target_logp.exp().sub_(1))
+            if counted < n:
+                kc = keep[start : start + chunk, None]
+                target_logp = target_logp * kc
+                g.mul_(kc)
+            total -= target_logp.sum()
             if low_precision:
                 g = low.copy_(g)
             torch.addmm(gh, g, w, beta=0, alpha=scale, out=gh)
@@ -74,11 +96,11 @@ class _FusedLinearCE(torch.autograd.Function):
         if acc is not None:
             grad_w.copy_(acc)
         ctx.save_for_backward(grad_h, grad_w)
-        return total / n
+        return total if summed else total / max(counted, 1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         if not torch.equal(grad, torch.ones_like(grad)):
             grad_h, grad_w = grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None

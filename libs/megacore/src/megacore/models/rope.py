@@ -52,12 +52,18 @@ def _llama3(freqs: torch.Tensor, factor: float, low: float, high: float, context
 
 
 def rope_tables(
-    config: ModelConfig, seq_len: int, device: torch.device | str | None, dtype: torch.dtype
+    config: ModelConfig,
+    seq_len: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [seq_len, 1, head_dim] in `dtype`, broadcastable over [B, S, heads, head_dim]."""
+    """(cos, sin), each [seq_len, 1, head_dim] in `dtype`, broadcastable over [B, S, heads, head_dim];
+    with `positions` [B, S] (packed documents, each counted from 0), [B, S, 1, head_dim]."""
     freqs = inv_freq(config, seq_len, device)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
-    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+    pos = torch.arange(seq_len, device=device) if positions is None else positions
+    angles = pos.to(torch.float32)[..., None] * freqs  # the outer product, batched
+    emb = torch.cat((angles, angles), dim=-1)[..., None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -1,0 +1,98 @@
+"""Packed documents (`positions` restarting at 0 per document): each document's loss and
+gradients equal those of the same document run on its own (fp32, within REL), for every attention
+path that runs on CPU (SDPA with a block-causal mask, a sliding window shorter than the documents,
+selective and full recompute)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megacore.config import ModelConfig
+from megacore.models import Decoder
+from megacore.models.attention import document_mask
+from megacore.models.loss import IGNORE
+
+BASE = dict(
+    family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    ffn_hidden_size=64, max_seq_len=64,
+)  # fmt: skip
+REL = 1e-5  # fp32: the packed and the separate runs round differently (batched, masked kernels)
+LENGTHS = [(7, 12, 5), (24,), (3, 3, 9, 9)]  # documents per row; every row is 24 tokens
+
+
+def model(**overrides) -> Decoder:
+    m = Decoder(ModelConfig(**{**BASE, **overrides}))
+    m.init_weights(std=0.2, seed=1)
+    m.set_attention("sdpa")
+    return m
+
+
+def packed_rows(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
+    """Tokens [3, 24] and positions of the packed rows, and each row's documents (seq + 1 tokens each:
+    the last token is the target of the one before it)."""
+    docs = [[torch.randint(0, BASE["vocab_size"], (n + 1,), generator=g) for n in row] for row in LENGTHS]
+    tokens = torch.stack([torch.cat([d[:-1] for d in row]) for row in docs])
+    positions = torch.stack([torch.cat([torch.arange(len(d) - 1) for d in row]) for row in docs])
+    return tokens, positions, docs
+
+
+@pytest.mark.parametrize(
+    "overrides, recompute",
+    [({}, "none"), ({}, "selective"), ({}, "full"), ({"family": "mistral", "sliding_window": 4}, "none")],
+    ids=["llama", "selective", "full", "mistral-window-4"],
+)
+def test_packed_documents_match_each_document_alone(overrides: dict, recompute: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    m = model(**overrides)
+    m.set_recompute(recompute)
+    alone = copy.deepcopy(m)
+    tokens, positions, docs = packed_rows(g)
+    # Summed loss over each document's own targets; the token after a document is not its target.
+    targets = torch.stack([torch.cat([d[1:] for d in row]) for row in docs])
+    loss = m(tokens, targets, positions=positions)  # mean over every target (none ignored)
+    loss.backward()
+
+    want_sum = 0.0
+    for row in docs:
+        for d in row:
+            part = alone(d[None, :-1], d[None, 1:])  # this document's mean loss, alone
+            (part * (len(d) - 1) / tokens.numel()).backward()
+            want_sum += part.item() * (len(d) - 1)
+    assert abs(loss.item() - want_sum / tokens.numel()) < REL * want_sum / tokens.numel()
+    for (name, p), q in zip(m.named_parameters(), alone.parameters(), strict=True):
+        assert (p.grad - q.grad).norm() <= REL * q.grad.norm(), name
+
+
+def test_positions_and_ignored_targets_give_each_document_its_own_logits() -> None:
+    """Logits per packed document equal the document's logits alone; a target of IGNORE between
+    documents (pretraining with document masking) leaves the loss of the others unchanged."""
+    g = torch.Generator().manual_seed(1)
+    m = model()
+    tokens, positions, docs = packed_rows(g)
+    logits = m(tokens, positions=positions)
+    for r, row in enumerate(docs):
+        start = 0
+        for d in row:
+            n = len(d) - 1
+            torch.testing.assert_close(logits[r, start : start + n], m(d[None, :-1])[0], rtol=REL, atol=1e-5)
+            start += n
+    # Next-token targets over the whole row; each document's last target crosses into the next one.
+    flat = torch.cat([torch.cat([d[:-1] for d in row] + [row[-1][-1:]]) for row in docs]).view(3, 25)
+    targets = flat[:, 1:].clone()
+    targets[:, :-1][positions[:, 1:] == 0] = IGNORE
+    kept = targets != IGNORE
+    want = torch.nn.functional.cross_entropy(logits[kept][:, : BASE["vocab_size"]], targets[kept])
+    assert abs(m(tokens, targets, positions=positions).item() - want.item()) < REL * want.item()
+
+
+def test_document_mask_is_block_causal_with_window() -> None:
+    segments = torch.tensor([[1, 1, 1, 2, 2]])
+    want = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
+        dtype=torch.bool,
+    )
+    assert torch.equal(document_mask(segments, window=2)[0, 0], want)
+    assert torch.equal(document_mask(segments)[0, 0, 2], torch.tensor([True, True, True, False, False]))
