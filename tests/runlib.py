@@ -1,9 +1,14 @@
-"""Helpers for mega-train tests (tests/ is on the path): a tiny Llama config, run manifests, metrics."""
+"""Helpers for mega-train tests (tests/ is on the path): a tiny Llama config, run manifests, running
+mega-train (one process or under torchrun), metrics and losses."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
+
+from helpers import BIN, run_tool
 
 # Tiny Llama, vocab 400 (the tokenizer's) padded to 512: GQA, the padding rows stay zero.
 TINY_LLAMA = {
@@ -51,3 +56,41 @@ def write_run(directory: Path, tokens: Path, **overrides) -> Path:
 def metrics(out: Path, kind: str = "train") -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+# Parallel layouts against one process (fp32; reductions run in another order).
+LOSS_REL = 1e-4
+
+
+def torchrun(nproc: int, run_json: Path, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **kw.pop("env", {})}
+    cmd += [str(BIN / "mega-train"), "--manifest", str(run_json)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, **kw)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(run_json: Path, **kw) -> subprocess.CompletedProcess:
+    return run_tool("mega-train", "--manifest", run_json, **kw)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in metrics(out)]
+
+
+def assert_losses_close(got: list[float], want: list[float], rel: float = LOSS_REL) -> None:
+    assert len(got) == len(want), (got, want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert abs(a - b) <= rel * abs(b), (step, a, b)

@@ -97,6 +97,7 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
 @pytest.mark.dist
 def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt-tp2dp2")
+    tp_dp = tmp_path / "ckpt-tp2-dp2"
     launch(
         tmp_path,
         4,
@@ -104,7 +105,8 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
             {"family": "llama", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b", "save": ckpt},
             {"family": "llama", "tp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
             {"family": "llama", "tp": 2, "sp": True, "load": ckpt},
-            {"family": "llama", "tp": 2},
+            # tp x dp: FSDP2 shards the tp-replicated norms over dp alone; one tp rank writes them.
+            {"family": "llama", "tp": 2, "save": str(tp_dp)},
             {"family": "falcon", "tp": 2, "sp": True},
             {"family": "llama-gqa8", "tp": 4},  # 2 kv heads replicated, 2 query heads per rank
             {"family": "falcon40b", "tp": 4, "sp": True},
@@ -112,6 +114,13 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
             {"family": "mistral", "tp": 2, "sp": True},
         ],
     )
+    saved = open_artifact(tp_dp, "checkpoint")
+    assert (saved.layout.tp, saved.layout.dp) == (2, 2)
+    reshard(tp_dp, tmp_path / "tp1", 1, 1, log=lambda msg: None)
+    with TensorReader(tp_dp) as a, TensorReader(tmp_path / "tp1") as b:
+        out = open_artifact(tmp_path / "tp1", "checkpoint")
+        for name, entry in saved.tensors.items():
+            assert_bitwise_equal(a.read(name, entry), b.read(name, out.tensors[name]), name)
 
 
 @pytest.mark.dist

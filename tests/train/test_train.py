@@ -23,43 +23,17 @@ import torch
 from helpers import BIN, assert_bitwise_equal, assert_one_line_error, run_tool
 from megacore.artifacts import open_artifact
 from megacore.checkpoint import CheckpointReader, load_decoder
-from runlib import TINY_LLAMA, metrics, write_run
-
-LOSS_REL = 1e-4
-
-
-def torchrun(nproc: int, run_json: Path, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **kw.pop("env", {})}
-    cmd += [str(BIN / "mega-train"), "--manifest", str(run_json)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, **kw)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train(run_json: Path, **kw) -> subprocess.CompletedProcess:
-    return run_tool("mega-train", "--manifest", run_json, **kw)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
-
-
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in metrics(out)]
-
-
-def assert_losses_close(got: list[float], want: list[float], rel: float = LOSS_REL) -> None:
-    assert len(got) == len(want), (got, want)
-    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
-        assert abs(a - b) <= rel * abs(b), (step, a, b)
+from runlib import (
+    TINY_LLAMA,
+    assert_losses_close,
+    free_port,
+    losses,
+    metrics,
+    ok,
+    torchrun,
+    train,
+    write_run,
+)
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -34,7 +34,12 @@ def _owner(t: torch.Tensor, mesh) -> bool:
     """Whether this rank writes its piece of `t`: coordinate 0 on every dim it is replicated over."""
     if isinstance(t, DTensor):
         coords = t.device_mesh.get_coordinate()
-        return all(c == 0 for c, p in zip(coords, t.placements, strict=True) if isinstance(p, Replicate))
+        if not all(c == 0 for c, p in zip(coords, t.placements, strict=True) if isinstance(p, Replicate)):
+            return False
+        # Its mesh may lack tp or dp: FSDP2 shards a tp-replicated weight (a norm) over dp alone,
+        # so it is replicated over the dimension its mesh does not have.
+        names = t.device_mesh.mesh_dim_names or ()
+        return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp") if d not in names)
     # A plain parameter is the same on every tp and dp rank of its stage.
     return mesh["tp"].get_local_rank() == 0 and mesh["dp"].get_local_rank() == 0
 
