@@ -1,7 +1,8 @@
 """Worker for the equivalence tests, run under torchrun on gloo: `dist_worker.py SCENARIOS_JSON`.
 
 Every rank builds the single-process reference model itself (tiny, fp32, same seed), then for each
-scenario the parallel model from the same weights, and asserts that loss, gradients, gradient norm,
+scenario the parallel model from the same weights, and asserts that the logits `evaluate` hands out
+(whole vocab, once per dp rank), loss, gradients, gradient norm,
 the gradients clipped by `clip_grad_norm` (max_norm CLIP times the norm: torch's clip_grad_norm_ on
 the reference) match the reference within REL (norm-wise relative error), and the parameters after
 three AdamW steps (on unclipped gradients) within ADAM_REL, printing one line per passed scenario
@@ -97,6 +98,8 @@ def reference(cfg: ModelConfig, tokens, targets):
         opt.step()
         opt.zero_grad()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        out["logits"] = model(tokens)[..., : cfg.vocab_size]
     lm_loss(model(tokens), targets, cfg.vocab_size).backward()  # a 4th step, for resumed runs
     opt.step()
     out["params4"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -184,6 +187,21 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         opt.step()
         opt.zero_grad()
     compare_params("params", "params-after-3-adamw")
+    # After the steps, evaluation sees the whole vocab's logits (gathered over tp, padding dropped),
+    # once per dp rank. Not for compiled blocks without tp: they would recompile for no_grad (10 s a
+    # scenario on CPU); with tp (autograd kept on: `evaluate`) they are checked.
+    if not (par.compile and spec.tp == 1):
+        seen: list[torch.Tensor] = []
+        pm.evaluate(
+            tokens[rows] if pm.has_first else None,
+            targets[rows] if pm.has_last else None,
+            lambda logits, _: seen.append(logits.float()),
+        )
+        assert bool(seen) == pm.reports_logits, label
+        if seen:
+            e = rel(torch.cat(seen), ref["logits"][rows])
+            assert e < max(tol, ADAM_REL), (label, "eval logits", e)
+            checks.append("eval-logits")
     if "save" in sc:
         save_checkpoint(Path(sc["save"]), pm, opt, TrainingState(step=STEPS), force=True)
         checks.append("saved")

@@ -3,8 +3,8 @@
 
 metrics.jsonl holds one JSON object per line with `step` and `kind`: `train` (loss, lr, grad_norm,
 tokens_per_s, tflops, mfu, skipped, nan_steps, loss_scale, memory_gb, step_time_s) or `eval` (loss,
-ppl). A resumed run first drops the lines after the step it resumes from, so the file reads as one
-uninterrupted run.
+ppl, accuracy and the user's `eval.metrics`: `evaluation.py`). A resumed run first drops the lines
+after the step it resumes from, so the file reads as one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -101,7 +101,10 @@ def train_line(r: dict, total_steps: int) -> str:
 
 
 def eval_line(r: dict) -> str:
-    return f"step {r['step']} eval | loss {r['loss']:.4f} | ppl {r['ppl']:.2f}"
+    """The console line of an `eval` record: loss, perplexity, accuracy, then the user's metrics."""
+    parts = [f"step {r['step']} eval", f"loss {r['loss']:.4f}", f"ppl {r['ppl']:.2f}"]
+    parts += [f"{k} {v:.4g}" for k, v in r.items() if k not in ("step", "kind", "loss", "ppl")]
+    return " | ".join(parts)
 
 
 def perplexity(loss: float) -> float:

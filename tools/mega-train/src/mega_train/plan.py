@@ -8,9 +8,11 @@ seconds with one line instead of after a torchrun launch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from mega_train.evaluation import load_metric
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.manifest import decode_manifest
 from megacore.artifacts.output import check_inputs
@@ -38,6 +40,7 @@ class RunPlan:
     out: Path  # the run directory
     checkpoints: Path  # where step-NNNNNNNN checkpoints and `latest` go
     fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
+    eval_metrics: list[Callable] = field(default_factory=list)  # $.eval.metrics, imported
 
     @property
     def inputs(self) -> list[Path]:
@@ -175,6 +178,8 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
             "no documents; set eval.every to 0 or give the valid split a fraction",
             where,
         )
+    # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
+    metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
     out = resolve_ref(base, run.out)
     checkpoints = resolve_ref(base, run.checkpoint.dir) if run.checkpoint.dir else out / "checkpoints"
     inputs = ([init[0]] if init else []) + [path for path, _, _ in sources]
@@ -194,6 +199,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         out=out,
         checkpoints=checkpoints,
         fingerprint=fingerprint(run, init, sources),
+        eval_metrics=metrics,
     )
 
 

@@ -7,6 +7,8 @@ the step is the mean over all its tokens. Then one small all-reduce brings every
 loss and the same stop request, the gradients are unscaled (fp16), their global norm is taken and
 clipped, and the update is applied only when loss and norm are finite. A step that is not applied
 still counts (its batch is consumed): Megatron's convention, and what keeps resumes exact.
+Every `eval.every` steps and after the last one, the valid batches are evaluated (`evaluation.py`);
+rank 0 writes each record to metrics.jsonl and, when configured, to W&B (`wandb_run.py`).
 
 Faults: SIGTERM or SIGUSR1 ask for a checkpoint at the next step boundary and an exit 0; a
 non-finite step follows `nan.policy`; checkpoints are atomic (`checkpoints.py`). Test hooks:
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -29,8 +32,10 @@ import torch.distributed as dist
 from mega_train import __version__
 from mega_train.allocator import configure_allocator
 from mega_train.checkpoints import PRODUCER, check_resumable, newest, point_latest, prune, step_dir
+from mega_train.evaluation import EvalSums
 from mega_train.metrics import MetricsLog, eval_line, memory_gb, peak_tflops, perplexity, say, train_line
 from mega_train.plan import RUN_MARK, RunPlan
+from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import OptimizerSpec, TrainingState
 from megacore.config import flops_per_token
 from megacore.data.dataset import Dataset
@@ -123,6 +128,10 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         except UserError as e:
             shutdown()
             raise e if rank == 0 else Silent(e.exit_code) from None
+    # Before the heavy work, so that a W&B that cannot start fails the run early; none for a run
+    # that is already complete.
+    complete = resumed is not None and resumed[1].training.step >= run.train_steps
+    wb = WandbLog.open(plan, resumed is not None) if rank == 0 and not complete else None
 
     # Data: rank 0 builds (or finds) the index, the others then load it from the cache.
     def datasets() -> tuple[Dataset, Dataset | None]:
@@ -206,12 +215,16 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             prune(plan.checkpoints, run.checkpoint.keep)
             say(f"mega-train: saved {path}")
 
-    def evaluate() -> float:
-        losses = []
+    def evaluate() -> dict[str, float]:
+        """Loss, accuracy and the user's metrics over the first `eval.iters` valid batches (the
+        same ones in every layout and resume), on every rank."""
+        sums = EvalSums(run.eval.metrics, plan.eval_metrics, str(plan.path))
         for k in range(run.eval.iters):
             tokens, targets = batch(valid_data, k)
-            losses.append(reduce_loss(pm.evaluate(tokens, targets))[0])
-        return sum(losses) / len(losses)
+            loss = pm.evaluate(tokens, targets, sums.add_logits)
+            if pm.reports_logits:  # one rank per dp rank, like the metrics
+                sums.add_loss(float(loss))
+        return sums.combine()
 
     def batch(data: Dataset, k: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's rows of global batch k: inputs where it holds the first stage, targets the last."""
@@ -274,6 +287,8 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                     "world_size": world,
                 }  # fmt: skip
                 log.write(record)
+                if wb is not None:
+                    wb.log(record)
                 if state.step % run.logging.every == 0 or state.step == run.train_steps:
                     say(train_line(record, run.train_steps))
             if run.nan.policy == "halt" and state.counters["nan_steps"] >= run.nan.max_steps:
@@ -285,11 +300,15 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                     f"steps, $.nan.max_steps {run.nan.max_steps}); stopped without saving, the last "
                     f"checkpoint is {last[0] if last else 'none'}"
                 )
-            if run.eval.every and state.step % run.eval.every == 0:
+            if run.eval.every and (state.step % run.eval.every == 0 or state.step == run.train_steps):
                 ev = evaluate()
                 if rank == 0:
-                    record = {"step": state.step, "kind": "eval", "loss": ev, "ppl": perplexity(ev)}
+                    ev_loss = ev.pop("loss")
+                    record = {"step": state.step, "kind": "eval", "loss": ev_loss, "ppl": perplexity(ev_loss)}
+                    record.update(ev)  # accuracy, then the user's metrics
                     log.write(record)
+                    if wb is not None:
+                        wb.log(record)
                     say(eval_line(record))
             if stopping:
                 name = signal.Signals(stop.signum or signal.SIGTERM).name
@@ -315,6 +334,8 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         stop.restore()
         if log is not None:
             log.close()
+        if wb is not None:  # an exception on its way out (a halt too) marks the W&B run failed
+            wb.finish(ok=sys.exc_info()[0] is None)
         if clean:
             shutdown()
 

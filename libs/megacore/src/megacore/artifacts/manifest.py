@@ -293,11 +293,17 @@ class NanSpec(Struct):
 
 
 class EvalSpec(Struct):
+    """Every `every` steps (0: never) and at the end: loss, perplexity, next-token accuracy and the
+    `metrics` (`module:function` import paths, mega-train's README) over `iters` valid batches."""
+
     every: NonNegative = 0
     iters: Positive = 10
+    metrics: list[str] = msgspec.field(default_factory=list)
 
 
 class LoggingSpec(Struct):
+    """A console line every `every` steps; with `wandb_project` set, rank 0 also logs to W&B."""
+
     every: Positive = 1
     wandb_project: str | None = None
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"

@@ -10,6 +10,8 @@ on the meta device from the layer ModuleDict, tensor parallel is applied, then d
 One `forward_backward` takes this rank's whole batch of a step and runs it as `par.microbatches`
 microbatches: the pipeline schedule's, or gradient accumulation without a pipeline (gradient
 reduction over dp only after the last one). Either way the gradients are those of the mean loss.
+`evaluate` runs the same microbatches forward only, and can hand each one's full-vocab logits to a
+callback (evaluation metrics).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megacore.artifacts.pieces import Box
@@ -113,6 +115,9 @@ class ComputeCopies:
             copy.copy_(p)
 
 
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # of activations sent between stages
+
+
 def _add_grad(param: nn.Parameter, copy: nn.Parameter) -> None:
     if param.grad is None:
         param.grad = copy.grad.to(param.dtype)
@@ -170,10 +175,13 @@ class ParallelModel:
             )
 
         self._scale = 1.0
+        self._on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The pipeline's loss: a microbatch's mean, times the step's scale (fp16 loss scaling) over
         the number of microbatches."""
+        if self._on_logits is not None:
+            self._report(logits, targets)
         return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh) * self._scale
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -196,6 +204,12 @@ class ParallelModel:
     @property
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def reports_logits(self) -> bool:
+        """Whether `evaluate` calls its `on_logits` here: on the last stage at tp rank 0, so once
+        per dp rank."""
+        return self.has_last and (self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0)
 
     def forward_backward(
         self, tokens: torch.Tensor | None, targets: torch.Tensor | None, scale: float = 1.0
@@ -229,28 +243,92 @@ class ParallelModel:
                 else None
             )
 
-    @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward only over this rank's batch: the mean loss on ranks holding the last stage."""
+    def evaluate(
+        self,
+        tokens: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Forward only over this rank's batch: the mean loss on ranks holding the last stage.
+
+        `on_logits(logits, targets)` (give it on every rank: tp gathers the logits) is called where
+        `reports_logits`, once per microbatch, with its logits [b, s, vocab_size] over the whole
+        vocab (gathered over tp, vocab padding columns dropped; in the compute precision)."""
         n = self.par.microbatches
         for copies in self.copies:
             copies.refresh()
-        with loss_context(self.tp_mesh):
-            if self.schedule is None:
-                losses = [self._loss(x, y) for x, y in zip(tokens.chunk(n), targets.chunk(n), strict=True)]
-                return torch.stack([x.float() for x in losses]).mean().cpu()
-            self._scale = 1.0
-            args = (tokens,) if self.has_first else ()
-            losses = []
-            kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-            self.schedule.eval(*args, **kwargs)
-            return torch.stack([x.float() for x in losses]).mean().cpu() if self.has_last else None
+        self._on_logits = on_logits
+        # Compiled blocks over DTensors fail without autograd (torch 2.13: "'Tensor' object has no
+        # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
+        grad = self.par.compile and self.tp_mesh is not None
+        try:
+            with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
+                if self.schedule is None:
+                    pairs = zip(tokens.chunk(n), targets.chunk(n), strict=True)
+                    return torch.stack([self._loss(x, y).detach().float() for x, y in pairs]).mean().cpu()
+                self._scale = 1.0
+                losses = []
+                if self.par.spec.schedule == "zbv":
+                    losses = self._forward_stages(tokens, targets)
+                else:
+                    args = (tokens,) if self.has_first else ()
+                    kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                    self.schedule.eval(*args, **kwargs)
+                return (
+                    torch.stack([x.detach().float() for x in losses]).mean().cpu() if self.has_last else None
+                )
+        finally:
+            self._on_logits = None
+
+    def _forward_stages(
+        self, tokens: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Forward only through the stages in order, one microbatch at a time, with plain send/recv
+        between pipeline ranks: torch's ZBV runtime cannot run without backward (torch 2.13 asserts
+        on the hand-over between a rank's two stages). Returns the last stage's losses."""
+        import torch.distributed as dist
+
+        pp, n = self.mesh["pp"], self.par.microbatches
+        group, me = pp.get_group(), pp.get_local_rank()
+        owner = {s: r for r in range(pp.size()) for s in self.par.rank_stages(r)}
+        parts = dict(zip(self.stage_ids, self.parts, strict=True))
+        xs = tokens.chunk(n) if tokens is not None else [None] * n
+        ys = targets.chunk(n) if targets is not None else [None] * n
+        losses = []
+        for x, y in zip(xs, ys, strict=True):
+            for s in sorted(parts):
+                if s > 0 and owner[s - 1] != me:  # the shape and dtype first: middle ranks hold no batch
+                    meta = torch.zeros(4, dtype=torch.int64, device=self.device)
+                    dist.recv(meta, group=group, group_src=owner[s - 1])
+                    x = torch.empty(meta[:3].tolist(), dtype=_DTYPES[int(meta[3])], device=self.device)
+                    dist.recv(x, group=group, group_src=owner[s - 1])
+                x = parts[s](x)
+                if s == self.num_stages - 1:
+                    losses.append(self.loss_fn(x, y))
+                elif owner[s + 1] != me:
+                    x = x.contiguous()
+                    meta = torch.tensor([*x.shape, _DTYPES.index(x.dtype)], device=self.device)
+                    dist.send(meta, group=group, group_dst=owner[s + 1])
+                    dist.send(x, group=group, group_dst=owner[s + 1])
+        return losses
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A microbatch's mean loss without a pipeline: fused with the output projection unless the
-        logits are vocab-parallel."""
+        logits are vocab-parallel or wanted (`evaluate`'s `on_logits`)."""
         model = self.parts[0]
-        return model(x, y) if model.fused else lm_loss(model(x), y, self.config.vocab_size, self.tp_mesh)
+        if model.fused and self._on_logits is None:
+            return model(x, y)
+        logits = model(x)
+        if self._on_logits is not None:
+            self._report(logits, y)
+        return lm_loss(logits, y, self.config.vocab_size, self.tp_mesh)
+
+    def _report(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """`on_logits` with the whole vocab: the tp ranks' shards gathered, padding columns dropped."""
+        if self.tp_mesh is not None:
+            logits = DTensor.from_local(logits, self.tp_mesh, [Shard(2)], run_check=False).full_tensor()
+        if self.reports_logits:
+            self._on_logits(logits[..., : self.config.vocab_size].detach(), targets)
 
     def _grad_sync(self, on: bool) -> None:
         """Reduce gradients over dp in this backward (the last microbatch's) or not yet."""
@@ -328,6 +406,6 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group=Non
     total = total_sq.sqrt()
     coef = float(max_norm / (total + 1e-6))
     if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+        for gs in groups.values():
+            torch._foreach_mul_(gs, coef)
     return total
