@@ -22,7 +22,9 @@ app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, und
 def train(
     manifest: Path = typer.Option(..., "--manifest", "-m", help="The run manifest (run.json)."),
     dry_run: bool = typer.Option(
-        False, "--dry-run", help="Check the manifest and its artifacts, print the plan, train nothing."
+        False,
+        "--dry-run",
+        help="Check the manifest and its artifacts, print the plan and each rank's memory, train nothing.",
     ),
     world_size: int | None = typer.Option(
         None,
@@ -35,6 +37,22 @@ def train(
         "--peak-tflops",
         show_default=False,
         help="Peak TFLOP/s of one device, for MFU  [default: a table of known GPUs; none on CPU]",
+    ),
+    gpus: int | None = typer.Option(
+        None,
+        "--gpus",
+        min=1,
+        show_default=False,
+        help="With --dry-run: plan for this many GPUs (the world size) and rank every tp x pp x dp "
+        "layout of them that fits --gpu-memory by expected throughput.",
+    ),
+    gpu_memory: str | None = typer.Option(
+        None,
+        "--gpu-memory",
+        metavar="<size>",
+        show_default=False,
+        help="With --dry-run: the memory of one GPU, e.g. 80GB (binary units: 80GB = 80 GiB, what "
+        "nvidia-smi shows as 81920MiB); says whether each rank fits.",
     ),
     verify: Verify = verify_option("the referenced artifacts' files"),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON on stdout."),
@@ -49,7 +67,20 @@ def train(
     Example: torchrun --nproc-per-node 8 $(which mega-train) --manifest run.json
     """
     from mega_train.plan import plan_run
+    from megacore.parallel.memory import parse_size
 
+    # Planning flags are checked before the manifest: a typo fails at once.
+    memory_bytes = parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    if (gpus is not None or gpu_memory is not None) and not dry_run:
+        raise UserError(
+            "--gpus and --gpu-memory plan a run: add --dry-run (torchrun sets a run's world size)"
+        )
+    if gpus is not None:
+        if world_size is not None:
+            raise UserError("give --gpus or --world-size, not both", "--gpus")
+        if memory_bytes is None:
+            raise UserError("ranking layouts needs --gpu-memory, e.g. --gpu-memory 80GB", "--gpus")
+        world_size = gpus
     rank = int(os.environ.get("RANK", "0"))
     ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -65,6 +96,12 @@ def train(
         raise Silent(code) from None
     if dry_run or rank == 0:
         summary = plan.summary()
+        report = None
+        if dry_run:
+            from mega_train.planner import memory_lines, memory_plan
+
+            report = memory_plan(plan, memory_bytes, gpus)
+            summary |= report
         if as_json:
             typer.echo(json.dumps(summary, indent=2))
         else:
@@ -75,6 +112,8 @@ def train(
                 f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
                 f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps"
             )
+            if report is not None:
+                typer.echo("\n".join(memory_lines(report)))
     if dry_run:
         return
     if world_size is not None and world_size != int(os.environ.get("WORLD_SIZE", "1")):

@@ -1,0 +1,541 @@
+"""The memory planner: what each rank of a layout holds during a training step, and the tp/pp/dp
+layouts of N GPUs that fit their memory, ranked by a simple throughput model (docs/architecture.md).
+
+Torch-free, like `layout` (mega-train's dry run uses it without torch). It models this engine:
+the `Decoder`'s ops, `ParallelModel`'s wrapping and torch's pipeline schedules, not transformers in
+general. Sizes are bytes; T = micro batch x sequence length tokens per microbatch, c = bytes of the
+compute dtype (4 fp32, 2 bf16/fp16), "tp-local" = the part `place`/`tp_box` give a tp rank.
+
+State (exact: tests/train/test_planner.py sums a live run's tensors on every rank):
+- weights: the fp32 master parameters of the rank's stages (`model_tensors`), tp-local, then with
+  FSDP2 (dp > 1) dim 0 cut in dp chunks of ceil(rows / dp) rows, the last ones shorter or empty:
+  what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows; the largest
+  rank (dp rank 0), which decides whether a layout fits, holds exactly that.
+- grads: fp32, the same shapes, except the vocab-parallel embedding's under tp without FSDP2:
+  DTensor's backward leaves the whole table's gradient on every tp rank.
+- optimizer: AdamW's exp_avg and exp_avg_sq (fp32, the parameters' shapes) and its step counter,
+  a 4-byte tensor per parameter. copies: bf16/fp16 compute copies of every parameter
+  (`engine.ComputeCopies`), held with mixed precision when dp is 1, except under the zero-bubble
+  schedules (FSDP2 on a one-rank mesh there: `ZERO_BUBBLE`).
+
+Activations (what autograd saves, op by op; the test measures a step on CPU):
+- per layer and microbatch, recompute none: the inputs of the norms (T·h·c each, /tp with sequence
+  parallel, plus their fp32 statistics), the norm outputs the projections read (T·h·c), rotated q
+  and k, v (with the fused q/k/v matmul at tp 1, v is a view of the whole projection output, which
+  stays alive: T·(q+2kv)·c), the attention output and the o_proj input (a copy of it), the
+  log-sum-exp (fp32), the MLP's gate, up, silu and product (4·T·f/tp·c; GELU: 2), and at tp 1 the
+  concatenated q/k/v and gate/up weights the fused matmuls save. A sliding window shorter than the
+  sequence adds the S x S mask SDPA saves (not with flash-attn). selective: without the attention
+  kernel's output and log-sum-exp (its kernels keep no S x S matrix to drop). full: the block's
+  input only, plus one layer's recompute at the peak of the backward.
+- per stage: token ids (first), the final norm and the loss (last: the fused loss saves the
+  hidden-state and weight gradients; vocab-parallel logits keep their fp32 log-softmax, and a
+  pipeline's last stage keeps its logits too), a pipeline stage's output (kept until its backward).
+- in flight (`in_flight`): microbatch-chunks a pipeline rank holds at its peak, from the schedules'
+  own warmup counts: 1 without a pipeline (gradient accumulation runs microbatches one by one);
+  GPipe all m of them; 1F1B min(m, pp - rank), so pp on the first stage; interleaved 1F1B
+  min(m·v, (v-1)·r + 2·(pp-1-rank) + 1) chunks of one local stage, r = m / max(1, m // pp)
+  microbatches per round (interleaved zero bubble: 1 instead of 2 per hop, its deferred weight
+  gradients not counted); ZB-V min(2m, 2·pp).
+Buffers (transient or bookkeeping, counted at once, so an upper bound):
+- a pipeline stage's receive buffers, preallocated for every microbatch (activations in, gradients
+  back: T·h·c each; a stage's first block reads its input from one);
+- FSDP2's unsharded parameters in the compute dtype (the root's embedding, norm and head plus two
+  blocks with prefetch; with a pipeline all of the stage, not resharded between microbatches), one
+  block's gradient reduction (compute dtype + fp32), and with several microbatches the stage's
+  unsharded fp32 gradients: gradient sync is off for all but the last microbatch, and FSDP2 then
+  accumulates unsharded;
+- without dp, the largest parameter's compute-dtype gradient; the loss's scratch (fused) or its
+  fp32 logits copies.
+Measured on CPU (a 4-layer, hidden-256 Llama, 2 processes): one process within 8% below the peak
+(activations alone, the test's bound is 25%); with tp, pp or dp activations + buffers within 20%
+of the peak of a step, except sequence parallel with accumulation (30% under: DTensor collectives'
+transients). ALLOWANCE, a fixed 4 GiB per GPU, covers what is not modelled: the CUDA context and
+kernels, NCCL buffers, allocator fragmentation.
+
+Ranking (`relative_throughput`, a deliberately simple model, not a measurement): the product of
+- tensor parallel: 1 - 0.05·log2(tp) within a node (its all-reduces sit on the critical path),
+  halved when the tp group spans nodes;
+- the pipeline bubble: 1 - (pp-1)/(v·m + pp-1) (a third of that bubble for the zero-bubble
+  schedules);
+- recompute: forward and backward cost 3 forwards, full recompute adds a fourth (3/4); selective
+  1/(1 + attention-core forward FLOPs / step FLOPs (`flops_per_token`));
+- data parallel: 0.97 for dp > 1 (FSDP2's gathers and reductions, mostly overlapped).
+Every candidate keeps the run's micro batch, global batch, precision, schedule (pipelines) and
+sequence parallel; per layout the least recompute that fits is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from megacore.config import ModelConfig, flops_per_token, model_tensors
+from megacore.errors import UserError
+from megacore.parallel.layout import RECOMPUTE, Parallelism, check_parallelism, kv_replicated, place, tp_box
+
+GiB = 1 << 30
+ALLOWANCE = 4 * GiB  # per GPU, for what the model leaves out (module docstring)
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ZERO_BUBBLE = ("interleavedzb", "zbv")  # engine.ZERO_BUBBLE (a test keeps them equal)
+CE_CHUNK_ELEMENTS = 1 << 26  # models/loss.py's chunk of fp32 logits (a test keeps them equal)
+GPUS_PER_NODE = 8
+TP_COST = 0.05  # throughput lost per doubling of tp within a node
+DP_EFFICIENCY = 0.97
+
+
+def compute_copies(par: Parallelism, dp: int) -> bool:
+    """Whether the engine keeps bf16/fp16 compute copies of the parameters (`ComputeCopies`)."""
+    return par.precision != "fp32" and dp == 1 and par.spec.schedule not in ZERO_BUBBLE
+
+
+def fsdp_wrapped(par: Parallelism, dp: int) -> bool:
+    """Whether the engine applies FSDP2 (or replicate): with dp, or mixed precision without copies."""
+    return dp > 1 or (par.precision != "fp32" and not compute_copies(par, dp))
+
+
+def _dp_sharded(par: Parallelism, dp: int) -> bool:
+    return dp > 1 and par.spec.dp_mode == "fsdp"
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class State:
+    """A rank's persistent tensors, bytes."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    copies: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.copies
+
+
+def _rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and tp-local shapes of the parameters of a pipeline rank's stages. Every tp rank holds
+    the same shapes: tp splits are even (`check_tp`) or the tensor is replicated."""
+    layers = check_parallelism(config, par)
+    tp, last = par.spec.tp, len(layers) - 1
+    out = []
+    for s in par.rank_stages(pp_rank):
+        for name, shape in model_tensors(config, layers[s], embed=s == 0, head=s == last).items():
+            out.append((name, tp_box(place(name, config, tp), shape, tp, 0)[1]))
+    return out
+
+
+def _dp_local(shape: tuple[int, ...], dp: int, dp_rank: int) -> int:
+    """Elements of a tp-local tensor on dp rank `dp_rank` under FSDP2: dim 0 in torch.chunk blocks
+    (`chunk_split`), computed for one rank."""
+    rows = shape[0]
+    size = -(-rows // dp)
+    return max(0, min(size, rows - dp_rank * size)) * math.prod(shape[1:])
+
+
+def _state(
+    config: ModelConfig, par: Parallelism, dp: int, dp_rank: int, tensors: list[tuple[str, tuple[int, ...]]]
+) -> State:
+    shapes = Counter(shape for _, shape in tensors)
+    sharded = _dp_sharded(par, dp)
+    numel = sum(n * (_dp_local(s, dp, dp_rank) if sharded else math.prod(s)) for s, n in shapes.items())
+    grads = numel
+    tp = par.spec.tp
+    if (
+        tp > 1
+        and not fsdp_wrapped(par, dp)
+        and not config.tie_embeddings
+        and any(n == "embed.weight" for n, _ in tensors)
+    ):
+        # The vocab-parallel embedding's gradient comes out of DTensor's backward replicated: the
+        # whole table on every tp rank (FSDP2 reduces it to the parameter's shard; tied, the
+        # head's sharded gradient is added to it).
+        grads += config.padded_vocab_size * config.hidden_size * (tp - 1) // tp
+    return State(
+        weights=4 * numel,
+        grads=4 * grads,
+        optimizer=8 * numel + 4 * len(tensors),
+        copies=COMPUTE_BYTES[par.precision] * numel if compute_copies(par, dp) else 0,
+    )
+
+
+def rank_state(config: ModelConfig, par: Parallelism, dp: int, pp_rank: int = 0, dp_rank: int = 0) -> State:
+    """The bytes of weights, gradients, AdamW state and compute copies on a rank (any tp rank)."""
+    return _state(config, par, dp, dp_rank, _rank_tensors(config, par, pp_rank))
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+
+def _seq_shard(par: Parallelism) -> int:
+    return par.spec.tp if par.spec.sequence_parallel and par.spec.tp > 1 else 1
+
+
+def layer_activations(
+    config: ModelConfig,
+    par: Parallelism,
+    micro: int,
+    seq: int,
+    recompute: str | None = None,
+    attention: str = "sdpa",
+) -> int:
+    """Bytes one transformer layer saves for backward for one microbatch (module docstring)."""
+    mode = par.recompute if recompute is None else recompute
+    tp, c = par.spec.tp, COMPUTE_BYTES[par.precision]
+    tokens, sp = micro * seq, _seq_shard(par)
+    h, hd = config.hidden_size, config.head_dim
+    residual = math.ceil(tokens / sp) * h * c  # a hidden state on the residual stream
+    if mode == "full":
+        return residual
+    heads = config.num_heads // tp
+    q, f = heads * hd, config.ffn_hidden_size // tp
+    if tp == 1:  # fused q/k/v: v is a view of the projection output, which stays alive whole
+        kv = config.num_kv_heads * hd
+        qkv = tokens * (2 * q + 3 * kv) * c
+        weights = (q + 2 * kv) * h * c + (2 * f * h * c if config.activation == "swiglu" else 0)
+    else:  # kv heads replicated: this rank's head is a view of the whole v projection output
+        kv = hd * (1 if kv_replicated(config, tp) else config.num_kv_heads // tp)
+        v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
+        qkv = tokens * (q + kv + v) * c
+        weights = 0
+    stat = 4 if config.norm == "rmsnorm" else 8  # fp32 rstd; LayerNorm: mean and rstd
+    norm_in = 1 if config.parallel_attn else 2  # a parallel block's norms share their input
+    # Norm outputs the projections read; with sequence parallel each of attention and MLP gathers its own.
+    norm_out = 1 if config.parallel_attn and config.num_ln_in_parallel_attn == 1 and sp == 1 else 2
+    norms = norm_in * (residual + math.ceil(tokens / sp) * stat) + norm_out * tokens * h * c
+    if sp > 1:  # measured: nn.RMSNorm on a sequence shard saves its normalised input too, and a
+        # block one more shard besides
+        norms += ((norm_in if config.norm == "rmsnorm" else 0) + 1) * residual
+    o_proj_in = tokens * q * c
+    kernel = tokens * q * c + micro * heads * seq * 4  # the kernel's output and log-sum-exp
+    window = config.sliding_window
+    if window is not None and seq > window and attention != "flash":
+        kernel += seq * seq * c  # SDPA's additive mask
+    mlp = (4 if config.activation == "swiglu" else 2) * tokens * f * c
+    total = norms + qkv + o_proj_in + mlp + weights
+    return total if mode == "selective" else total + kernel
+
+
+def fused_loss(par: Parallelism) -> bool:
+    """The loss is fused with the output projection (no tp, no pipeline), else vocab-parallel logits."""
+    return par.spec.tp == 1 and par.spec.pp * par.stages_per_rank == 1
+
+
+def stage_activations(
+    config: ModelConfig, par: Parallelism, stage: int, micro: int, seq: int, attention: str = "sdpa"
+) -> int:
+    """Bytes a pipeline stage (or the whole model) saves for one microbatch."""
+    layers = check_parallelism(config, par)
+    first, last, pipelined = stage == 0, stage == len(layers) - 1, len(layers) > 1
+    c, tp, tokens = COMPUTE_BYTES[par.precision], par.spec.tp, micro * seq
+    h = config.hidden_size
+    residual = math.ceil(tokens / _seq_shard(par)) * h * c
+    total = len(layers[stage]) * layer_activations(config, par, micro, seq, attention=attention)
+    total += 2 * seq * config.head_dim * c  # the RoPE tables
+    if first:
+        total += tokens * 8  # token ids, for the embedding's backward
+    else:
+        total -= residual  # the first block's input is a receive buffer (`rank_buffers`)
+    if last:
+        stat = 4 if config.norm == "rmsnorm" else 8
+        total += residual + math.ceil(tokens / _seq_shard(par)) * stat  # the final norm's input
+        if _seq_shard(par) > 1 and config.norm == "rmsnorm":
+            total += residual  # and its normalised input (nn.RMSNorm on a sequence shard)
+        vocab = config.padded_vocab_size
+        if fused_loss(par):
+            total += tokens * h * c + vocab * h * c  # the gradients the fused loss computed in forward
+        else:
+            local_vocab = vocab // tp
+            total += tokens * h * c + tokens * local_vocab * 4  # the head's input, fp32 log-softmax
+            if pipelined:
+                total += tokens * local_vocab * c  # logits: the stage's output, kept for its backward
+    elif pipelined:
+        total += residual  # the stage's output, kept for its backward
+    return total
+
+
+def in_flight(par: Parallelism, pp_rank: int) -> int:
+    """Microbatch-chunks whose activations pipeline rank `pp_rank` holds at its peak (module docstring)."""
+    P, m, v = par.spec.pp, par.microbatches, par.stages_per_rank
+    schedule = par.spec.schedule
+    if P * v == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, P - pp_rank)
+    if schedule == "zbv":
+        return min(2 * m, 2 * P)
+    per_round = m // max(1, m // P)
+    hop = 2 if schedule == "interleaved1f1b" else 1
+    return min(m * v, (v - 1) * per_round + hop * (P - 1 - pp_rank) + 1)
+
+
+def rank_activations(
+    config: ModelConfig, par: Parallelism, pp_rank: int, micro: int, seq: int, attention: str = "sdpa"
+) -> int:
+    """Bytes of activations pipeline rank `pp_rank` holds at its peak: its in-flight chunks (of its
+    local stages, on average) and, with full recompute, one layer recomputed in the backward."""
+    stages = par.rank_stages(pp_rank)
+    per_chunk = sum(stage_activations(config, par, s, micro, seq, attention) for s in stages) / len(stages)
+    total = round(in_flight(par, pp_rank) * per_chunk)
+    if par.recompute == "full":
+        total += layer_activations(config, par, micro, seq, "none", attention)
+    return total
+
+
+# --- buffers -------------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"^layers\.(\d+)\.")
+
+
+def rank_buffers(config: ModelConfig, par: Parallelism, dp: int, pp_rank: int, micro: int, seq: int) -> int:
+    """Transient and bookkeeping bytes on a rank, all counted at once (module docstring)."""
+    return _buffers(config, par, dp, pp_rank, micro, seq, _rank_tensors(config, par, pp_rank))
+
+
+def _buffers(
+    config: ModelConfig,
+    par: Parallelism,
+    dp: int,
+    pp_rank: int,
+    micro: int,
+    seq: int,
+    tensors: list[tuple[str, tuple[int, ...]]],
+) -> int:
+    num_stages, stages = par.spec.pp * par.stages_per_rank, par.rank_stages(pp_rank)
+    c, tp, tokens = COMPUTE_BYTES[par.precision], par.spec.tp, micro * seq
+    residual = math.ceil(tokens / _seq_shard(par)) * config.hidden_size * c
+    total = 0
+    if num_stages > 1:  # torch's PipelineStage allocates its receive buffers for every microbatch
+        for s in stages:
+            total += ((s > 0) + (s < num_stages - 1)) * par.microbatches * residual
+    if fsdp_wrapped(par, dp):
+        root, blocks = 0, {}
+        for name, shape in tensors:
+            m = _BLOCK.match(name)
+            if m:
+                blocks[m.group(1)] = blocks.get(m.group(1), 0) + math.prod(shape)
+            else:
+                root += math.prod(shape)
+        block = max(blocks.values(), default=0)
+        unsharded = root + 2 * block if num_stages == 1 else root + sum(blocks.values())
+        # Unsharded parameters in the compute dtype; a reduction's gradients in it and in fp32.
+        total += unsharded * c + max(root, block) * (c + 4)
+        if par.microbatches > 1:
+            # Gradient sync is off for every microbatch but the last (`ParallelModel._grad_sync`, the
+            # pipeline stage's no-sync backward): FSDP2 then accumulates unsharded fp32 gradients.
+            total += (root + sum(blocks.values())) * 4
+    elif compute_copies(par, dp):
+        total += max(math.prod(shape) for _, shape in tensors) * c
+    if num_stages - 1 in stages:
+        vocab = config.padded_vocab_size
+        if fused_loss(par):
+            chunk = max(1, min(tokens, CE_CHUNK_ELEMENTS // vocab))
+            total += chunk * vocab * 4
+            if c < 4:
+                total += chunk * vocab * c + (vocab * config.hidden_size * 4 if tokens > chunk else 0)
+        else:
+            local = tokens * (vocab // tp)
+            padded = vocab > config.vocab_size
+            # logits (unless the pipeline keeps them), their fp32 copy, the copy with padding masked
+            total += local * ((0 if num_stages > 1 else c) + (4 if c < 4 else 0) + (4 if padded else 0))
+    return total
+
+
+# --- per rank ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's bytes (or several ranks' with the same numbers: `ranks`)."""
+
+    ranks: tuple[int, ...]
+    pp_rank: int
+    weights: int
+    grads: int
+    optimizer: int
+    copies: int
+    activations: int
+    buffers: int
+    in_flight: int
+
+    @property
+    def state(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.copies
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.buffers
+
+
+def estimate(
+    config: ModelConfig,
+    par: Parallelism,
+    dp: int,
+    micro: int,
+    seq: int,
+    attention: str = "sdpa",
+    all_dp_ranks: bool = True,
+) -> list[RankMemory]:
+    """Every rank of the layout, in rank order, ranks with the same numbers merged: a row per
+    pipeline rank, more when FSDP2's chunks differ over dp. `all_dp_ranks=False` computes dp rank 0
+    only (the fullest: FSDP2's first chunks are the longest), for the peak."""
+    check_parallelism(config, par)
+    tp = par.spec.tp
+    rows: list[RankMemory] = []
+    for pp_rank in range(par.spec.pp):
+        tensors = _rank_tensors(config, par, pp_rank)
+        activations = rank_activations(config, par, pp_rank, micro, seq, attention)
+        buffers = _buffers(config, par, dp, pp_rank, micro, seq, tensors)
+        by_state: dict[State, list[int]] = {}
+        for dp_rank in range(dp if _dp_sharded(par, dp) and all_dp_ranks else 1):
+            by_state.setdefault(_state(config, par, dp, dp_rank, tensors), []).append(dp_rank)
+        if not _dp_sharded(par, dp):  # whole parameters on every dp rank
+            by_state = {st: list(range(dp)) for st in by_state}
+        for st, dp_ranks in by_state.items():
+            ranks = tuple((pp_rank * dp + d) * tp + t for d in dp_ranks for t in range(tp))
+            rows.append(
+                RankMemory(
+                    ranks=ranks,
+                    pp_rank=pp_rank,
+                    **dataclasses.asdict(st),
+                    activations=activations,
+                    buffers=buffers,
+                    in_flight=in_flight(par, pp_rank),
+                )
+            )
+    return sorted(rows, key=lambda r: r.ranks[0])
+
+
+def peak(rows: Iterable[RankMemory]) -> int:
+    """The largest rank's bytes."""
+    return max(r.total for r in rows)
+
+
+# --- layouts -------------------------------------------------------------------------------------
+
+
+def relative_throughput(
+    config: ModelConfig, par: Parallelism, dp: int, seq: int, gpus_per_node: int = GPUS_PER_NODE
+) -> float:
+    """Expected throughput relative to a perfect machine of the same GPUs (module docstring)."""
+    tp, P, v, m = par.spec.tp, par.spec.pp, par.stages_per_rank, par.microbatches
+    eff = 1.0 - TP_COST * math.log2(min(tp, gpus_per_node))
+    if tp > gpus_per_node:
+        eff *= 0.5
+    if P > 1:
+        bubble = (P - 1) / (v * m + P - 1)
+        eff *= 1.0 - (bubble / 3 if par.spec.schedule in ZERO_BUBBLE else bubble)
+    if par.recompute == "full":
+        eff *= 0.75
+    elif par.recompute == "selective":
+        attention_forward = 4.0 * config.num_layers * config.num_heads * config.head_dim * seq
+        eff /= 1.0 + attention_forward / flops_per_token(config, seq)
+    if dp > 1:
+        eff *= DP_EFFICIENCY
+    return eff
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout of the GPUs: its peak rank's bytes and expected throughput, or why it is refused."""
+
+    tp: int
+    pp: int
+    dp: int
+    recompute: str
+    microbatches: int
+    peak: int  # bytes on the fullest rank, ALLOWANCE not included; 0 when refused
+    throughput: float  # `relative_throughput`; 0 when refused or not fitting
+    fits: bool
+    reason: str = ""  # why it does not fit or is refused
+
+    @property
+    def label(self) -> str:
+        return f"tp {self.tp} x pp {self.pp} x dp {self.dp}, recompute {self.recompute}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_parallelism(
+    base: Parallelism, tp: int, pp: int, microbatches: int, recompute: str
+) -> Parallelism:
+    """The run's settings with another tp/pp: no pipeline settings without a pipeline, the run's
+    per-stage layer counts only with its own pp."""
+    spec = base.spec
+    if pp == 1:
+        spec = msgspec.structs.replace(spec, tp=tp, pp=1, pp_layers=None, schedule="1f1b", virtual_stages=1)
+    else:
+        layers = spec.pp_layers if pp == spec.pp else None
+        spec = msgspec.structs.replace(spec, tp=tp, pp=pp, pp_layers=layers)
+    return dataclasses.replace(base, spec=spec, microbatches=microbatches, recompute=recompute)
+
+
+def search(
+    config: ModelConfig,
+    base: Parallelism,
+    gpus: int,
+    gpu_memory: int,
+    micro: int,
+    seq: int,
+    global_batch: int,
+    attention: str = "sdpa",
+    gpus_per_node: int = GPUS_PER_NODE,
+) -> list[Candidate]:
+    """Every tp x pp x dp = `gpus` layout with the least recompute that fits `gpu_memory` (with
+    ALLOWANCE); the fitting ones first, best expected throughput first, then the others."""
+    if gpus < 1:
+        raise UserError(f"must be at least 1, got {gpus}", "--gpus")
+    out: list[Candidate] = []
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if global_batch % (micro * dp):
+                why = f"batch {global_batch} does not divide into micro {micro} x dp {dp}"
+                out.append(Candidate(tp, pp, dp, "-", 0, 0, 0.0, False, why))
+                continue
+            m = global_batch // (micro * dp)
+            best = None
+            for recompute in RECOMPUTE:
+                par = candidate_parallelism(base, tp, pp, m, recompute)
+                try:
+                    need = peak(estimate(config, par, dp, micro, seq, attention, all_dp_ranks=False))
+                except UserError as e:
+                    best = Candidate(tp, pp, dp, "-", m, 0, 0.0, False, str(e))
+                    break
+                fits = need + ALLOWANCE <= gpu_memory
+                eff = relative_throughput(config, par, dp, seq, gpus_per_node) if fits else 0.0
+                best = Candidate(tp, pp, dp, recompute, m, need, eff, fits, "" if fits else "does not fit")
+                if fits:
+                    break
+            out.append(best)
+    # Fitting ones by throughput, then the others by their peak, the refused ones last.
+    return sorted(out, key=lambda c: (not c.fits, -c.throughput, c.peak or math.inf))
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, where: str = "--gpu-memory") -> int:
+    """Bytes from '80GB', '80G', '80GiB', '81920MiB' or a plain number of bytes. Units are binary
+    (80GB = 80 GiB), as GPU memory is sold and reported (nvidia-smi: 81920MiB on an 80 GB A100)."""
+    m = SIZE.match(text)
+    if m is None:
+        raise UserError(f"{text!r} is not a memory size such as 80GB or 81920MiB", where)
+    unit = (m.group(2) or "b").lower()
+    power = "bkmgt".index(unit[0])
+    value = float(m.group(1)) * (1 << (10 * power))
+    if value < 1:
+        raise UserError(f"{text!r} is not a positive memory size", where)
+    return int(value)

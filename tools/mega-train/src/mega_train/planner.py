@@ -1,0 +1,123 @@
+"""The dry run's memory plan: a checked run's per-rank bytes and, for a number of GPUs, the layouts
+that fit, as JSON-able data and as text. The arithmetic is `megacore.parallel.memory` (no torch)."""
+
+from __future__ import annotations
+
+from mega_train.plan import RunPlan
+from megacore.parallel import memory
+from megacore.parallel.layout import Parallelism
+
+COLUMNS = ("weights", "grads", "optimizer", "copies", "activations", "buffers", "total")
+TOP = 5  # layouts printed (the JSON has them all)
+
+
+def run_parallelism(plan: RunPlan) -> Parallelism:
+    """What the engine builds for this run (as train.py does)."""
+    run = plan.run
+    return Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
+
+
+def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None = None) -> dict:
+    """The run's per-rank memory and, with `gpus`, every layout of that many GPUs (best first)."""
+    run, config = plan.run, plan.config
+    par = run_parallelism(plan)
+    micro, seq = run.batch.micro_batch_size, run.batch.seq_length
+    rows = memory.estimate(config, par, plan.dp, micro, seq, run.attention)
+    peak = memory.peak(rows)
+    out: dict = {
+        "memory": {
+            "precision": run.precision,
+            "recompute": run.recompute,
+            "micro_batch_size": micro,
+            "seq_length": seq,
+            "microbatches": plan.grad_accum,
+            "schedule": run.parallel.schedule if run.parallel.pp > 1 else None,
+            "ranks": [
+                {"ranks": list(r.ranks), "pp_rank": r.pp_rank, "in_flight": r.in_flight}
+                | {k: getattr(r, k) for k in COLUMNS}
+                for r in rows
+            ],
+            "peak": peak,
+            "allowance": memory.ALLOWANCE,
+            "gpu_memory": gpu_memory,
+            "fits": None if gpu_memory is None else peak + memory.ALLOWANCE <= gpu_memory,
+        }
+    }
+    if gpus is not None:
+        assert gpu_memory is not None
+        found = memory.search(
+            config, par, gpus, gpu_memory, micro, seq, run.batch.global_batch_size, run.attention
+        )
+        candidates = [
+            {
+                "tp": c.tp,
+                "pp": c.pp,
+                "dp": c.dp,
+                "recompute": c.recompute,
+                "microbatches": c.microbatches,
+                "peak": c.peak,
+                "throughput": round(c.throughput, 4),
+                "fits": c.fits,
+                "reason": c.reason,
+                "label": c.label,
+            }
+            for c in found
+        ]
+        out["layouts"] = {"gpus": gpus, "candidates": candidates}
+    return out
+
+
+def gib(n: int) -> str:
+    return f"{n / memory.GiB:.1f}"
+
+
+def rank_list(ranks: list[int], limit: int = 20) -> str:
+    """Ranks as ranges, '0-7,16-23'; a long list is cut and counted."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return text if len(text) <= limit else f"{text[: limit - 3].rsplit(',', 1)[0]},.. ({len(ranks)})"
+
+
+def memory_lines(report: dict) -> list[str]:
+    """The plan as text: a table of the ranks, the verdict and the best layouts."""
+    mem = report["memory"]
+    schedule = f", {mem['schedule']}" if mem["schedule"] else ""
+    lines = [
+        f"memory per rank, GiB ({mem['precision']}, recompute {mem['recompute']}, micro batch "
+        f"{mem['micro_batch_size']} x {mem['seq_length']} tokens, {mem['microbatches']} microbatches{schedule}):",
+        f"  {'ranks':<20} {'stage':>5} {'in flight':>9} " + " ".join(f"{c:>11}" for c in COLUMNS),
+    ]
+    for r in mem["ranks"]:
+        cells = " ".join(f"{gib(r[c]):>11}" for c in COLUMNS)
+        lines.append(f"  {rank_list(r['ranks']):<20} {r['pp_rank']:>5} {r['in_flight']:>9} {cells}")
+    need = mem["peak"] + mem["allowance"]
+    verdict = f"peak {gib(mem['peak'])} GiB + {gib(mem['allowance'])} GiB allowance = {gib(need)} GiB per GPU"
+    if mem["gpu_memory"] is not None:
+        verdict += f", of {gib(mem['gpu_memory'])} GiB: " + ("fits" if mem["fits"] else "does not fit")
+    lines.append("  " + verdict)
+    if "layouts" in report:
+        layouts = report["layouts"]["candidates"]
+        fitting = [c for c in layouts if c["fits"]]
+        lines.append(
+            f"layouts of {report['layouts']['gpus']} GPUs of {gib(mem['gpu_memory'])} GiB, by expected throughput "
+            "(the model in megacore/parallel/memory.py):"
+        )
+        for i, c in enumerate(fitting[:TOP], 1):
+            lines.append(
+                f"  {i}. {c['label']:<40} peak {gib(c['peak']):>6} GiB  throughput {c['throughput']:.2f}"
+            )
+        if not fitting:
+            sized = [c for c in layouts if c["peak"]]
+            if sized:
+                least = min(sized, key=lambda c: c["peak"])
+                lines.append(f"  none fits: the smallest peak is {gib(least['peak'])} GiB ({least['label']})")
+            else:
+                lines.append("  none: " + layouts[0]["reason"])
+        else:
+            lines.append(f"  {len(fitting)} of {len(layouts)} layouts fit")
+    return lines
