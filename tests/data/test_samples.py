@@ -18,6 +18,7 @@ from megacore.data.blend import blend_index
 from megacore.data.dataset import MARKER, Dataset, _save
 from megacore.data.documents import Documents
 from megacore.data.indexed import IndexedReader
+from megacore.data.packing import PAD, PAD_ROLE, PackedIndex
 from megacore.data.samples import SPLITS, SampleIndex, split_ranges
 from megacore.errors import UserError
 from tokenize_testlib import corpus, write_jsonl
@@ -84,13 +85,19 @@ def test_samples_are_slices_of_each_epochs_concatenation(tmp_path: Path):
     spe = index.samples_per_epoch
     assert spe == (total - 1) // S and index.doc_order.shape[0] == -(-200 // spe)
     inputs = []
+    firsts = {d[0] for d in docs if d}
     for i in range(200):
-        tokens, roles = index.sample(i)
+        tokens, roles, positions = index.sample(i)
         assert (
             tokens.dtype == np.int64 and roles.dtype == np.uint8 and tokens.shape == roles.shape == (S + 1,)
         )
         assert tokens.tolist() == naive_sample(docs, index, i)
         assert roles.tolist() == [t % 5 for t in tokens.tolist()]  # aligned with its tokens
+        # Positions restart at the sample's start and at every document's first token.
+        starts = [j == 0 or int(t) in firsts for j, t in enumerate(tokens)]
+        assert [p == 0 for p in positions] == starts and all(
+            positions[j] == positions[j - 1] + 1 for j in range(1, S + 1) if not starts[j]
+        )
         if i < spe:
             inputs += tokens[:-1].tolist()
     # One epoch: every token but the last partial sample's is an input exactly once.
@@ -161,15 +168,22 @@ def test_small_source_runs_epochs_while_big_one_does_not(tmp_path: Path):
     assert np.bincount(ds.source_ids).tolist() == [150, 150]
     for i in range(len(ds)):
         j, k = int(ds.source_ids[i]), int(ds.source_samples[i])
-        tokens, roles = ds[i]
+        tokens, roles, _ = ds[i]
         assert tokens.tolist() == naive_sample(small[2] if j == 0 else big[2], ds.sources[j], k)
         assert roles.tolist() == [t % 5 for t in tokens.tolist()]
     # Same inputs, same batches; the batch is the samples stacked.
-    tokens, roles = ds.batch(10, 42)
+    tokens, roles, positions = ds.batch(10, 42)
+    assert positions is None  # text, no doc_mask
     again = Dataset.build(sources, [1.0], "train", S, 300, seed=1).batch(10, 42)
     assert tokens.shape == roles.shape == (32, S + 1) and tokens.dtype == np.int64 and roles.dtype == np.uint8
     assert np.array_equal(tokens, again[0]) and np.array_equal(roles, again[1])
     assert np.array_equal(tokens[5], ds[15][0])
+    # doc_mask: the same samples, with each document's positions counted from 0.
+    masked = Dataset.build(sources, [1.0], "train", S, 300, seed=1, doc_mask=True).batch(10, 42)
+    assert np.array_equal(masked.tokens, tokens)
+    j, k = int(ds.source_ids[15]), int(ds.source_samples[15])
+    assert np.array_equal(masked.positions[5], ds.sources[j].sample(k)[2])
+    assert (masked.positions == 0).sum() > len(masked.positions)  # documents start inside samples
     # A longer run starts with the same samples.
     longer = Dataset.build(sources, [1.0], "train", S, 1000, seed=1)
     assert np.array_equal(longer.batch(0, 300)[0], ds.batch(0, 300)[0])
@@ -289,17 +303,17 @@ def test_through_mega_tokenize_chat_roles_and_text(tmp_path: Path, sp_model: Pat
     ds = Dataset.build([(tmp_path / "chat", chat_m, 1.0)], [0.9, 0.1], "train", 32, 100, seed=5)
     ids = IndexedReader(tmp_path / "chat" / chat_m.shards[0].prefix)
     roles = IndexedReader(tmp_path / "chat" / chat_m.shards[0].sidecars["roles"])
-    index = ds.sources[0]
-    assert index.first_doc == 0 and index.doc_order.shape[1] == 36  # 90% of 40 conversations
+    index = ds.sources[0]  # chat: whole conversations per sample (packing.py)
+    assert isinstance(index, PackedIndex) and index.first_doc == 0 and len(index.order) % 36 == 0  # 90% of 40
     for i in range(100):
-        epoch, k = divmod(i, index.samples_per_epoch)
-        order = [int(p) for p in index.doc_order[epoch]]
-        all_ids = [t for p in order for t in ids[p].tolist()]
-        all_roles = [r for p in order for r in roles[p].tolist()]
-        start = int(index.sample_order[epoch][k]) * 32
-        got_ids, got_roles = ds[i]
-        assert got_ids.tolist() == all_ids[start : start + 33]
-        assert got_roles.tolist() == all_roles[start : start + 33]
+        got_ids, got_roles, positions = ds[i]
+        docs = [int(p) for p in index.order[index.starts[i] : index.starts[i + 1]]]
+        want_ids = [t for p in docs for t in ids[p].tolist()[:33]]
+        want_roles = [r for p in docs for r in roles[p].tolist()[:33]]
+        n = len(want_ids)
+        assert got_ids[:n].tolist() == want_ids and (got_ids[n:] == PAD).all()
+        assert got_roles[:n].tolist() == want_roles and (got_roles[n:] == PAD_ROLE).all()
+        assert (positions == 0).sum() == len(docs) + (n < 33)
     assert set(np.unique(ds.batch(0, 100)[1]).tolist()) <= set(chat_m.roles.values())
     assert (ds.batch(0, 100)[1] == chat_m.roles["assistant"]).any()
 
@@ -307,8 +321,11 @@ def test_through_mega_tokenize_chat_roles_and_text(tmp_path: Path, sp_model: Pat
     mixed = Dataset.build(
         [(tmp_path / "chat", chat_m, 1.0), (tmp_path / "text", text_m, 2.0)], [1.0], "train", 32, 60, seed=5
     )
-    tokens, no_roles = mixed.batch(0, 60)
+    tokens, no_roles, positions = mixed.batch(0, 60)
     assert no_roles is None and tokens.shape == (60, 33) and mixed[0][1] is None
+    text_rows = mixed.source_ids[:60] == 1
+    assert (positions[text_rows] == np.arange(33)).all()  # one sequence each: no doc_mask
+    tokens = np.where(tokens == PAD, 0, tokens)
     assert int(tokens.max()) < chat_m.tokenizer.vocab_size
     eos = text_m.tokenizer.eos_id
     assert (tokens[mixed.source_ids[:60] == 1] == eos).any()  # documents end with EOS, as tokenized

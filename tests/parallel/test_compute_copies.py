@@ -23,20 +23,20 @@ MICROBATCHES = 2
 
 
 def reference_grads(model: Decoder, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """fp32 sums of the bf16 model's gradients of (mean loss / microbatches), one microbatch at a
-    time, and the mean loss."""
+    """fp32 sums of the bf16 model's gradients of (summed loss / all targets), one microbatch at a
+    time (what the engine computes), and the mean loss."""
     low = copy.deepcopy(model).to(torch.bfloat16)
     acc: dict[str, torch.Tensor] = {}
-    losses = []
+    total = 0.0
     for x, y in zip(tokens.chunk(MICROBATCHES), targets.chunk(MICROBATCHES), strict=True):
         low.zero_grad(set_to_none=True)
-        loss = low(x, y)
-        (loss * (1.0 / MICROBATCHES)).backward()
-        losses.append(loss.detach().float())
+        loss = low(x, y, reduction="sum")
+        (loss * (1.0 / targets.numel())).backward()
+        total = total + loss.detach().float()
         for name, p in low.named_parameters():
             g = p.grad.float()
             acc[name] = g if name not in acc else acc[name] + g
-    return acc, torch.stack(losses).mean()
+    return acc, total / targets.numel()
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])

@@ -72,7 +72,7 @@ def test_evaluate_matches_a_hand_computation(monkeypatch) -> None:
             sums.add_logits(lg, tg)
 
         loss = pm.evaluate(tokens, targets, on_logits)
-        sums.add_loss(float(loss))
+        sums.add_loss(float(loss), targets.numel())
         got = sums.combine()
     finally:
         shutdown()

@@ -305,16 +305,17 @@ def test_changed_data_refuses_to_resume(tmp_path: Path, tokens: Path, reference:
 
 def test_examples_plan(tmp_path: Path, tokens: Path) -> None:
     """examples/*.json are valid run manifests; the pretraining one plans for 8 processes against a
-    tokens artifact where it expects one (after `make demo`)."""
+    tokens artifact where it expects one (after `make demo`), the others up to their checkpoint."""
     examples = Path(__file__).resolve().parents[2] / "examples"
     (tmp_path / "examples").mkdir()
     (tmp_path / "demo-out").mkdir()
     (tmp_path / "demo-out" / "tokens").symlink_to(tokens)
-    for name in ("pretrain.json", "finetune.json"):
+    for name in ("pretrain.json", "finetune.json", "instruct.json"):
         shutil.copy(examples / name, tmp_path / "examples" / name)
     proc = run_tool(
         "mega-train", "--manifest", tmp_path / "examples" / "pretrain.json", "--dry-run", "--world-size", "8"
     )
     assert "world 8 = tp 2 x pp 2 x dp 2; batch 64 = micro 4 x dp 2 x accum 8" in ok(proc).stdout
-    proc = run_tool("mega-train", "--manifest", tmp_path / "examples" / "finetune.json", "--dry-run")
-    assert_one_line_error(proc, "demo-out/ckpt-tp2pp2", "no such artifact directory")
+    for name in ("finetune.json", "instruct.json"):  # valid up to the checkpoint `make demo` writes
+        proc = run_tool("mega-train", "--manifest", tmp_path / "examples" / name, "--dry-run")
+        assert_one_line_error(proc, "demo-out/ckpt-tp2pp2", "no such artifact directory")

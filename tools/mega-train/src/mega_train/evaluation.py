@@ -3,10 +3,10 @@ batches and the dp ranks.
 
 A metric is `fn(logits, targets, mask) -> {name: (total, count)}`: `logits` [b, s, vocab_size] over
 the whole vocab, `targets` [b, s] token ids, `mask` [b, s] bool, True where the loss counts (targets
-not IGNORE: every token until the trainer has loss masks). It is called on each eval microbatch,
+not IGNORE). It is called on each eval microbatch,
 once per dp rank (`ParallelModel.evaluate`); a name's value is the sum of its totals over the sum
-of its counts. The loss enters the same sums as (a dp rank's batch mean, 1), so one collective
-combines everything.
+of its counts. The loss enters the same sums as (a dp rank's batch mean times its counted
+targets, their count), so one collective combines everything.
 
 Importing the metrics (`load_metric`) needs no torch: the plan checks them before any process group.
 """
@@ -71,11 +71,12 @@ class EvalSums:
         self.where = where
         self.sums: dict[str, list[float]] = {}
 
-    def add_loss(self, loss: float) -> None:
-        self._add("loss", loss, 1.0)
+    def add_loss(self, loss: float, counted: int) -> None:
+        """A dp rank's mean loss over its `counted` targets of one batch."""
+        self._add("loss", loss * counted, float(counted))
 
     def add_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        mask = targets != IGNORE  # every token until the trainer gives targets a loss mask
+        mask = targets != IGNORE
         owner: dict[str, str] = {}
         for at, fn in self.metrics:
             result = fn(logits, targets, mask)

@@ -101,14 +101,20 @@ def _check_tokens(
             f"{config.vocab_size}: resize the model's vocab (embeddings) first",
             where,
         )
-    if run.data.loss_on == "assistant":
-        if tokens.format != "chat" or not tokens.shards[0].sidecars.get("roles"):
-            raise UserError(
-                f"{at}: loss_on assistant needs a chat tokens artifact (mega-tokenize --format chat)", where
-            )
+    labelled = (
+        tokens.format == "chat" and tokens.shards[0].sidecars.get("roles") and "assistant" in tokens.roles
+    )
+    if run.data.loss_on == "assistant" and not labelled:
         raise UserError(
-            "$.data.loss_on: 'assistant' (loss on assistant tokens only) is not in this version of "
-            "mega-train yet; use 'all'",
+            f"{at}: loss_on assistant needs a chat tokens artifact with an assistant role "
+            "(mega-tokenize --format chat)",
+            where,
+        )
+    if (tokens.format == "chat" or run.data.doc_mask) and run.parallel.pp > 1:
+        what = "packed conversations" if tokens.format == "chat" else "$.data.doc_mask"
+        raise UserError(
+            f"{at}: {what} under a pipeline ($.parallel.pp {run.parallel.pp}) are not supported in this "
+            "version of mega-train; use pp 1",
             where,
         )
     if tokens.counts.documents < 1:
@@ -145,6 +151,9 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         tokens = open_artifact(path, "tokens", verify=verify)
         _check_tokens(i, path, tokens, config, run, where)
         sources.append((path, tokens, src.weight))
+    if run.data.loss_on == "assistant" and len({m.roles["assistant"] for _, m, _ in sources}) > 1:
+        codes = ", ".join(f"{m.roles['assistant']} in {p}" for p, m, _ in sources)
+        raise UserError(f"$.data.sources: the assistant role has different codes ({codes})", where)
 
     b, opt = run.batch, run.optimizer
     if b.seq_length > config.max_seq_len:
@@ -230,6 +239,8 @@ def fingerprint(
     out = {
         "$.data.split": json.dumps(run.data.split),
         "$.data.loss_on": run.data.loss_on,
+        "$.data.packing": run.data.packing,
+        "$.data.doc_mask": str(run.data.doc_mask),
         "$.seed": str(run.seed),
         "$.batch.seq_length": str(run.batch.seq_length),
         "$.batch.global_batch_size": str(run.batch.global_batch_size),

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,6 +40,7 @@ from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import OptimizerSpec, TrainingState
 from megacore.config import flops_per_token
 from megacore.data.dataset import Dataset
+from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import Silent, UserError
 from megacore.parallel.engine import ParallelModel, clip_grad_norm
 from megacore.parallel.layout import Parallelism
@@ -137,8 +139,9 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
     def datasets() -> tuple[Dataset, Dataset | None]:
         def build(which: str, samples: int) -> Dataset:
             return Dataset.build(
-                plan.data, run.data.split, which, S, samples, run.seed, plan.out / "data-index"
-            )
+                plan.data, run.data.split, which, S, samples, run.seed, plan.out / "data-index",
+                packing=run.data.packing, doc_mask=run.data.doc_mask,
+            )  # fmt: skip
 
         return build("train", run.train_steps * G), build(
             "valid", run.eval.iters * G
@@ -146,9 +149,17 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
 
     if rank == 0:
         train_data, valid_data = datasets()
+        if train_data.truncated:
+            say(
+                f"mega-train: warning: {train_data.truncated} conversations of the train split are longer "
+                f"than seq_length + 1 = {S + 1} tokens and are cut to it"
+            )
     dist.barrier()
     if rank != 0:
         train_data, valid_data = datasets()
+    # Loss on the assistant's tokens only: their role code (the plan checked every source has it).
+    train_role = plan.data[0][1].roles["assistant"] if run.data.loss_on == "assistant" else None
+    masked = train_role is not None or train_data.has_positions  # some targets may not count
 
     par = Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
     pm = ParallelModel(config, par, mesh, device)
@@ -220,27 +231,52 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         same ones in every layout and resume), on every rank."""
         sums = EvalSums(run.eval.metrics, plan.eval_metrics, str(plan.path))
         for k in range(run.eval.iters):
-            tokens, targets = batch(valid_data, k)
-            loss = pm.evaluate(tokens, targets, sums.add_logits)
+            tokens, targets, positions, counted = batch(valid_data, k)
+            loss = pm.evaluate(tokens, targets, sums.add_logits, positions)
             if pm.reports_logits:  # one rank per dp rank, like the metrics
-                sums.add_loss(float(loss))
+                sums.add_loss(float(loss), counted)
         return sums.combine()
 
-    def batch(data: Dataset, k: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This rank's rows of global batch k: inputs where it holds the first stage, targets the last."""
+    def batch(
+        data: Dataset, k: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+        """This rank's rows of global batch k: inputs where it holds the first stage, targets the
+        last, positions (packed documents) or None, and how many of its targets count."""
         rows = G // dp
-        x, _ = data.batch(k * G + dp_rank * rows, k * G + (dp_rank + 1) * rows)
-        x = torch.from_numpy(x).to(device)
-        return (x[:, :-1] if pm.has_first else None), (x[:, 1:] if pm.has_last else None)
+        b = data.batch(k * G + dp_rank * rows, k * G + (dp_rank + 1) * rows)
+        if not masked:
+            x = torch.from_numpy(b.tokens).to(device)
+            inputs, targets, positions = x[:, :-1], x[:, 1:], None
+            counted = targets.numel()
+        else:
+            pos = (
+                b.positions if b.positions is not None else np.broadcast_to(np.arange(S + 1), b.tokens.shape)
+            )
+            inputs, positions, targets = (
+                torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                for a in inputs_and_targets(b.tokens, pos, b.roles, train_role)
+            )
+            positions = positions if b.positions is not None else None
+            counted = int((targets != IGNORE).sum())
+        return (inputs if pm.has_first else None), (targets if pm.has_last else None), positions, counted
 
-    def reduce_loss(loss: torch.Tensor | None, flag: int = 0) -> tuple[float, int]:
-        """The loss every rank holding the last stage has, and the sum of `flag`, on every rank."""
+    def global_count(counted: int) -> int:
+        """The counted targets of the whole global batch: the dp ranks' counts added up."""
+        if not masked:
+            return G * S
+        c = torch.tensor([counted], dtype=torch.int64, device=device)
+        dist.all_reduce(c, group=mesh["dp"].get_group())
+        return int(c.item())
+
+    def reduce_loss(loss: torch.Tensor | None, counted: int, flag: int = 0) -> tuple[float, int]:
+        """The mean loss over the counted targets of the ranks holding the last stage (each rank's
+        mean weighted by its count), and the sum of `flag`, on every rank."""
         v = torch.zeros(3, dtype=torch.float64, device=device)
         if loss is not None:
-            v[0], v[1] = loss.double(), 1.0
+            v[0], v[1] = loss.double() * counted, float(counted)
         v[2] = flag
         dist.all_reduce(v)
-        return float(v[0] / v[1]), int(v[2])
+        return float(v[0] / v[1]) if v[1] else math.nan, int(v[2])
 
     clean = False
     try:
@@ -249,9 +285,10 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             lr = lr_at(state.step, run.optimizer, run.train_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            tokens, targets = batch(train_data, state.step)
+            tokens, targets, positions, counted = batch(train_data, state.step)
             scale = state.loss_scale or 1.0
-            local = pm.forward_backward(tokens, targets, scale)
+            count = global_count(counted)
+            local = pm.forward_backward(tokens, targets, scale, positions, count)
             state.step += 1
             if injected("kill", state.step):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -259,7 +296,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                 local = torch.full_like(local, float("nan"))
             if rank == 0 and injected("nan-grad", state.step):
                 next(p for p in params if p.grad is not None).grad.fill_(float("nan"))
-            loss, stopping = reduce_loss(local, stop.signum)
+            loss, stopping = reduce_loss(local, counted, stop.signum)
             with torch.no_grad():
                 if scale != 1.0:
                     for p in params:

@@ -233,6 +233,11 @@ class DataSpec(Struct):
         default_factory=lambda: [0.98, 0.02]
     )
     loss_on: Literal["all", "assistant"] = "all"
+    # Chat sources: several whole conversations per sample ("pack") or one ("pad"); each attends
+    # only to itself. Text sources are cut into samples anywhere (GPT); doc_mask keeps their
+    # documents apart too.
+    packing: Literal["pack", "pad"] = "pack"
+    doc_mask: bool = False
 
     def __post_init__(self) -> None:
         if not sum(self.split) > 0:

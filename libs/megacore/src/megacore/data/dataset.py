@@ -1,8 +1,9 @@
 """The blended dataset the trainer reads: `Dataset.build(...)`, then `ds[i]` or `ds.batch(a, b)`.
 
 The blend (`blend.py`) says how many samples each source gives, then each source's split is
-indexed (`samples.py`) for exactly the epochs that takes: a small source starts new epochs while
-a big one is still in its first.
+indexed for exactly the epochs that takes: a small source starts new epochs while a big one is
+still in its first. A text source gives GPT samples (`samples.py`), a chat source whole
+conversations (`packing.py`, `pack` or `pad`).
 
 Building is cheap but not free (a permutation per epoch of every source), and every process of a
 job needs the same index, so with a `cache_dir` the arrays are saved once as `.npy` files in
@@ -22,7 +23,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, NamedTuple
 
 import numpy as np
 
@@ -30,26 +31,47 @@ from megacore.artifacts.manifest import TokensManifest
 from megacore.artifacts.reader import read_manifest_bytes
 from megacore.data.blend import blend_index
 from megacore.data.documents import Documents
+from megacore.data.packing import PackedIndex, Packing
 from megacore.data.samples import SPLITS, SampleIndex, split_ranges
 
-INDEX_VERSION = 1  # bump when the index arrays or how they are built change: old caches are rebuilt
+INDEX_VERSION = 2  # bump when the index arrays or how they are built change: old caches are rebuilt
 MARKER = "megacore-index.json"  # in every cache directory this code wrote, and only there
 
 Split = Literal["train", "valid", "test"]
 
 
+class Batch(NamedTuple):
+    """Samples stacked: int64 tokens [B, S+1], uint8 roles [B, S+1] or None, int64 positions
+    [B, S+1] (each document counted from 0) or None (no document masking)."""
+
+    tokens: np.ndarray
+    roles: np.ndarray | None
+    positions: np.ndarray | None
+
+
 class Dataset:
-    """Blended GPT samples: `ds[i]` is (int64 tokens [S+1], uint8 roles [S+1] or None).
+    """Blended samples: `ds[i]` is (int64 tokens [S+1], uint8 roles [S+1] or None, int64 positions
+    [S+1] or None).
 
     Roles come back only when every source has a roles sidecar: a batch mixing labelled and
-    unlabelled samples would have no single meaning for "assistant tokens only"."""
+    unlabelled samples would have no single meaning for "assistant tokens only". Positions come back
+    when documents are masked from each other: with `doc_mask`, or when a source is packed (chat);
+    a text source's samples then count positions from 0 in each document only with `doc_mask`."""
 
     def __init__(
-        self, sources: list[SampleIndex], source_ids: np.ndarray, source_samples: np.ndarray
+        self,
+        sources: list[SampleIndex | PackedIndex],
+        source_ids: np.ndarray,
+        source_samples: np.ndarray,
+        doc_mask: bool = False,
     ) -> None:
         self.sources = sources
         self.source_ids, self.source_samples = source_ids, source_samples
         self.has_roles = bool(sources) and all(s.docs.has_roles for s in sources)
+        self.doc_mask = doc_mask
+        self.has_positions = doc_mask or any(isinstance(s, PackedIndex) for s in sources)
+        # Conversations longer than a sample, cut to it (a packed source's split).
+        self.truncated = sum(s.truncated for s in sources if isinstance(s, PackedIndex))
 
     @classmethod
     def build(
@@ -61,10 +83,14 @@ class Dataset:
         num_samples: int,
         seed: int,
         cache_dir: Path | None = None,
+        packing: Packing = "pack",
+        doc_mask: bool = False,
     ) -> Dataset:
         """Index `num_samples` samples of the `which` split of the sources (path, manifest, weight),
-        loading the index from `cache_dir` when it holds one built from the same inputs."""
+        loading the index from `cache_dir` when it holds one built from the same inputs. Chat
+        sources are packed (`packing`); `doc_mask` masks the documents of text samples apart."""
         split_id = SPLITS.index(which)
+        packed = [m.format == "chat" for _, m, _ in sources]
         docs, manifest_shas = [], []
         for path, manifest, _ in sources:
             root, data = read_manifest_bytes(Path(path))
@@ -78,28 +104,27 @@ class Dataset:
             seq_length=seq_length,
             num_samples=num_samples,
             seed=seed,
+            packing=[packing if p else None for p in packed],
         )
         target = cache_dir / f"{which}-{key[:16]}" if cache_dir is not None else None
         if target is not None and (target / MARKER).is_file():
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in target.glob("*.npy")}
-            ds = cls._from_arrays(docs, ranges, seq_length, arrays)
+            ds = cls._from_arrays(docs, ranges, seq_length, arrays, packed, doc_mask)
         else:
             source_ids, source_samples = blend_index([w for _, _, w in sources], num_samples)
             needed = np.bincount(source_ids, minlength=len(sources))
-            indexes = [
-                SampleIndex.build(
-                    d,
-                    r,
-                    split_id=split_id,
-                    seq_length=seq_length,
-                    num_samples=int(n),
-                    seed=seed,
-                    source_id=j,
+            indexes = []
+            for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True)):
+                kw = dict(
+                    split_id=split_id, seq_length=seq_length, num_samples=int(n), seed=seed, source_id=j,
                     where=f"$.data.sources[{j}]",
+                )  # fmt: skip
+                indexes.append(
+                    PackedIndex.build(d, r, packing=packing, **kw)
+                    if packed[j]
+                    else SampleIndex.build(d, r, **kw)
                 )
-                for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True))
-            ]
-            ds = cls(indexes, source_ids, source_samples)
+            ds = cls(indexes, source_ids, source_samples, doc_mask)
             if target is not None:
                 _save(target, key, ds.arrays())
         if cache_dir is not None:
@@ -108,15 +133,23 @@ class Dataset:
 
     @classmethod
     def _from_arrays(
-        cls, docs: list[Documents], ranges: list[tuple[int, int]], seq_length: int, arrays: dict
+        cls,
+        docs: list[Documents],
+        ranges: list[tuple[int, int]],
+        seq_length: int,
+        arrays: dict,
+        packed: list[bool],
+        doc_mask: bool,
     ) -> Dataset:
         source_ids, source_samples = arrays["blend_source_ids"], arrays["blend_source_samples"]
         needed = np.bincount(source_ids, minlength=len(docs))
-        indexes = [
-            SampleIndex(d, r, seq_length, int(n), **{k: arrays[f"source{j}_{k}"] for k in SampleIndex.ARRAYS})
-            for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True))
-        ]
-        return cls(indexes, source_ids, source_samples)
+        indexes = []
+        for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True)):
+            kind = PackedIndex if packed[j] else SampleIndex
+            indexes.append(
+                kind(d, r, seq_length, int(n), **{k: arrays[f"source{j}_{k}"] for k in kind.ARRAYS})
+            )
+        return cls(indexes, source_ids, source_samples, doc_mask)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every index array by file name: the blend's, then each source's per-epoch arrays."""
@@ -128,19 +161,28 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.source_ids)
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range (0..{len(self) - 1})")
-        tokens, roles = self.sources[int(self.source_ids[i])].sample(int(self.source_samples[i]))
-        return tokens, roles if self.has_roles else None
+        source = self.sources[int(self.source_ids[i])]
+        tokens, roles, positions = source.sample(int(self.source_samples[i]))
+        if not self.has_positions:
+            positions = None
+        elif isinstance(source, SampleIndex) and not self.doc_mask:
+            positions = np.arange(len(tokens))  # one sequence, as without document masking
+        return tokens, roles if self.has_roles else None, positions
 
-    def batch(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Samples start..stop-1 stacked: int64 [B, S+1] and uint8 roles [B, S+1], or None."""
+    def batch(self, start: int, stop: int) -> Batch:
+        """Samples start..stop-1 stacked."""
         samples = [self[i] for i in range(start, stop)]
         if not samples:
             raise IndexError(f"empty batch {start}..{stop}")
-        tokens = np.stack([t for t, _ in samples])
-        return tokens, np.stack([r for _, r in samples]) if self.has_roles else None
+        tokens, roles, positions = zip(*samples, strict=True)
+        return Batch(
+            np.stack(tokens),
+            np.stack(roles) if self.has_roles else None,
+            np.stack(positions) if self.has_positions else None,
+        )
 
 
 def _cache_key(**inputs: object) -> str:

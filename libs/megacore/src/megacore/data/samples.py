@@ -108,8 +108,10 @@ class SampleIndex:
     def __len__(self) -> int:
         return self.num_samples
 
-    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Sample i: int64 tokens [seq_length + 1] and their uint8 role codes, or None."""
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Sample i: int64 tokens [seq_length + 1], their uint8 role codes or None, and int64
+        positions counted from 0 in each document (the first, maybe a document's middle, too):
+        what document masking (`Decoder` positions) needs."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range (0..{self.num_samples - 1})")
         epoch, k = divmod(int(i), self.samples_per_epoch)
@@ -118,6 +120,7 @@ class SampleIndex:
         pos = int(np.searchsorted(offsets, start, side="right")) - 1
         tokens = np.empty(self.seq_length + 1, dtype=np.int64)
         roles = np.empty(self.seq_length + 1, dtype=np.uint8) if self.docs.has_roles else None
+        positions = np.empty(self.seq_length + 1, dtype=np.int64)
         done = 0
         while done < len(tokens):  # the few documents this sample spans
             doc, offset = self.first_doc + int(order[pos]), start + done - int(offsets[pos])
@@ -125,5 +128,6 @@ class SampleIndex:
             tokens[done : done + take] = self.docs.tokens(doc, offset, take)
             if roles is not None:
                 roles[done : done + take] = self.docs.roles(doc, offset, take)
+            positions[done : done + take] = np.arange(take)
             done, pos = done + take, pos + 1
-        return tokens, roles
+        return tokens, roles, positions

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -194,14 +195,18 @@ class Decoder(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
     ) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
 
-        With `targets` [B, S] (last stage only) returns the mean next-token cross entropy over the
-        targets that are not IGNORE instead, fused with the output projection (never full fp32
-        logits). `positions` [B, S] packs several documents in a row: each counts its positions from
-        0, and attends only within itself (HF's packing convention, `position_ids`)."""
+        With `targets` [B, S] (last stage only) returns the next-token cross entropy over the
+        targets that are not IGNORE instead (their mean, or sum), fused with the output projection
+        (never full fp32 logits). `positions` [B, S] packs several documents in a row: each counts
+        its positions from 0, and attends only within itself (HF's packing convention)."""
         if self.embed is not None:
             x = self.embed(x)
         cos, sin = rope_tables(self.config, x.shape[1], x.device, x.dtype, positions)
@@ -221,7 +226,7 @@ class Decoder(nn.Module):
         if not self.fused:
             # Vocab-parallel logits need loss_parallel: megacore.parallel's lm_loss does that.
             raise RuntimeError("targets with tensor-parallel weights: compute the loss from the logits")
-        return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size)
+        return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size, reduction)
 
     def compile_blocks(self) -> None:
         """torch.compile each block in place, as torchtitan does: blocks share code and shapes, so one

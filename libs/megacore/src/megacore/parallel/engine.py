@@ -9,7 +9,9 @@ on the meta device from the layer ModuleDict, tensor parallel is applied, then d
 
 One `forward_backward` takes this rank's whole batch of a step and runs it as `par.microbatches`
 microbatches: the pipeline schedule's, or gradient accumulation without a pipeline (gradient
-reduction over dp only after the last one). Either way the gradients are those of the mean loss.
+reduction over dp only after the last one). Either way the gradients are those of the mean loss
+over the counted targets (not IGNORE) of the whole global batch: each microbatch's summed loss is
+weighted by dp / count (dp because data parallel averages the gradients over its ranks).
 `evaluate` runs the same microbatches forward only, and can hand each one's full-vocab logits to a
 callback (evaluation metrics).
 """
@@ -36,6 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from megacore.artifacts.pieces import Box
 from megacore.config import ModelConfig
+from megacore.models.loss import IGNORE
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
@@ -174,15 +177,15 @@ class ParallelModel:
                 first, n_microbatches=par.microbatches, loss_fn=self.loss_fn, scale_grads=False
             )
 
-        self._scale = 1.0
+        self._weight = 1.0
         self._on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The pipeline's loss: a microbatch's mean, times the step's scale (fp16 loss scaling) over
-        the number of microbatches."""
+        """The pipeline's loss: a microbatch's summed loss times the step's weight (the scale of fp16
+        loss scaling, dp / count: `forward_backward`)."""
         if self._on_logits is not None:
             self._report(logits, targets)
-        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh) * self._scale
+        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * self._weight
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Checkpoint tensor names (the contract's) and this rank's parameters (DTensor or plain)."""
@@ -212,44 +215,56 @@ class ParallelModel:
         return self.has_last and (self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0)
 
     def forward_backward(
-        self, tokens: torch.Tensor | None, targets: torch.Tensor | None, scale: float = 1.0
+        self,
+        tokens: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        scale: float = 1.0,
+        positions: torch.Tensor | None = None,
+        count: int | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward over this rank's batch (its dp share) as `par.microbatches`
-        microbatches; the gradients of `scale` times the mean loss are accumulated in the
-        parameters. Returns the mean loss (unscaled) on ranks holding the last stage, else None."""
+        microbatches; the gradients of `scale` times the mean loss over the global batch's `count`
+        counted targets are accumulated in the parameters (`count` None: every dp rank counts as
+        many as this one). `positions` [B, S]: packed documents (`Decoder.forward`; no pipeline
+        yet). Returns the mean loss (unscaled) over this rank's counted targets on ranks holding the
+        last stage, else None."""
         n = self.par.microbatches
         data = tokens if tokens is not None else targets
         if data is not None:  # middle pipeline stages get no batch; the ends check it
             check_microbatches(data.shape[0], n, "microbatches")
+        counted = _counted(targets)
+        weight = self.dp * scale / max(count if count is not None else self.dp * counted, 1)
         for copies in self.copies:
             copies.refresh()
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 total = 0.0
-                for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n), strict=True)):
+                for i, (x, y, p) in enumerate(_chunks(n, tokens, targets, positions)):
                     self._grad_sync(i == n - 1)
-                    loss = self._loss(x, y)
-                    (loss * (scale / n)).backward()
+                    loss = self._loss(x, y, p)
+                    (loss * weight).backward()
                     total = total + loss.detach().float()
-                return (total / n).cpu()
-            self._scale = scale / n
+                return (total / max(counted, 1)).cpu()
+            if positions is not None:
+                raise ValueError("packed documents (positions) under a pipeline are not supported yet")
+            self._weight = weight
             args = (tokens,) if self.has_first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": targets, "losses": losses} if self.has_last else {}
             self.schedule.step(*args, **kwargs)
-            return (
-                torch.stack([x.detach().float() for x in losses]).sum().cpu() / scale
-                if self.has_last
-                else None
-            )
+            if not self.has_last:
+                return None
+            return (torch.stack([x.detach().float() for x in losses]).sum() / weight / max(counted, 1)).cpu()
 
     def evaluate(
         self,
         tokens: torch.Tensor | None,
         targets: torch.Tensor | None,
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Forward only over this rank's batch: the mean loss on ranks holding the last stage.
+        """Forward only over this rank's batch: the mean loss over its counted targets on ranks
+        holding the last stage.
 
         `on_logits(logits, targets)` (give it on every rank: tp gathers the logits) is called where
         `reports_logits`, once per microbatch, with its logits [b, s, vocab_size] over the whole
@@ -263,10 +278,13 @@ class ParallelModel:
         grad = self.par.compile and self.tp_mesh is not None
         try:
             with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
+                counted = max(_counted(targets), 1)
                 if self.schedule is None:
-                    pairs = zip(tokens.chunk(n), targets.chunk(n), strict=True)
-                    return torch.stack([self._loss(x, y).detach().float() for x, y in pairs]).mean().cpu()
-                self._scale = 1.0
+                    chunks = _chunks(n, tokens, targets, positions)
+                    return (sum(self._loss(x, y, p).detach().float() for x, y, p in chunks) / counted).cpu()
+                if positions is not None:
+                    raise ValueError("packed documents (positions) under a pipeline are not supported yet")
+                self._weight = 1.0
                 losses = []
                 if self.par.spec.schedule == "zbv":
                     losses = self._forward_stages(tokens, targets)
@@ -274,9 +292,9 @@ class ParallelModel:
                     args = (tokens,) if self.has_first else ()
                     kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                     self.schedule.eval(*args, **kwargs)
-                return (
-                    torch.stack([x.detach().float() for x in losses]).mean().cpu() if self.has_last else None
-                )
+                if not self.has_last:
+                    return None
+                return (torch.stack([x.detach().float() for x in losses]).sum() / counted).cpu()
         finally:
             self._on_logits = None
 
@@ -312,16 +330,16 @@ class ParallelModel:
                     dist.send(x, group=group, group_dst=owner[s + 1])
         return losses
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A microbatch's mean loss without a pipeline: fused with the output projection unless the
-        logits are vocab-parallel or wanted (`evaluate`'s `on_logits`)."""
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """A microbatch's summed loss without a pipeline: fused with the output projection unless
+        the logits are vocab-parallel or wanted (`evaluate`'s `on_logits`)."""
         model = self.parts[0]
         if model.fused and self._on_logits is None:
-            return model(x, y)
-        logits = model(x)
+            return model(x, y, positions=positions, reduction="sum")
+        logits = model(x, positions=positions)
         if self._on_logits is not None:
             self._report(logits, y)
-        return lm_loss(logits, y, self.config.vocab_size, self.tp_mesh)
+        return lm_loss(logits, y, self.config.vocab_size, self.tp_mesh, "sum")
 
     def _report(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """`on_logits` with the whole vocab: the tp ranks' shards gathered, padding columns dropped."""
@@ -356,6 +374,17 @@ class ParallelModel:
                 local.copy_(
                     box_slice(initial_value(name, tuple(p.shape), self.config, std, seed), (offset, shape))
                 )
+
+
+def _counted(targets: torch.Tensor | None) -> int:
+    """The targets that count (not IGNORE); 0 where this rank holds none."""
+    return 0 if targets is None else int((targets != IGNORE).sum())
+
+
+def _chunks(n: int, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None):
+    """The microbatches: (tokens, targets, positions or None) each."""
+    ps = positions.chunk(n) if positions is not None else [None] * n
+    return zip(tokens.chunk(n), targets.chunk(n), ps, strict=True)
 
 
 def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:

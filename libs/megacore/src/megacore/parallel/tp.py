@@ -163,9 +163,14 @@ def apply_tp(
 
 
 def lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_mesh: DeviceMesh | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_mesh: DeviceMesh | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean next-token cross entropy over `targets` [B, S] from logits [B, S, V_local].
+    """Next-token cross entropy over `targets` [B, S] from logits [B, S, V_local]: the mean (or the
+    sum) over the targets that are not IGNORE (-100, F.cross_entropy's ignore_index).
 
     With tp > 1 the logits are this rank's vocab shard and the loss is the vocab-parallel cross
     entropy; call it (and backward) inside `loss_context(tp_mesh)`. Columns beyond `vocab_size`
@@ -180,9 +185,9 @@ def lm_loss(
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
     flat_t = targets.reshape(-1)
     if tp == 1:
-        return F.cross_entropy(logits.reshape(-1, local_v), flat_t)
+        return F.cross_entropy(logits.reshape(-1, local_v), flat_t, reduction=reduction)
     dt = DTensor.from_local(logits, tp_mesh, [Shard(2)], run_check=False)
-    loss = F.cross_entropy(dt.flatten(0, 1), flat_t)
+    loss = F.cross_entropy(dt.flatten(0, 1), flat_t, reduction=reduction)
     return loss.to_local()
 
 

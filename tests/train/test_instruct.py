@@ -1,0 +1,84 @@
+"""Instruction tuning end to end: a real chat tokens artifact (mega-tokenize --format chat with
+ChatML markers), packed conversations, loss on the assistant's tokens only.
+
+Every conversation is a random user message and the same assistant reply. With `loss_on:
+assistant` the reported loss is the reply's alone, which the model learns to near zero; with
+`all` the loss also covers the random user text, which it cannot learn, so it stays high."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error, run_tool
+from runlib import TINY_LLAMA, losses, metrics, ok, train, write_run
+from tokenize_testlib import corpus, write_jsonl
+
+REPLY = "Thank you for asking, the answer is always forty two."
+CHATML = ["--add-special-tokens", "<|im_start|>,<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory, sp_model: Path) -> Path:
+    root = tmp_path_factory.mktemp("chat")
+    rng = random.Random(0)
+    texts = corpus(200)
+    convs = [
+        {
+            "messages": [
+                {"role": "user", "content": rng.choice(texts)[rng.randrange(20) :][:60]},
+                {"role": "assistant", "content": REPLY},
+            ]
+        }
+        for _ in range(300)
+    ]
+    src = write_jsonl(root / "chat.jsonl", convs)
+    run_tool("mega-tokenize", src, root / "tokens", "-t", sp_model, "--format", "chat", *CHATML, check=True)
+    return root / "tokens"
+
+
+def chat_run(directory: Path, tokens: Path, **overrides) -> Path:
+    """80 steps of the tiny Llama (its vocab room for the ChatML markers) on the chat data."""
+    return write_run(
+        directory,
+        tokens,
+        **{
+            "model": {"config": {**TINY_LLAMA, "vocab_size": 416, "max_seq_len": 128}},
+            "data": {"sources": [{"path": str(tokens)}], "split": [0.9, 0.1]},
+            "batch": {"micro_batch_size": 4, "global_batch_size": 8, "seq_length": 96},
+            "train_steps": 80,
+            "optimizer": {"lr": 2e-2, "warmup_steps": 4, "min_lr": 1e-3},
+            "eval": {"every": 20, "iters": 2},
+            "checkpoint": {"every": 1000},
+            **overrides,
+        },
+    )
+
+
+def test_loss_on_the_assistant_learns_the_reply_and_all_does_not(tmp_path: Path, chat: Path) -> None:
+    runs = {}
+    for loss_on in ("assistant", "all"):
+        run_json = chat_run(tmp_path / loss_on, chat, data={"loss_on": loss_on})
+        ok(train(run_json))
+        runs[loss_on] = run_json.parent / "run"
+    assistant, everything = losses(runs["assistant"]), losses(runs["all"])
+    assert assistant[-1] < 0.05, assistant
+    assert everything[-1] > 1.0, everything
+    # Evaluation counts the same tokens: the reply is predicted, token by token, on held-out data.
+    final = metrics(runs["assistant"], "eval")[-1]
+    assert final["loss"] < 0.05 and final["accuracy"] > 0.99, final
+
+
+def test_one_conversation_per_sample_learns_it_too(tmp_path: Path, chat: Path) -> None:
+    run_json = chat_run(tmp_path, chat, data={"loss_on": "assistant", "packing": "pad"})
+    ok(train(run_json))
+    assert losses(run_json.parent / "run")[-1] < 0.1
+
+
+def test_packed_conversations_need_pp_1_and_assistant_needs_chat(tmp_path: Path, chat: Path, tokens: Path):
+    run_json = chat_run(tmp_path / "pp", chat, parallel={"pp": 2})
+    assert_one_line_error(train(run_json), "packed conversations under a pipeline")
+    run_json = chat_run(tmp_path / "text", tokens, data={"loss_on": "assistant"})
+    assert_one_line_error(train(run_json), "loss_on assistant needs a chat tokens artifact")
