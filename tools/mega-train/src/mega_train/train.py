@@ -317,7 +317,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                 tps = G * S / dt
                 record = {
                     "step": state.step, "kind": "train", "loss": loss, "lr": lr, "grad_norm": norm,
-                    "tokens_per_s": tps, "tflops": tps * flops / 1e12,
+                    "tokens_per_s": tps, "counted_tokens": count, "tflops": tps * flops / 1e12,
                     "mfu": tps * flops / 1e12 / peak_flops if peak_flops else None,
                     "skipped": state.counters["skipped"], "nan_steps": state.counters["nan_steps"],
                     "loss_scale": state.loss_scale, "memory_gb": memory_gb(), "step_time_s": dt,
