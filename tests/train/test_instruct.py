@@ -69,6 +69,11 @@ def test_loss_on_the_assistant_learns_the_reply_and_all_does_not(tmp_path: Path,
     # Evaluation counts the same tokens: the reply is predicted, token by token, on held-out data.
     final = metrics(runs["assistant"], "eval")[-1]
     assert final["loss"] < 0.05 and final["accuracy"] > 0.99, final
+    assert "assistant_loss" not in final  # the loss is on the assistant's tokens already
+    # Trained on every token, evaluation reports the assistant's tokens apart: learnt there too.
+    final = metrics(runs["all"], "eval")[-1]
+    assert final["assistant_loss"] < 0.1 < 1.0 < final["loss"], final
+    assert final["assistant_accuracy"] > final["accuracy"], final
 
 
 def test_one_conversation_per_sample_learns_it_too(tmp_path: Path, chat: Path) -> None:

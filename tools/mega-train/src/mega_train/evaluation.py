@@ -27,7 +27,16 @@ if TYPE_CHECKING:
     Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, tuple[float, float]]]
 
 # Fields of the eval record that a user metric cannot take.
-RESERVED = ("step", "kind", "loss", "ppl", "accuracy")
+RESERVED = (
+    "step",
+    "kind",
+    "loss",
+    "ppl",
+    "accuracy",
+    "assistant_loss",
+    "assistant_ppl",
+    "assistant_accuracy",
+)
 
 
 def load_metric(path: str, at: str, where: str) -> Metric:
@@ -94,6 +103,19 @@ class EvalSums:
                     )
                 owner[name] = at
                 self._add(name, float(value[0]), float(value[1]))
+
+    def add_assistant(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """Loss and accuracy over the assistant's tokens alone (`targets` IGNORE elsewhere), for chat
+        data trained on every token."""
+        import torch.nn.functional as F
+
+        mask = targets != IGNORE
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE
+        )
+        count = float(mask.sum())
+        self._add("assistant_loss", float(loss), count)
+        self._add("assistant_accuracy", *accuracy(logits, targets, mask)["accuracy"])
 
     def _add(self, name: str, total: float, count: float) -> None:
         sums = self.sums.setdefault(name, [0.0, 0.0])

@@ -159,6 +159,9 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         train_data, valid_data = datasets()
     # Loss on the assistant's tokens only: their role code (the plan checked every source has it).
     train_role = plan.data[0][1].roles["assistant"] if run.data.loss_on == "assistant" else None
+    # Chat data trained on every token: evaluation also reports the assistant's tokens alone.
+    chat = valid_data is not None and valid_data.has_roles and valid_data.has_positions
+    assistant_code = plan.data[0][1].roles.get("assistant") if chat and train_role is None else None
     masked = train_role is not None or train_data.has_positions  # some targets may not count
 
     par = Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
@@ -232,10 +235,28 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         sums = EvalSums(run.eval.metrics, plan.eval_metrics, str(plan.path))
         for k in range(run.eval.iters):
             tokens, targets, positions, counted = batch(valid_data, k)
-            loss = pm.evaluate(tokens, targets, sums.add_logits, positions)
+            on_logits = sums.add_logits
+            if assistant_code is not None and pm.reports_logits:
+                # Chat data with the loss on every token: the assistant's tokens reported apart too,
+                # microbatch by microbatch, in the order evaluate goes through them.
+                parts = iter(assistant_targets(valid_data, k).chunk(par.microbatches))
+
+                def on_logits(logits: torch.Tensor, tg: torch.Tensor, parts=parts) -> None:
+                    sums.add_logits(logits, tg)
+                    sums.add_assistant(logits, next(parts))
+
+            loss = pm.evaluate(tokens, targets, on_logits, positions)
             if pm.reports_logits:  # one rank per dp rank, like the metrics
                 sums.add_loss(float(loss), counted)
         return sums.combine()
+
+    def assistant_targets(data: Dataset, k: int) -> torch.Tensor:
+        """This rank's targets of global batch k, IGNORE but on the assistant's tokens."""
+        rows = G // dp
+        b = data.batch(k * G + dp_rank * rows, k * G + (dp_rank + 1) * rows)
+        return torch.from_numpy(inputs_and_targets(b.tokens, b.positions, b.roles, assistant_code)[2]).to(
+            device
+        )
 
     def batch(
         data: Dataset, k: int
@@ -342,7 +363,9 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                 if rank == 0:
                     ev_loss = ev.pop("loss")
                     record = {"step": state.step, "kind": "eval", "loss": ev_loss, "ppl": perplexity(ev_loss)}
-                    record.update(ev)  # accuracy, then the user's metrics
+                    record.update(ev)  # accuracy, the user's metrics, the assistant's (chat data)
+                    if "assistant_loss" in record:
+                        record["assistant_ppl"] = perplexity(record["assistant_loss"])
                     log.write(record)
                     if wb is not None:
                         wb.log(record)
