@@ -21,8 +21,7 @@ from typing import Literal
 import numpy as np
 
 from megacore.data.documents import Documents
-from megacore.data.samples import SPLITS
-from megacore.errors import UserError
+from megacore.data.samples import SplitIndex, split_lengths
 
 Packing = Literal["pack", "pad"]
 PAD = -1  # a padding slot in a sample's tokens (and its role code is PAD_ROLE)
@@ -30,7 +29,7 @@ PAD_ROLE = 255
 IGNORE = -100  # a target that is not trained on (as megacore.models.loss.IGNORE; no torch here)
 
 
-class PackedIndex:
+class PackedIndex(SplitIndex):
     """The samples of one split of one source, whole documents each.
 
     Arrays: `order` (every epoch's shuffled document positions in the split, epoch after epoch) and
@@ -47,10 +46,7 @@ class PackedIndex:
         order: np.ndarray,
         starts: np.ndarray,
     ) -> None:
-        self.docs = docs
-        self.first_doc = doc_range[0]
-        self.seq_length = seq_length
-        self.num_samples = num_samples
+        super().__init__(docs, doc_range, seq_length, num_samples)
         self.order, self.starts = order, starts
         lengths = docs.lengths[doc_range[0] : doc_range[1]]
         self.truncated = int((lengths > seq_length + 1).sum())  # documents of the split cut short
@@ -70,10 +66,7 @@ class PackedIndex:
         where: str | None = None,
     ) -> PackedIndex:
         """Shuffle and pack epochs until there are `num_samples` samples."""
-        lengths = np.minimum(docs.lengths[doc_range[0] : doc_range[1]], seq_length + 1)
-        if len(lengths) == 0:
-            name = f"the {SPLITS[split_id]} split of {docs.path}"
-            raise UserError(f"{name} holds no documents (of {len(docs)} in all); change the split", where)
+        lengths = np.minimum(split_lengths(docs, doc_range, split_id, where), seq_length + 1)
         orders, starts, done, epoch = [], [np.zeros(1, np.int64)], 0, 0
         while done < num_samples:
             rng = np.random.default_rng([seed % 2**64, source_id, split_id, epoch])
@@ -95,17 +88,10 @@ class PackedIndex:
             np.concatenate(starts)[: num_samples + 1],
         )
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in self.ARRAYS}
-
-    def __len__(self) -> int:
-        return self.num_samples
-
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Sample i: int64 tokens [seq_length + 1] (PAD in the padding), their uint8 role codes
         (PAD_ROLE in the padding) or None, and int64 positions (from 0 in each document)."""
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"sample {i} out of range (0..{self.num_samples - 1})")
+        self._check(i)
         n = self.seq_length + 1
         tokens = np.full(n, PAD, dtype=np.int64)
         roles = np.full(n, PAD_ROLE, dtype=np.uint8) if self.docs.has_roles else None

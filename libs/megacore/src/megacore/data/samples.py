@@ -35,7 +35,46 @@ def split_ranges(n_docs: int, fractions: list[float]) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(len(SPLITS))]
 
 
-class SampleIndex:
+class SplitIndex:
+    """What an index of one source's split holds besides its arrays: the documents, where the
+    split starts among them, the sample length and count. A subclass names its arrays in ARRAYS:
+    what `arrays` returns for the index cache, and what `__init__` takes after these."""
+
+    ARRAYS: tuple[str, ...] = ()
+
+    def __init__(
+        self, docs: Documents, doc_range: tuple[int, int], seq_length: int, num_samples: int
+    ) -> None:
+        self.docs = docs
+        self.first_doc = doc_range[0]
+        self.seq_length = seq_length
+        self.num_samples = num_samples
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What `__init__` takes besides the documents: what an index cache saves."""
+        return {name: getattr(self, name) for name in self.ARRAYS}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range (0..{self.num_samples - 1})")
+
+
+def split_lengths(
+    docs: Documents, doc_range: tuple[int, int], split_id: int, where: str | None
+) -> np.ndarray:
+    """The token counts of the split's documents; a split without any is a UserError naming `where`
+    (the source's place in the run manifest) and the split."""
+    lengths = docs.lengths[doc_range[0] : doc_range[1]]
+    if len(lengths) == 0:
+        name = f"the {SPLITS[split_id]} split of {docs.path}"
+        raise UserError(f"{name} holds no documents (of {len(docs)} in all); change the split", where)
+    return lengths
+
+
+class SampleIndex(SplitIndex):
     """The samples of one split of one source: sample i is epoch `i // samples_per_epoch`.
 
     Sample k of an epoch covers tokens [k * seq_length, k * seq_length + seq_length + 1) of that
@@ -57,10 +96,7 @@ class SampleIndex:
         offsets: np.ndarray,
         sample_order: np.ndarray,
     ) -> None:
-        self.docs = docs
-        self.first_doc = doc_range[0]
-        self.seq_length = seq_length
-        self.num_samples = num_samples
+        super().__init__(docs, doc_range, seq_length, num_samples)
         self.samples_per_epoch = sample_order.shape[1]
         self.doc_order, self.offsets, self.sample_order = doc_order, offsets, sample_order
 
@@ -79,11 +115,9 @@ class SampleIndex:
     ) -> SampleIndex:
         """Shuffle as many epochs as `num_samples` needs. A split too small for one sample is a
         UserError naming `where` (the source's place in the run manifest) and the split."""
-        lengths = docs.lengths[doc_range[0] : doc_range[1]]
+        lengths = split_lengths(docs, doc_range, split_id, where)
         total = int(lengths.sum())
         name = f"the {SPLITS[split_id]} split of {docs.path}"
-        if len(lengths) == 0:
-            raise UserError(f"{name} holds no documents (of {len(docs)} in all); change the split", where)
         if total < seq_length + 1:
             raise UserError(
                 f"{name} holds {total} tokens, fewer than seq_length + 1 = {seq_length + 1}", where
@@ -101,19 +135,11 @@ class SampleIndex:
             sample_order[e] = rng.permutation(per_epoch)
         return cls(docs, doc_range, seq_length, num_samples, doc_order, offsets, sample_order)
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """What `__init__` takes besides the documents: what an index cache saves."""
-        return {name: getattr(self, name) for name in self.ARRAYS}
-
-    def __len__(self) -> int:
-        return self.num_samples
-
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Sample i: int64 tokens [seq_length + 1], their uint8 role codes or None, and int64
         positions counted from 0 in each document (the first, maybe a document's middle, too):
         what document masking (`Decoder` positions) needs."""
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"sample {i} out of range (0..{self.num_samples - 1})")
+        self._check(i)
         epoch, k = divmod(int(i), self.samples_per_epoch)
         start = int(self.sample_order[epoch, k]) * self.seq_length
         offsets, order = self.offsets[epoch], self.doc_order[epoch]
