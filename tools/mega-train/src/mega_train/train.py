@@ -39,7 +39,7 @@ from mega_train.plan import RUN_MARK, RunPlan
 from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import OptimizerSpec, TrainingState
 from megacore.config import flops_per_token
-from megacore.data.dataset import Dataset
+from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import Silent, UserError
 from megacore.parallel.engine import ParallelModel, clip_grad_norm
@@ -162,7 +162,9 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
     # Chat data trained on every token: evaluation also reports the assistant's tokens alone.
     chat = valid_data is not None and valid_data.has_roles and valid_data.has_positions
     assistant_code = plan.data[0][1].roles.get("assistant") if chat and train_role is None else None
-    masked = train_role is not None or train_data.has_positions  # some targets may not count
+    # Some targets may not count: chat data (always packed, as a loss on the assistant needs) or
+    # document masking; both come with positions.
+    masked = train_data.has_positions
 
     par = Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
     pm = ParallelModel(config, par, mesh, device)
@@ -234,12 +236,14 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         same ones in every layout and resume), on every rank."""
         sums = EvalSums(run.eval.metrics, plan.eval_metrics, str(plan.path))
         for k in range(run.eval.iters):
-            tokens, targets, positions, counted = batch(valid_data, k)
+            b = rows(valid_data, k)
+            tokens, targets, positions, counted = batch(b)
             on_logits = sums.add_logits
             if assistant_code is not None and pm.reports_logits:
                 # Chat data with the loss on every token: the assistant's tokens reported apart too,
                 # microbatch by microbatch, in the order evaluate goes through them.
-                parts = iter(assistant_targets(valid_data, k).chunk(par.microbatches))
+                assistant = inputs_and_targets(b.tokens, b.positions, b.roles, assistant_code)[2]
+                parts = iter(torch.from_numpy(assistant).to(device).chunk(par.microbatches))
 
                 def on_logits(logits: torch.Tensor, tg: torch.Tensor, parts=parts) -> None:
                     sums.add_logits(logits, tg)
@@ -250,35 +254,23 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                 sums.add_loss(float(loss), counted)
         return sums.combine()
 
-    def assistant_targets(data: Dataset, k: int) -> torch.Tensor:
-        """This rank's targets of global batch k, IGNORE but on the assistant's tokens."""
-        rows = G // dp
-        b = data.batch(k * G + dp_rank * rows, k * G + (dp_rank + 1) * rows)
-        return torch.from_numpy(inputs_and_targets(b.tokens, b.positions, b.roles, assistant_code)[2]).to(
-            device
-        )
+    def rows(data: Dataset, k: int) -> Batch:
+        """This rank's rows (its dp share) of global batch k."""
+        n = G // dp
+        return data.batch(k * G + dp_rank * n, k * G + (dp_rank + 1) * n)
 
-    def batch(
-        data: Dataset, k: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
-        """This rank's rows of global batch k: inputs where it holds the first stage, targets the
-        last, positions (packed documents) or None, and how many of its targets count."""
-        rows = G // dp
-        b = data.batch(k * G + dp_rank * rows, k * G + (dp_rank + 1) * rows)
+    def batch(b: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+        """Inputs where this rank holds the first stage, targets where it holds the last, positions
+        (packed documents) or None, and how many of the targets count."""
         if not masked:
             x = torch.from_numpy(b.tokens).to(device)
             inputs, targets, positions = x[:, :-1], x[:, 1:], None
-            counted = targets.numel()
         else:
-            pos = (
-                b.positions if b.positions is not None else np.broadcast_to(np.arange(S + 1), b.tokens.shape)
-            )
             inputs, positions, targets = (
                 torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                for a in inputs_and_targets(b.tokens, pos, b.roles, train_role)
+                for a in inputs_and_targets(b.tokens, b.positions, b.roles, train_role)
             )
-            positions = positions if b.positions is not None else None
-            counted = int((targets != IGNORE).sum())
+        counted = int((targets != IGNORE).sum()) if masked else targets.numel()
         return (inputs if pm.has_first else None), (targets if pm.has_last else None), positions, counted
 
     def global_count(counted: int) -> int:
@@ -306,7 +298,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             lr = lr_at(state.step, run.optimizer, run.train_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            tokens, targets, positions, counted = batch(train_data, state.step)
+            tokens, targets, positions, counted = batch(rows(train_data, state.step))
             scale = state.loss_scale or 1.0
             count = global_count(counted)
             local = pm.forward_backward(tokens, targets, scale, positions, count)
