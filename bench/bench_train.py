@@ -278,7 +278,7 @@ def measure(kind: str, setup: Setup, rows: Path, python: Path, work: Path) -> di
     return {**json.loads(result_path.read_text()), "rss": rss}
 
 
-def mega_manifest(setup: Setup, tokens: Path, out: Path, recompute: str, compile: bool) -> dict:
+def mega_manifest(setup: Setup, tokens: Path, out: Path, recompute: str, compile: bool, **extra) -> dict:
     return {
         "kind": "run", "format_version": 1, "out": str(out),
         "model": {"config": ours_config(setup)},
@@ -286,21 +286,29 @@ def mega_manifest(setup: Setup, tokens: Path, out: Path, recompute: str, compile
         "batch": {"micro_batch_size": setup.micro, "global_batch_size": setup.global_batch, "seq_length": setup.seq},
         "train_steps": setup.steps, "precision": "bf16", "recompute": recompute, "compile": compile,
         "optimizer": {"lr": 3e-4, "warmup_steps": 0}, "logging": {"every": 1}, "checkpoint": {"every": 100000},
-    }  # fmt: skip
+    } | extra  # fmt: skip
+
+
+def mega_train_command() -> list:
+    """The console script, or the same entry point through this python where it is not installed
+    (a GPU machine with the sources on PYTHONPATH)."""
+    script = BIN / "mega-train"
+    return [script] if script.exists() else [sys.executable, "-c", "from mega_train.cli import main; main()"]
 
 
 def measure_mega_train(
-    setup: Setup, tokens: Path, work: Path, recompute: str = "none", compile: bool = False
+    setup: Setup, tokens: Path, work: Path, recompute: str = "none", compile: bool = False, **extra
 ) -> dict:
-    """`mega-train --manifest run.json` as a subprocess; tokens/s from its metrics.jsonl (the
-    `step_time_s` of the steps after the warm-up ones), or {"error": ...}."""
+    """`mega-train --manifest run.json` as a subprocess (`extra`: more manifest fields); tokens/s
+    from its metrics.jsonl (the `step_time_s` of the steps after the warm-up ones) and those steps'
+    records, or {"error": ...}."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out = work / "run-out"
-    manifest = mega_manifest(setup, tokens, out, recompute, compile)
+    manifest = mega_manifest(setup, tokens, out, recompute, compile, **extra)
     (work / "run.json").write_text(json.dumps(manifest, indent=2))
     rc, rss = launch(
-        [BIN / "mega-train", "--manifest", work / "run.json"], work / "log.txt", child_env(), work
+        [*mega_train_command(), "--manifest", work / "run.json"], work / "log.txt", child_env(), work
     )
     text = (work / "log.txt").read_text(errors="replace")
     metrics = out / "metrics.jsonl"
@@ -313,7 +321,11 @@ def measure_mega_train(
     )[setup.warmup :]
     if len(steps) < setup.timed:
         return {"error": f"{len(steps)} train steps after the warm-up in {metrics}, expected {setup.timed}"}
-    return {"tokens_per_s": setup.timed_tokens / sum(r["step_time_s"] for r in steps), "rss": rss}
+    return {
+        "tokens_per_s": setup.timed_tokens / sum(r["step_time_s"] for r in steps),
+        "rss": rss,
+        "records": steps,
+    }
 
 
 # --- the children: one configuration each, run as `bench_train.py --child KIND SPEC` -------------

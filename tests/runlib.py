@@ -77,8 +77,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(run_json: Path, **kw) -> subprocess.CompletedProcess:
-    return run_tool("mega-train", "--manifest", run_json, **kw)
+def train(run_json: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return run_tool("mega-train", "--manifest", run_json, *args, **kw)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -266,6 +266,7 @@ BAD_CASES = [
     (lambda r: r["model"]["config"].update(vocab_size=300), ["beyond the model's vocab_size 300"]),
     (lambda r: r["batch"].update(global_batch_size=9), ["$.batch.global_batch_size: 9 is not a multiple"]),
     (lambda r: r["eval"].update(every=5) or r["data"].update(split=[1, 0]), ["$.eval.every"]),
+    (lambda r: r.update(attention="flash", precision="fp32"), ["$.attention: 'flash'", "precision is fp32"]),
 ]  # fmt: skip
 
 
@@ -278,6 +279,14 @@ def test_invalid_manifests_exit_2_with_one_line(tmp_path: Path, tokens: Path, ca
     run_json.write_text(json.dumps(run))
     assert_one_line_error(train(run_json), *fragments)
     assert not (tmp_path / "run").exists()  # nothing written before the checks pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
+def test_flash_attention_without_a_gpu_exits_2(tmp_path: Path, tokens: Path) -> None:
+    run_json = write_run(tmp_path, tokens, attention="flash", precision="bf16")
+    assert_one_line_error(train(run_json), "$.attention: 'flash' runs on a GPU and this machine has none")
+    assert not (tmp_path / "run").exists()
+    ok(train(run_json, "--dry-run"))  # planning a GPU run on a machine without one is fine
 
 
 def test_invalid_manifest_under_torchrun_is_reported_once(tmp_path: Path, tokens: Path) -> None:

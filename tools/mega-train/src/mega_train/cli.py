@@ -66,7 +66,7 @@ def train(
 
     Example: torchrun --nproc-per-node 8 $(which mega-train) --manifest run.json
     """
-    from mega_train.plan import plan_run
+    from mega_train.plan import check_machine, plan_run
     from megacore.parallel.memory import parse_size
 
     # Planning flags are checked before the manifest: a typo fails at once.
@@ -85,6 +85,8 @@ def train(
     ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         plan = plan_run(manifest, ws, verify)
+        if not dry_run:
+            check_machine(plan)
     except UserError as e:
         if rank == 0:
             raise

@@ -163,6 +163,11 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
             "config to train a longer context",
             where,
         )
+    if run.attention == "flash" and run.precision == "fp32":
+        raise UserError(
+            "$.attention: 'flash' (FlashAttention kernels) runs in bf16 or fp16, and $.precision is fp32",
+            where,
+        )
     if opt.min_lr > opt.lr:
         raise UserError(f"$.optimizer.min_lr: {opt.min_lr} is above lr {opt.lr}", where)
     if opt.warmup_steps > run.train_steps:
@@ -213,6 +218,16 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
 
 
 RUN_MARK = ".mega-train"  # in a run directory this tool made: a rerun resumes there
+
+
+def check_machine(plan: RunPlan) -> None:
+    """What only the machine that trains can tell (a dry run may plan a GPU run on a laptop)."""
+    import torch
+
+    if plan.run.attention == "flash" and not torch.cuda.is_available():
+        raise UserError(
+            "$.attention: 'flash' runs on a GPU and this machine has none; use auto or sdpa", str(plan.path)
+        )
 
 
 def check_run_dir(out: Path, where: str) -> None:

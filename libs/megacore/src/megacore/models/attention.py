@@ -1,20 +1,28 @@
-"""Causal self-attention kernels: FlashAttention 2 when installed and usable, else PyTorch SDPA.
+"""Causal self-attention kernels: FlashAttention on a GPU, PyTorch SDPA elsewhere.
+
+`flash` is the flash-attn package when installed, else PyTorch's own FlashAttention kernels (SDPA
+held to its flash backend; `torch.nn.attention.varlen` for packed documents and windows), so it
+means a FlashAttention kernel or an error, never a silent fallback. `auto` takes flash-attn on a GPU
+when installed, else SDPA, and for packed documents on a GPU PyTorch's variable-length kernel
+rather than an S x S mask.
 
 Inputs are [B, S, heads, head_dim] (FlashAttention's native layout); k/v may have fewer heads than q
 (GQA/MQA), the group size is read from the shapes so a tensor-parallel shard works unchanged.
 A sliding window (Mistral) limits each query to the `window` most recent keys, itself included; it
 changes the result only when the sequence is longer than the window, and only then is a mask built.
 Packed documents (`segments` [B, S], a document id per token) see only their own document: a
-block-causal mask for SDPA, FlashAttention's variable-length kernel on a GPU.
+block-causal mask for SDPA, a variable-length kernel (one ragged batch, no mask) on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Impl = Literal["auto", "sdpa", "flash"]
 
@@ -29,19 +37,75 @@ def _flash_attn_func():
     return flash_attn_func
 
 
-def _flash_varlen(q, k, v, segments: torch.Tensor, window_size: tuple[int, int]) -> torch.Tensor:
-    """FlashAttention over the documents of every row as one ragged batch (no mask, no padding)."""
-    from flash_attn import flash_attn_varlen_func
+@functools.cache
+def _torch_varlen():
+    """PyTorch's FlashAttention variable-length kernel (`torch.nn.attention.varlen.varlen_attn`,
+    CUDA only) and whether it takes `enable_gqa`, or None where this torch lacks it or its
+    `window_size` argument (older releases)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return (varlen_attn, "enable_gqa" in params) if "window_size" in params else None
 
-    b, s, hq, d = q.shape
+
+def _cu_seqlens(segments: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative document starts over the flattened rows (int32, with the total last) and the
+    longest document, as the variable-length kernels take them."""
+    b, s = segments.shape
     new = torch.ones_like(segments, dtype=torch.bool)
     new[:, 1:] = segments[:, 1:] != segments[:, :-1]
     starts = new.flatten().nonzero().squeeze(1)
     cu = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    flat = (t.reshape(b * s, t.shape[2], d) for t in (q, k, v))
-    out = flash_attn_varlen_func(*flat, cu, cu, longest, longest, causal=True, window_size=window_size)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _varlen(q, k, v, segments: torch.Tensor, window_size: tuple[int, int]) -> torch.Tensor:
+    """FlashAttention over the documents of every row as one ragged batch (no mask, no padding):
+    flash-attn's kernel when installed, else PyTorch's."""
+    b, s, hq, d = q.shape
+    cu, longest = _cu_seqlens(segments)
+    q, k, v = (t.reshape(b * s, t.shape[2], d) for t in (q, k, v))
+    if _flash_attn_func() is not None:
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, window_size=window_size)
+    elif _torch_varlen() is None:
+        raise RuntimeError(
+            "attention 'flash' with packed documents or a sliding window needs flash-attn "
+            f"(pip install 'megacore[flash]') or a torch with varlen_attn, not {torch.__version__}"
+        )
+    else:
+        varlen_attn, takes_gqa = _torch_varlen()
+        extra = {}
+        if k.shape[1] != hq:
+            if takes_gqa:
+                extra["enable_gqa"] = True
+            else:  # an older torch: give every query head its own copy of its group's k/v
+                k, v = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (k, v))
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(window_size[0], 0), **extra)
     return out.view(b, s, hq, d)
+
+
+def _flash(q, k, v, window_size: tuple[int, int], segments: torch.Tensor | None) -> torch.Tensor:
+    """A FlashAttention kernel: flash-attn's when installed, else PyTorch's own (SDPA held to its
+    flash backend, which takes no window; the variable-length kernel for windows and documents)."""
+    if not _half_on_gpu(q):
+        raise RuntimeError(f"attention 'flash' needs fp16 or bf16 on a GPU, got {q.dtype} on {q.device.type}")
+    fn = _flash_attn_func()
+    if segments is None and fn is not None:
+        return fn(q, k, v, causal=True, window_size=window_size)
+    if segments is None and window_size == (-1, -1):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # flash or an error, never another kernel
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=k.shape[2] != q.shape[2],
+            )  # fmt: skip
+        return out.transpose(1, 2)
+    if segments is None:  # a window: every row is one document
+        segments = torch.arange(q.shape[0], device=q.device)[:, None].expand(q.shape[:2])
+    return _varlen(q, k, v, segments, window_size)
 
 
 def document_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -54,7 +118,12 @@ def document_mask(segments: torch.Tensor, window: int | None = None) -> torch.Te
 
 
 def flash_usable(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_func() is not None
+    """flash-attn installed and able to take q (CUDA, half precision)."""
+    return _half_on_gpu(q) and _flash_attn_func() is not None
+
+
+def _half_on_gpu(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,16 +145,11 @@ def causal_attention(
     returns [B,S,Hq,D]. `segments` [B, S]: each token's document id (packed documents)."""
     seq_len = q.shape[1]
     windowed = window is not None and seq_len > window
+    window_size = (window - 1, 0) if windowed else (-1, -1)
     if impl == "flash" or (impl == "auto" and flash_usable(q)):
-        fn = _flash_attn_func()
-        if fn is None:
-            raise RuntimeError(
-                "attention 'flash' asked for but flash-attn is not installed (pip install 'megacore[flash]')"
-            )
-        window_size = (window - 1, 0) if windowed else (-1, -1)
-        if segments is not None:
-            return _flash_varlen(q, k, v, segments, window_size)
-        return fn(q, k, v, causal=True, window_size=window_size)
+        return _flash(q, k, v, window_size, segments)
+    if segments is not None and impl == "auto" and _half_on_gpu(q) and _torch_varlen() is not None:
+        return _varlen(q, k, v, segments, window_size)  # no S x S mask, and no slow masked kernel
     # SDPA wants [B, heads, S, D]; transposed views avoid copies (the kernels take strided inputs).
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = qt.shape[1] != kt.shape[1]
