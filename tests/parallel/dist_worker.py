@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from megacore.artifacts.manifest import ParallelSpec, TrainingState
 from megacore.config import ModelConfig
 from megacore.models import Decoder
+from megacore.models.loss import IGNORE
 from megacore.parallel.engine import ParallelModel, clip_grad_norm, state_getter
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, init_distributed, shutdown
@@ -36,6 +37,7 @@ REL = 1e-5
 ADAM_REL = 1e-4
 BF16_REL = 3e-2
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 1e-3
+DOCS = [[3, 5], [8], [2, 2, 4], [6, 2]]  # `"packed": true` scenarios: each row's documents
 FAMILIES = {
     # GQA, vocab padded (60 -> 64) so the padded columns are masked in the loss.
     "llama": ModelConfig(family="llama", vocab_size=60, padded_vocab_size=64, hidden_size=32, num_layers=4,
@@ -71,7 +73,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(cfg: ModelConfig, tokens, targets):
+def packed(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows as packed documents (DOCS: each row's document lengths) whose first token's target
+    does not count (as a user turn's would not): the tokens, the targets with IGNORE there, and the
+    positions. The dp ranks' halves of the batch count different numbers of targets (13 and 11)."""
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
+    return tokens, targets.masked_fill(positions == 0, IGNORE), positions
+
+
+def reference(cfg: ModelConfig, tokens, targets, positions=None):
     torch.manual_seed(0)
     model = Decoder(cfg)
     model.init_weights()
@@ -80,7 +90,7 @@ def reference(cfg: ModelConfig, tokens, targets):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {"init": init}
     for step in range(STEPS):
-        loss = lm_loss(model(tokens), targets, cfg.vocab_size)
+        loss = lm_loss(model(tokens, positions=positions), targets, cfg.vocab_size)
         loss.backward()
         if step == 0:
             out["loss"] = loss.detach()
@@ -99,8 +109,10 @@ def reference(cfg: ModelConfig, tokens, targets):
         opt.zero_grad()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
-        out["logits"] = model(tokens)[..., : cfg.vocab_size]
-    lm_loss(model(tokens), targets, cfg.vocab_size).backward()  # a 4th step, for resumed runs
+        out["logits"] = model(tokens, positions=positions)[..., : cfg.vocab_size]
+    lm_loss(
+        model(tokens, positions=positions), targets, cfg.vocab_size
+    ).backward()  # a 4th step, for resumed runs
     opt.step()
     out["params4"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
@@ -121,8 +133,8 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         compile=sc.get("compile", False),
     )  # fmt: skip
     mesh = build_mesh(spec.tp, spec.pp)
-    ref = refs[sc["family"]]
-    tokens, targets = data
+    ref = refs[sc["family"], sc.get("packed", False)]
+    tokens, targets, positions = data
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     pm = ParallelModel(cfg, par, mesh, "cpu")
@@ -135,10 +147,16 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     # bf16 compute (fp32 master weights and reductions) is compared loosely: it rounds activations.
     tol = BF16_REL if par.precision == "bf16" else REL
 
+    def mine(local_rows) -> dict:
+        """This rank's inputs (by its stages) and its rows' positions (every rank)."""
+        return {
+            "tokens": tokens[local_rows] if pm.has_first else None,
+            "targets": targets[local_rows] if pm.has_last else None,
+            "positions": None if positions is None else positions[local_rows],
+        }
+
     def step(local_rows) -> torch.Tensor | None:
-        return pm.forward_backward(
-            tokens[local_rows] if pm.has_first else None, targets[local_rows] if pm.has_last else None
-        )
+        return pm.forward_backward(**mine(local_rows), count=int((targets != IGNORE).sum()))
 
     def compare_params(key: str, what: str) -> None:
         limit = max(tol, ADAM_REL)  # every stored reference is after AdamW steps
@@ -161,9 +179,11 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         loss = step(rows)
         if i == 0:
             if loss is not None:
-                if dp > 1:
-                    dist.all_reduce(loss, group=mesh["dp"].get_group())
-                    loss = loss / dp
+                if dp > 1:  # each dp rank's mean over its counted targets, weighted by their number
+                    counted = float((targets[rows] != IGNORE).sum())
+                    both = torch.stack([loss * counted, torch.tensor(counted)])
+                    dist.all_reduce(both, group=mesh["dp"].get_group())
+                    loss = both[0] / both[1]
                 assert rel(loss, ref["loss"]) < tol, (label, float(loss), float(ref["loss"]))
                 checks.append("loss")
             names = []
@@ -192,11 +212,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     # scenario on CPU); with tp (autograd kept on: `evaluate`) they are checked.
     if not (par.compile and spec.tp == 1):
         seen: list[torch.Tensor] = []
-        pm.evaluate(
-            tokens[rows] if pm.has_first else None,
-            targets[rows] if pm.has_last else None,
-            lambda logits, _: seen.append(logits.float()),
-        )
+        pm.evaluate(**mine(rows), on_logits=lambda logits, _: seen.append(logits.float()))
         assert bool(seen) == pm.reports_logits, label
         if seen:
             e = rel(torch.cat(seen), ref["logits"][rows])
@@ -213,18 +229,19 @@ def main() -> None:
     scenarios = json.loads(Path(sys.argv[1]).read_text())
     torch.manual_seed(1)
     init_distributed()
-    cfgs = {sc["family"] for sc in scenarios}
+    cases = {(sc["family"], sc.get("packed", False)) for sc in scenarios}
     g = torch.Generator().manual_seed(42)
     data = {}
     for fam in sorted(FAMILIES):
         v = FAMILIES[fam].vocab_size
-        data[fam] = (
+        rows = (
             torch.randint(0, v, (BATCH, SEQ), generator=g),
             torch.randint(0, v, (BATCH, SEQ), generator=g),
         )
-    refs = {f: reference(FAMILIES[f], *data[f]) for f in sorted(cfgs)}
+        data[fam, False], data[fam, True] = (*rows, None), packed(*rows)
+    refs = {case: reference(FAMILIES[case[0]], *data[case]) for case in sorted(cases)}
     for sc in scenarios:
-        lines = run_scenario(sc, refs, data[sc["family"]])
+        lines = run_scenario(sc, refs, data[sc["family"], sc.get("packed", False)])
         if dist.get_rank() == 0:
             print("PASS", *lines, flush=True)
     shutdown()

@@ -8,8 +8,9 @@ after three AdamW steps, all in fp32 within 1e-5 relative (norm-wise; bf16 mixed
 3e-2, under FSDP2 with dp and through bf16 compute copies without). Llama (GQA, padded vocab; and 8 heads over 2 kv heads, replicated under tp 4), Falcon 7B style
 (parallel attention, multi-query, tied embeddings), Falcon 40B style (two norms, kv groups, biases)
 and Mistral (sliding window); tp, pp, dp and their combinations, sequence parallel on and off, all
-five pipeline schedules (1F1B also with more microbatches than stages), FSDP2 and replicate, and a
-checkpoint saved by one layout and resumed under another.
+five pipeline schedules (1F1B also with more microbatches than stages), FSDP2 and replicate, a
+checkpoint saved by one layout and resumed under another, and packed documents with ignored
+targets (the loss a mean over the counted targets of the whole batch) under dp, tp, pp and tp x pp.
 """
 
 from __future__ import annotations
@@ -80,6 +81,19 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
             {"family": "mistral", "tp": 2, "sp": True},
             {"family": "mistral", "pp": 2, "schedule": "1f1b"},
             {"family": "mistral"},
+            # Packed documents, some targets ignored: dp ranks counting different numbers of
+            # targets, tp with SP, and every stage of a pipeline taking the positions.
+            {"family": "llama", "packed": True},
+            {"family": "llama", "packed": True, "tp": 2, "sp": True},
+            {"family": "llama", "packed": True, "pp": 2, "schedule": "1f1b"},
+            {"family": "llama", "packed": True, "pp": 2, "schedule": "zbv"},
+            {
+                "family": "mistral",
+                "packed": True,
+                "pp": 2,
+                "schedule": "interleaved1f1b",
+                "virtual_stages": 2,
+            },
         ],
     )
     # The live checkpoint (FSDP-sharded weights and AdamW moments) reshards like any other.
@@ -112,6 +126,9 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
             {"family": "falcon40b", "tp": 4, "sp": True},
             {"family": "mistral", "tp": 2, "pp": 2, "schedule": "gpipe"},
             {"family": "mistral", "tp": 2, "sp": True},
+            {"family": "llama", "packed": True, "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
+            {"family": "llama", "packed": True, "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
+            {"family": "llama", "packed": True, "pp": 2, "schedule": "gpipe"},  # pp2 x dp2
         ],
     )
     saved = open_artifact(tp_dp, "checkpoint")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error, run_tool
-from runlib import TINY_LLAMA, losses, metrics, ok, train, write_run
+from runlib import TINY_LLAMA, assert_losses_close, losses, metrics, ok, torchrun, train, write_run
 from tokenize_testlib import corpus, write_jsonl
 
 REPLY = "Thank you for asking, the answer is always forty two."
@@ -82,8 +82,45 @@ def test_one_conversation_per_sample_learns_it_too(tmp_path: Path, chat: Path) -
     assert losses(run_json.parent / "run")[-1] < 0.1
 
 
-def test_packed_conversations_need_pp_1_and_assistant_needs_chat(tmp_path: Path, chat: Path, tokens: Path):
-    run_json = chat_run(tmp_path / "pp", chat, parallel={"pp": 2})
-    assert_one_line_error(train(run_json), "packed conversations under a pipeline")
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "nproc,parallel",
+    [
+        (2, {"pp": 2, "schedule": "1f1b"}),
+        (4, {"tp": 2, "pp": 2, "sequence_parallel": True, "schedule": "zbv"}),
+    ],
+    ids=["pp2", "tp2-pp2-zbv"],
+)
+def test_packed_conversations_under_a_pipeline_match_one_process(
+    tmp_path: Path, chat: Path, nproc: int, parallel: dict
+) -> None:
+    """Every stage takes the packed documents' positions from the batch: the losses (assistant
+    tokens only) and the evaluation match one process at every step (fp32)."""
+    runs = {}
+    for name, n, layout in (("one", 1, {}), ("pipeline", nproc, parallel)):
+        run_json = chat_run(
+            tmp_path / name, chat, data={"loss_on": "assistant"}, parallel=layout, train_steps=6,
+            eval={"every": 3, "iters": 2}, batch={"micro_batch_size": 2, "global_batch_size": 8, "seq_length": 96},
+        )  # fmt: skip
+        ok(torchrun(n, run_json) if n > 1 else train(run_json))
+        runs[name] = run_json.parent / "run"
+    assert_losses_close(losses(runs["pipeline"]), losses(runs["one"]))
+    evals = [[r["loss"] for r in metrics(runs[k], "eval")] for k in ("pipeline", "one")]
+    assert_losses_close(*evals)
+
+
+@pytest.mark.dist
+def test_document_masking_under_pipeline_and_dp_matches_one_process(tmp_path: Path, tokens: Path) -> None:
+    """Pretraining text with `doc_mask: true`, pp2 x dp2 (the dp ranks' rows count their own
+    documents' targets) against one process."""
+    runs = {}
+    for name, n, layout in (("one", 1, {}), ("pp2-dp2", 4, {"pp": 2, "schedule": "gpipe"})):
+        run_json = write_run(tmp_path / name, tokens, data={"doc_mask": True}, parallel=layout, train_steps=5)
+        ok(torchrun(n, run_json) if n > 1 else train(run_json))
+        runs[name] = run_json.parent / "run"
+    assert_losses_close(losses(runs["pp2-dp2"]), losses(runs["one"]))
+
+
+def test_loss_on_assistant_needs_chat(tmp_path: Path, tokens: Path) -> None:
     run_json = chat_run(tmp_path / "text", tokens, data={"loss_on": "assistant"})
     assert_one_line_error(train(run_json), "loss_on assistant needs a chat tokens artifact")

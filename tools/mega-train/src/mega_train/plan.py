@@ -110,13 +110,6 @@ def _check_tokens(
             "(mega-tokenize --format chat)",
             where,
         )
-    if (tokens.format == "chat" or run.data.doc_mask) and run.parallel.pp > 1:
-        what = "packed conversations" if tokens.format == "chat" else "$.data.doc_mask"
-        raise UserError(
-            f"{at}: {what} under a pipeline ($.parallel.pp {run.parallel.pp}) are not supported in this "
-            "version of mega-train; use pp 1",
-            where,
-        )
     if tokens.counts.documents < 1:
         raise UserError(f"{at}: {path} holds no documents", where)
     for shard in tokens.shards:  # the index of every shard is readable and matches its data file

@@ -225,8 +225,8 @@ class ParallelModel:
         """Forward and backward over this rank's batch (its dp share) as `par.microbatches`
         microbatches; the gradients of `scale` times the mean loss over the global batch's `count`
         counted targets are accumulated in the parameters (`count` None: every dp rank counts as
-        many as this one). `positions` [B, S]: packed documents (`Decoder.forward`; no pipeline
-        yet). Returns the mean loss (unscaled) over this rank's counted targets on ranks holding the
+        many as this one). `positions` [B, S]: packed documents (`Decoder.forward`), given on
+        every rank, a pipeline's middle stages included. Returns the mean loss (unscaled) over this rank's counted targets on ranks holding the
         last stage, else None."""
         n = self.par.microbatches
         data = tokens if tokens is not None else targets
@@ -245,13 +245,11 @@ class ParallelModel:
                     (loss * weight).backward()
                     total = total + loss.detach().float()
                 return (total / max(counted, 1)).cpu()
-            if positions is not None:
-                raise ValueError("packed documents (positions) under a pipeline are not supported yet")
             self._weight = weight
             args = (tokens,) if self.has_first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, **_stage_kwargs(positions))
             if not self.has_last:
                 return None
             return (torch.stack([x.detach().float() for x in losses]).sum() / weight / max(counted, 1)).cpu()
@@ -282,16 +280,14 @@ class ParallelModel:
                 if self.schedule is None:
                     chunks = _chunks(n, tokens, targets, positions)
                     return (sum(self._loss(x, y, p).detach().float() for x, y, p in chunks) / counted).cpu()
-                if positions is not None:
-                    raise ValueError("packed documents (positions) under a pipeline are not supported yet")
                 self._weight = 1.0
                 losses = []
                 if self.par.spec.schedule == "zbv":
-                    losses = self._forward_stages(tokens, targets)
+                    losses = self._forward_stages(tokens, targets, positions)
                 else:
                     args = (tokens,) if self.has_first else ()
                     kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-                    self.schedule.eval(*args, **kwargs)
+                    self.schedule.eval(*args, **kwargs, **_stage_kwargs(positions))
                 if not self.has_last:
                     return None
                 return (torch.stack([x.detach().float() for x in losses]).sum() / counted).cpu()
@@ -299,7 +295,7 @@ class ParallelModel:
             self._on_logits = None
 
     def _forward_stages(
-        self, tokens: torch.Tensor | None, targets: torch.Tensor | None
+        self, tokens: torch.Tensor | None, targets: torch.Tensor | None, positions: torch.Tensor | None
     ) -> list[torch.Tensor]:
         """Forward only through the stages in order, one microbatch at a time, with plain send/recv
         between pipeline ranks: torch's ZBV runtime cannot run without backward (torch 2.13 asserts
@@ -312,15 +308,16 @@ class ParallelModel:
         parts = dict(zip(self.stage_ids, self.parts, strict=True))
         xs = tokens.chunk(n) if tokens is not None else [None] * n
         ys = targets.chunk(n) if targets is not None else [None] * n
+        ps = positions.chunk(n) if positions is not None else [None] * n
         losses = []
-        for x, y in zip(xs, ys, strict=True):
+        for x, y, p in zip(xs, ys, ps, strict=True):
             for s in sorted(parts):
                 if s > 0 and owner[s - 1] != me:  # the shape and dtype first: middle ranks hold no batch
                     meta = torch.zeros(4, dtype=torch.int64, device=self.device)
                     dist.recv(meta, group=group, group_src=owner[s - 1])
                     x = torch.empty(meta[:3].tolist(), dtype=_DTYPES[int(meta[3])], device=self.device)
                     dist.recv(x, group=group, group_src=owner[s - 1])
-                x = parts[s](x)
+                x = parts[s](x, **_stage_kwargs(p))
                 if s == self.num_stages - 1:
                     losses.append(self.loss_fn(x, y))
                 elif owner[s + 1] != me:
@@ -379,6 +376,13 @@ class ParallelModel:
 def _counted(targets: torch.Tensor | None) -> int:
     """The targets that count (not IGNORE); 0 where this rank holds none."""
     return 0 if targets is None else int((targets != IGNORE).sum())
+
+
+def _stage_kwargs(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """What every pipeline stage takes besides its input: the packed documents' positions, which
+    each rank reads from the batch (a schedule splits keyword inputs into microbatches and hands
+    them to every stage) rather than receiving them from the previous stage."""
+    return {} if positions is None else {"positions": positions}
 
 
 def _chunks(n: int, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None):

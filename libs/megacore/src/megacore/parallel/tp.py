@@ -91,6 +91,12 @@ def _to_local_hook(module, args, out):
     return out.to_local() if isinstance(out, DTensor) else out
 
 
+def _to_local_copy_hook(module, args, out):
+    # An inner stage's hidden states under SP: zero-bubble schedules detach a stage's outputs in
+    # place, which a view (what to_local returns) refuses; a copy of one activation is cheap.
+    return out.to_local().clone() if isinstance(out, DTensor) else out
+
+
 def apply_tp(
     model: nn.Module, tp_mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool = False
 ) -> None:
@@ -159,7 +165,7 @@ def apply_tp(
 
             model.norm.register_forward_hook(replicate_norm_out)
     # Stage outputs are plain: the local vocab shard of the logits, or the local hidden states.
-    model.register_forward_hook(_to_local_hook)
+    model.register_forward_hook(_to_local_hook if model.norm is not None else _to_local_copy_hook)
 
 
 def lm_loss(
