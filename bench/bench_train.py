@@ -577,7 +577,7 @@ def measure_rounds(setup: Setup, tokens: Path, rows: Path) -> dict[str, list[dic
             else:
                 res = measure(kind, setup, rows, pythons[kind], OUT / "work" / f"{kind}-{r}")
             results[kind].append(res)
-            shown = {k: v for k, v in res.items() if k != "rss"}
+            shown = {k: v for k, v in res.items() if k not in ("rss", "records")}
             log(f"round {r + 1}/{setup.rounds} {kind}: {shown} ({time.perf_counter() - t:.0f}s)")
     return results
 

@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from helpers import TINY, write_checkpoint
 from mega_export.export import export_hf
 from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts import MANIFEST_NAME, open_artifact
-from megacore.artifacts.manifest import TrainingState
+from megacore.artifacts.manifest import TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import path_fields
 from megacore.config import model_tensors
 from megacore.errors import UserError
@@ -88,6 +89,7 @@ def test_every_kind_has_its_path_fields_typed():
         "files.path": "file",
         "tensors.pieces.file": "file",
         "tokenizer_files": "file",
+        "tokenizer.info.files": "file",
         "training.rng_files": "file",
     }
     assert schema_paths("hf") == {"parents.path": "record", "files.path": "file"}
@@ -119,11 +121,21 @@ def artifacts(tmp_path_factory, sp_model: Path) -> dict[str, Path]:
     )
     tokenize(opts, log=lambda _: None)
     g = torch.Generator().manual_seed(0)
+    config = msgspec.structs.replace(TINY, vocab_size=512, padded_vocab_size=512)  # room for 402 ids
+    info = open_artifact(root / "tokens", "tokens").tokenizer
     write_checkpoint(
         root / "ckpt",
-        {n: torch.randn(s, generator=g) for n, s in model_tensors(TINY).items()},
-        side_files={"tokenizer/tokenizer.model": sp_model.read_bytes(), "rng/rank0.bin": b"rng"},
+        {n: torch.randn(s, generator=g) for n, s in model_tensors(config).items()},
+        config=config,
+        side_files={
+            "tokenizer/tokenizer.model": sp_model.read_bytes(),
+            "tokenizer/trained.model": sp_model.read_bytes(),
+            "rng/rank0.bin": b"rng",
+        },
         tokenizer_files=["tokenizer/tokenizer.model"],
+        tokenizer=TrainedTokenizer(
+            msgspec.structs.replace(info, files=["tokenizer/trained.model"]), "chatml"
+        ),
         training=TrainingState(step=1, rng_files=["rng/rank0.bin"]),
     )
     export_hf(root / "ckpt", root / "hf")
@@ -211,9 +223,8 @@ def test_run_refs_resolve_against_the_manifest_not_the_working_directory(
     }
     (runs / "run.json").write_text(json.dumps(run))
     monkeypatch.chdir(tmp_path / "runs")  # the relative path would miss from here
-    # The chat tokens artifact has 2 more ids than the tiny model: the vocab check speaks.
-    with pytest.raises(UserError, match="beyond the model's vocab_size 64"):
-        plan_run(runs / "run.json", 1)
+    # Resolved against the manifest's directory: the checkpoint two levels up is the one found.
+    assert plan_run(runs / "run.json", 1).init[0].resolve() == (tmp_path / "ckpt").resolve()
     with pytest.raises(UserError, match="no such artifact directory"):
         run["model"]["init"] = "../ckpt"
         (runs / "run.json").write_text(json.dumps(run))

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import torch
 
 from megacore.artifacts import (
@@ -36,7 +37,7 @@ from megacore.artifacts import (
     open_artifact,
     piece_entry,
 )
-from megacore.artifacts.manifest import Layout, Parent, TrainingState
+from megacore.artifacts.manifest import Layout, Parent, TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import Verify, artifact_root
 from megacore.config import ModelConfig
 from megacore.errors import UserError
@@ -93,6 +94,12 @@ class CheckpointWriter:
         shutil.copyfile(src, self.w.path(relpath))
         return relpath
 
+    def add_tokenizer(self, root: Path, tokenizer: TrainedTokenizer) -> TrainedTokenizer:
+        """Copy the files of a tokenizer recorded relative to `root` (a tokens artifact or another
+        checkpoint) into `tokenizer/`; returns the record with the new paths."""
+        files = [self.add_file(root / rel, f"tokenizer/{Path(rel).name}") for rel in tokenizer.info.files]
+        return msgspec.structs.replace(tokenizer, info=msgspec.structs.replace(tokenizer.info, files=files))
+
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
@@ -121,6 +128,7 @@ class CheckpointWriter:
         producer: tuple[str, str],
         parents: Sequence[Parent] = (),
         tokenizer_files: Sequence[str] = (),
+        tokenizer: TrainedTokenizer | None = None,
         training: TrainingState | None = None,
         order: Sequence[str] | None = None,
     ) -> CheckpointManifest:
@@ -135,6 +143,7 @@ class CheckpointWriter:
             layout=layout,
             tensors=tensors,
             tokenizer_files=list(tokenizer_files),
+            tokenizer=tokenizer,
             training=training,
         )
         return self.w.commit(manifest)

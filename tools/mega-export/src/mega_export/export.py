@@ -2,8 +2,10 @@
 
 The directory is written like every artifact (staged in `<out>.partial/`, renamed into place, the
 output policy of megacore.artifacts.output): config.json, model*.safetensors (with an index above
-`max_shard_bytes`), the tokenizer files the checkpoint carries, and a `manifest.json` of kind `hf`
-that transformers ignores and that lets a rerun reuse or replace the directory.
+`max_shard_bytes`), the tokenizer, and a `manifest.json` of kind `hf` that transformers ignores and
+that lets a rerun reuse or replace the directory. The tokenizer of a checkpoint mega-train wrote is
+the one its data was tokenized with, written so that `AutoTokenizer` encodes as the data was
+encoded (megacore.models.hf_tokenizer); one mega-convert wrote carries the source model's files.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from mega_export import __version__
 from megacore.artifacts import TORCH_DTYPES, HFManifest, SafetensorsStreamWriter, new_header_fields, parent_of
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
+from megacore.errors import UserError
 from megacore.models import config_to_hf, export_tensors, hf_shapes
+from megacore.models.hf_tokenizer import hf_tokenizer_files
 from megacore.progress import Progress
 
 MAX_SHARD_BYTES = 5 << 30
@@ -97,8 +101,18 @@ def export_hf(
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
-            for rel in ckpt.manifest.tokenizer_files:
-                w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
+            if ckpt.manifest.tokenizer is not None:  # trained here: the data's tokenizer
+                try:
+                    made = hf_tokenizer_files(
+                        ckpt.root, ckpt.manifest.tokenizer, config.vocab_size, config.max_seq_len
+                    )
+                except ValueError as e:  # an unconvertible .model, ids past the embedding rows
+                    raise UserError(f"tokenizer: {e}", str(checkpoint)) from None
+                for name, text in made.items():
+                    w.path(name).write_text(text, encoding="utf-8")
+            else:  # converted from Hugging Face: its own files, as they were
+                for rel in ckpt.manifest.tokenizer_files:
+                    w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
             w.commit(
                 HFManifest(**new_header_fields("mega-export", __version__), parents=[parent], dtype=dtype)
             )

@@ -114,6 +114,7 @@ def reshard(
             )
             for rel in extra:
                 cw.add_file(ckpt.root / rel, rel)
+            tokenizer = cw.add_tokenizer(ckpt.root, manifest.tokenizer) if manifest.tokenizer else None
             cw.commit(
                 config=cfg,
                 dtype=manifest.dtype,
@@ -121,6 +122,7 @@ def reshard(
                 producer=producer,
                 parents=[parent],
                 tokenizer_files=manifest.tokenizer_files,
+                tokenizer=tokenizer,
                 training=manifest.training,
                 order=names,
             )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mega_train.evaluation import load_metric
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
-from megacore.artifacts.manifest import decode_manifest
+from megacore.artifacts.manifest import TrainedTokenizer, decode_manifest
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
@@ -41,6 +41,13 @@ class RunPlan:
     checkpoints: Path  # where step-NNNNNNNN checkpoints and `latest` go
     fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
     eval_metrics: list[Callable] = field(default_factory=list)  # $.eval.metrics, imported
+
+    @property
+    def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
+        """The data's tokenizer (every source shares it) and the directory its files are in: what
+        each checkpoint records as the tokenizer its weights were trained with."""
+        path, tokens, _ = self.data[0]
+        return path, TrainedTokenizer(tokens.tokenizer, tokens.chat_template, tokens.prepend_bos)
 
     @property
     def inputs(self) -> list[Path]:
@@ -144,6 +151,19 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         tokens = open_artifact(path, "tokens", verify=verify)
         _check_tokens(i, path, tokens, config, run, where)
         sources.append((path, tokens, src.weight))
+    first = sources[0][1].tokenizer
+    for i, (path, tokens, _) in enumerate(sources[1:], 1):
+        theirs = tokens.tokenizer
+        if (theirs.fingerprint, theirs.added_special_tokens) != (
+            first.fingerprint,
+            first.added_special_tokens,
+        ):
+            raise UserError(
+                f"$.data.sources[{i}]: {path} was tokenized with another tokenizer than $.data.sources[0] "
+                f"(fingerprint {theirs.fingerprint[:12]}, added {theirs.added_special_tokens} against "
+                f"{first.fingerprint[:12]}, {first.added_special_tokens}): the same id would mean different text",
+                where,
+            )
     if run.data.loss_on == "assistant" and len({m.roles["assistant"] for _, m, _ in sources}) > 1:
         codes = ", ".join(f"{m.roles['assistant']} in {p}" for p, m, _ in sources)
         raise UserError(f"$.data.sources: the assistant role has different codes ({codes})", where)

@@ -224,6 +224,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             path, pm, opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
             rank_state={"cpu": torch.get_rng_state()},
             on_written=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None,
+            tokenizer=plan.tokenizer,
         )  # fmt: skip
         saved_at = state.step
         if rank == 0:

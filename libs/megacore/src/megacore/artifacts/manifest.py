@@ -190,12 +190,27 @@ class TrainingState(Struct):
     rng_files: list[FilePath] = []
 
 
+class TrainedTokenizer(Struct):
+    """The tokenizer a checkpoint's weights were trained with: its training data's, as mega-tokenize
+    recorded it (files copied into the checkpoint, `info.files` relative to it), and how the data
+    used it (`chat_template`: the tokens artifact's, `prepend_bos`). mega-export writes the Hugging
+    Face tokenizer from it."""
+
+    info: TokenizerInfo
+    chat_template: str | None = None  # "chatml", or the tokenizer's own template (jinja)
+    prepend_bos: bool = False
+
+
 class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
+    """`tokenizer_files`: a Hugging Face model's tokenizer files as mega-convert found them;
+    `tokenizer`: the tokenizer of the data the weights were trained on (mega-train)."""
+
     config: ModelConfig
     dtype: DType
     layout: Layout = msgspec.field(default_factory=Layout)
     tensors: dict[str, TensorEntry] = {}
     tokenizer_files: list[FilePath] = []
+    tokenizer: TrainedTokenizer | None = None
     training: TrainingState | None = None
 
 

@@ -1,5 +1,10 @@
-"""A SentencePiece `.model` as a Hugging Face `tokenizer.json` that encodes exactly as sentencepiece
-does, read from the model file itself (its protobuf, parsed here: no protobuf package needed).
+"""The tokenizer a model was trained with, as files a Hugging Face directory loads
+(`hf_tokenizer_files`): `AutoTokenizer.from_pretrained` then encodes text exactly as the training
+data was encoded, with the special tokens added for it (ChatML markers) at their ids, the chat
+template the data was rendered with, and `generation_config.json` with every end-of-turn id.
+
+A SentencePiece `.model` becomes a `tokenizer.json` that encodes exactly as sentencepiece does,
+read from the model file itself (its protobuf, parsed here: no protobuf package needed).
 
 transformers' own conversion of a `.model` disagrees with sentencepiece on most real documents
 (transformers 5: BPE merges ranked by piece id instead of score, a Metaspace pre-tokenizer that
@@ -23,9 +28,15 @@ Viterbi breaks ties between equal-scoring segmentations differently (1-2 files i
 from __future__ import annotations
 
 import base64
+import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megacore.artifacts.manifest import TrainedTokenizer
 
 SPACE = "\u2581"  # sentencepiece's escaped space
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # SentencePiece.Type
@@ -187,3 +198,108 @@ def _added(i: int, content: str, special: bool) -> dict:
         "id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
         "normalized": not special, "special": special,
     }  # fmt: skip
+
+
+# mega-tokenize's ChatML rendering (`<|im_start|>role\ncontent<|im_end|>\n` per message), as a template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_END = "<|im_end|>"
+
+
+class TokenizerMismatch(ValueError):
+    """The tokenizer cannot be exported for this model (ids past its embedding rows)."""
+
+
+def hf_tokenizer_files(
+    root: Path, tokenizer: TrainedTokenizer, vocab_rows: int, max_len: int
+) -> dict[str, str]:
+    """The files (name -> text) of a Hugging Face tokenizer for `tokenizer`, whose files are
+    relative to `root`: tokenizer.json, tokenizer_config.json and generation_config.json.
+
+    `vocab_rows`: the model's vocab size; every id the tokenizer can produce must have a row."""
+    info = tokenizer.info
+    files = {Path(rel).name: root / rel for rel in info.files}
+    source_config: dict = {}
+    if info.type == "sentencepiece":
+        model = next(path for name, path in files.items() if name.endswith(".model"))
+        data = sentencepiece_tokenizer_json(model.read_bytes(), info.added_special_tokens)
+    else:
+        data = json.loads(files["tokenizer.json"].read_text(encoding="utf-8"))
+        if "tokenizer_config.json" in files:
+            source_config = json.loads(files["tokenizer_config.json"].read_text(encoding="utf-8"))
+        have = {t["content"] for t in data.get("added_tokens", [])}
+        data["added_tokens"] = data.get("added_tokens", []) + [
+            _added(i, name, special=True)
+            for name, i in sorted(info.added_special_tokens.items(), key=lambda kv: kv[1])
+            if name not in have
+        ]
+    names = _id_to_token(data)
+    top = max(names)
+    if top >= vocab_rows:
+        raise TokenizerMismatch(
+            f"the tokenizer has ids up to {top} and the model {vocab_rows} embedding rows: ids "
+            f"{vocab_rows}..{top} would have no embedding"
+        )
+
+    def token(i: int | None) -> str | None:
+        return names.get(i) if i is not None else None
+
+    bos, eos = token(info.bos_id), token(info.eos_id)
+    # Encoding adds what the training data had: a BOS when it was prepended, else nothing.
+    if tokenizer.prepend_bos and bos is not None:
+        data["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [info.bos_id], "tokens": [bos]}},
+        }  # fmt: skip
+    elif (data.get("post_processor") or {}).get("type") != "ByteLevel":  # offsets only: kept
+        data["post_processor"] = None
+    chatml = tokenizer.chat_template == "chatml"
+    template = CHATML_TEMPLATE if chatml else tokenizer.chat_template or source_config.get("chat_template")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json as written, nothing rebuilt
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": token(info.unk_id),
+        "pad_token": token(info.pad_id),
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    if template:
+        config["chat_template"] = template
+    # Generation stops at the end of a document and at the end of a turn.
+    stops = [info.eos_id] if info.eos_id is not None else []
+    ends = {CHATML_END: info.added_special_tokens.get(CHATML_END)} if chatml else {}
+    if tokenizer.chat_template and not chatml and source_config.get("eos_token"):
+        ends[source_config["eos_token"]] = None
+    for name, i in ends.items():
+        i = i if i is not None else next((k for k, v in names.items() if v == name), None)
+        if i is not None and i not in stops:
+            stops.append(i)
+    generation = {"bos_token_id": info.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops or None}
+    if info.pad_id is not None:
+        generation["pad_token_id"] = info.pad_id
+    return {
+        "tokenizer.json": json.dumps(data, ensure_ascii=False),
+        "tokenizer_config.json": _pretty({k: v for k, v in config.items() if v is not None}),
+        "generation_config.json": _pretty(generation),
+    }
+
+
+def _pretty(data: dict) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def _id_to_token(data: dict) -> dict[int, str]:
+    """Every id a tokenizer.json can produce and its token: the model's vocab and the added tokens."""
+    vocab = data["model"].get("vocab", {})
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel
+        names = {i: t for t, i in vocab.items()}
+    else:  # Unigram: [[piece, score], ...] by id
+        names = {i: t for i, (t, _) in enumerate(vocab)}
+    names.update({t["id"]: t["content"] for t in data.get("added_tokens", [])})
+    return names

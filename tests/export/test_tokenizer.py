@@ -1,0 +1,172 @@
+"""The exported tokenizer encodes as the training data was encoded.
+
+A SentencePiece `.model` is written as a tokenizer.json (megacore.models.hf_tokenizer) that must
+give sentencepiece's ids on real text: the Python standard library's sources (code, prose,
+whitespace runs, tabs) and the usual traps, with the Mistral tokenizer too where ../shared has it.
+Then the whole chain: mega-tokenize (chat, ChatML markers added past the vocab; a Hugging Face
+tokenizer with its own chat template), mega-train, mega-export, and `AutoTokenizer` on the export
+directory gives the tokens artifact's ids for every conversation (`apply_chat_template`) and
+sentencepiece's for text (text that spells out a special token, "<s>", aside: transformers
+matches it as the token), with the markers at their ids and every end-of-turn id in
+generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from helpers import run_tool
+from megacore.artifacts import open_artifact
+from megacore.data.indexed import IndexedReader
+from megacore.models.hf_tokenizer import hf_tokenizer_files, sentencepiece_tokenizer_json
+from runlib import TINY_LLAMA, ok, train, write_run
+from tokenize_testlib import corpus, write_jsonl
+
+MISTRAL = Path(__file__).resolve().parents[3] / "shared" / "assets" / "mistral-v1-tokenizer.model"
+CHATML = ["--add-special-tokens", "<|im_start|>,<|im_end|>"]
+
+
+def real_text(files: int = 120, cap: int = 8000) -> list[str]:
+    """The first `files` modules of the standard library (sorted by path, up to `cap` characters
+    each) and the traps of tokenize_testlib's corpus: real documents, not a few words."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in stdlib.glob("*.py"))[:files]
+    return [p.read_text(errors="replace")[:cap] for p in paths] + corpus(200)
+
+
+@pytest.mark.parametrize("which", ["tiny", "mistral"])
+def test_sentencepiece_json_encodes_as_sentencepiece(which: str, sp_model: Path) -> None:
+    import sentencepiece as spm
+    from tokenizers import Tokenizer
+
+    path = sp_model if which == "tiny" else MISTRAL
+    if not path.is_file():
+        pytest.skip("../shared/assets has no Mistral tokenizer here")
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    tok = Tokenizer.from_str(json.dumps(sentencepiece_tokenizer_json(path.read_bytes())))
+    tok.encode_special_tokens = True  # as mega-tokenize encodes: a literal "<s>" is text
+    texts = real_text()
+    differ = [t[:80] for t in texts if tok.encode(t, add_special_tokens=False).ids != sp.encode(t)]
+    assert not differ, (len(differ), len(texts), differ[:3])
+
+
+def test_unigram_models_are_refused(sp_unigram: Path) -> None:
+    with pytest.raises(ValueError, match="unigram"):
+        sentencepiece_tokenizer_json(sp_unigram.read_bytes())
+
+
+def test_ids_past_the_embedding_rows_are_refused(sp_model: Path, tmp_path: Path) -> None:
+    from megacore.artifacts.manifest import TokenizerInfo, TrainedTokenizer
+
+    info = TokenizerInfo(type="sentencepiece", files=["t.model"], vocab_size=402, fingerprint="x",
+                         added_special_tokens={"<|im_start|>": 400, "<|im_end|>": 401})  # fmt: skip
+    (tmp_path / "t.model").write_bytes(sp_model.read_bytes())
+    with pytest.raises(ValueError, match="ids up to 401 and the model 401 embedding rows"):
+        hf_tokenizer_files(tmp_path, TrainedTokenizer(info), vocab_rows=401, max_len=64)
+
+
+def conversations(n: int) -> list[dict]:
+    """Conversations of real text; none spells out a special token (see the module docstring)."""
+    rng = random.Random(0)
+    texts = [t for t in corpus(100) if "<s>" not in t and "</s>" not in t]
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": rng.choice(texts)[:80]},
+                {"role": "assistant", "content": rng.choice(texts)[:60]},
+            ]
+        }
+        for _ in range(n)
+    ]
+
+
+def documents(tokens: Path) -> list[list[int]]:
+    """The tokens artifact's documents in order, as id lists."""
+    manifest = open_artifact(tokens, "tokens")
+    docs = []
+    for shard in manifest.shards:
+        reader = IndexedReader(tokens / shard.prefix)
+        docs += [reader[i].tolist() for i in range(len(reader))]
+    return docs
+
+
+def export_trained(tmp_path: Path, tokens: Path) -> Path:
+    """Two training steps of the tiny Llama on `tokens`, exported with mega-export."""
+    run_json = write_run(
+        tmp_path, tokens, model={"config": {**TINY_LLAMA, "vocab_size": 512, "max_seq_len": 128}},
+        batch={"micro_batch_size": 2, "global_batch_size": 2, "seq_length": 64}, train_steps=2,
+        optimizer={"lr": 1e-3, "warmup_steps": 0, "min_lr": 1e-4}, eval={"every": 0}, data={"split": [1, 0]},
+    )  # fmt: skip
+    ok(train(run_json))
+    out = tmp_path / "hf"
+    run_tool("mega-export", tmp_path / "run" / "checkpoints" / "latest", out, check=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_exported_tokenizer_encodes_as_the_training_data(
+    tmp_path: Path, sp_model: Path, hf_dir: Path, kind: str
+) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    convs = conversations(40)
+    src = write_jsonl(tmp_path / "chat.jsonl", convs)
+    tokens = tmp_path / "tokens"
+    if kind == "sentencepiece":  # ChatML, its markers added past the tokenizer's 400 pieces
+        args = ["-t", sp_model, *CHATML]
+    else:  # the tokenizer's own chat template (its markers are in its vocab)
+        args = ["-t", hf_dir, "--chat-template", "tokenizer"]
+    run_tool("mega-tokenize", src, tokens, "--format", "chat", *args, check=True)
+    manifest = open_artifact(tokens, "tokens")
+    out = export_trained(tmp_path, tokens)
+
+    tok = AutoTokenizer.from_pretrained(out)
+    info = manifest.tokenizer
+    # Every conversation: the artifact's ids (its EOS appended after each) are the template's
+    # rendering. With ChatML they are the very ids `apply_chat_template` gives. A tokenizer's own
+    # template renders the same text, but mega-tokenize encodes each message's content apart from
+    # the template's text around it (so a user typing a marker gets text), and a byte-level BPE
+    # merges across those edges when it encodes the whole rendering: the decoded text is compared.
+    docs = documents(tokens)
+    assert len(docs) == len(convs)
+    for conv, doc in zip(convs, docs, strict=True):
+        assert doc[-1] == info.eos_id
+        if kind == "sentencepiece":
+            assert tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False) == doc[:-1]
+        else:
+            assert tok.decode(doc[:-1]) == tok.apply_chat_template(conv["messages"], tokenize=False)
+    # Text: the tokenizer's own ids, and nothing added (the data had no BOS).
+    if kind == "sentencepiece":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+        expect = sp.encode
+    else:
+        from tokenizers import Tokenizer
+
+        ref = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        expect = lambda t: ref.encode(t, add_special_tokens=False).ids  # noqa: E731
+    # transformers matches a special token spelled out in text ("<s>"): chat templates rely on it,
+    # and mega-tokenize never does it to raw text. Text that spells one is the one exception.
+    specials = [t.content for t in tok.added_tokens_decoder.values()]
+    texts = [t for t in real_text(60) if not any(s in t for s in specials)]
+    assert len(texts) > 150
+    differ = [t[:80] for t in texts if tok(t)["input_ids"] != expect(t)]
+    assert not differ, (len(differ), differ[:3])
+    # The markers at the artifact's ids; generation stops at EOS and at the end of a turn.
+    for name in ("<|im_start|>", "<|im_end|>"):
+        want = info.added_special_tokens.get(name)
+        if want is not None:
+            assert tok.convert_tokens_to_ids(name) == want
+    stops = GenerationConfig.from_pretrained(out).eos_token_id
+    stops = stops if isinstance(stops, list) else [stops]
+    assert info.eos_id in stops
+    if kind == "sentencepiece":
+        assert info.added_special_tokens["<|im_end|>"] in stops
+    assert len(tok) <= json.loads((out / "config.json").read_text())["vocab_size"]
