@@ -4,10 +4,13 @@
     tiny random Llama (transformers) --mega-convert hf--> checkpoint --mega-convert verify
     checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-export--> HF dir --mega-convert verify
     run.json --mega-train --dry-run--> the resolved 3D plan
-    run.json --torchrun mega-train (tp 2 x pp 2)--> trained checkpoint --mega-export--> HF dir
+    run.json --torchrun mega-train (tp 2 x pp 2)--> trained checkpoint
+    trained checkpoint --mega-export (with its tokenizer and model card)--> HF dir
+        --transformers--> a completed line of text;  --push-to-hub --dry-run--> the upload's files
 
 Every command is printed before it runs, so this doubles as a copy-paste tutorial. Rerunning reuses
-what is already complete (the tools are idempotent).
+what is already complete (the tools are idempotent). A summary closes it: the artifacts, the
+losses, the logits parity and the completion.
 """
 
 from __future__ import annotations
@@ -28,10 +31,29 @@ SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "assets" / "
 MODULES = ["json", "pathlib", "collections", "itertools", "functools", "re", "os", "typing", "dataclasses"]
 
 
-def sh(*args: object) -> None:
+def sh(*args: object) -> str:
+    """Run a command (shown first), its output shown as it goes; returns its stdout."""
     cmd = [str(a) for a in args]
     print("$ " + shlex.join([Path(cmd[0]).name, *cmd[1:]]), flush=True)
-    subprocess.run([str(BIN / cmd[0]) if (BIN / cmd[0]).exists() else cmd[0], *cmd[1:]], check=True)
+    proc = subprocess.run(
+        [str(BIN / cmd[0]) if (BIN / cmd[0]).exists() else cmd[0], *cmd[1:]],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    print(proc.stdout, end="", flush=True)
+    return proc.stdout
+
+
+def complete(model_dir: Path, prompt: str, tokens: int = 16) -> str:
+    """Greedy continuation of `prompt` by the exported model, loaded by transformers alone."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = tok(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0][ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def corpus(out: Path) -> Path:
@@ -116,7 +138,7 @@ def main(out: Path) -> None:
     sh("mega-convert", "verify", out / "ckpt-tp1pp1", hf)
     sh("mega-shard", out / "ckpt-tp1pp1", out / "ckpt-tp2pp2", "--tp", "2", "--pp", "2")
     sh("mega-export", out / "ckpt-tp2pp2", out / "hf-export", "--force")
-    sh("mega-convert", "verify", out / "ckpt-tp2pp2", out / "hf-export")  # the sharded one, too
+    parity = sh("mega-convert", "verify", out / "ckpt-tp2pp2", out / "hf-export")  # the sharded one
 
     # Fine-tune the sharded checkpoint on the tokens: 4 processes as tp 2 x pp 2, then export the
     # trained model. Rerunning resumes from the newest checkpoint (here: finds the run complete).
@@ -139,9 +161,37 @@ def main(out: Path) -> None:
     sh("mega-train", "--manifest", out / "run.json", "--dry-run", "--world-size", "8")
     sh("torchrun", "--nproc-per-node", "4", BIN / "mega-train", "--manifest", out / "run.json")
     trained = out / "train-run" / "checkpoints" / "latest"
-    sh("mega-export", trained, out / "hf-trained", "--force")
+    # The export carries the tokenizer the data was tokenized with and a model card; --dry-run
+    # lists what a push would upload (drop it, with HF_TOKEN set, to publish).
+    sh(
+        "mega-export",
+        trained,
+        out / "hf-trained",
+        "--force",
+        "--push-to-hub",
+        "me/tiny-llama-demo",
+        "--dry-run",
+    )
     sh("mega-convert", "verify", trained, out / "hf-trained")
+    prompt = "Return a new list"
+    print(f"$ python -c 'transformers: complete {prompt!r}'", flush=True)
+    completion = complete(out / "hf-trained", prompt)
+    print(f"{prompt}{completion}")
+
+    records = [json.loads(x) for x in (out / "train-run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
     print(f"\ndemo: done; artifacts in {out}/")
+    print(f"  tokens       {out / 'tokens'}")
+    print(f"  checkpoints  {out / 'ckpt-tp1pp1'} (converted), {out / 'ckpt-tp2pp2'} (tp 2 x pp 2), {trained}")
+    print(f"  HF exports   {out / 'hf-export'}, {out / 'hf-trained'} (with tokenizer and README.md)")
+    print(
+        f"  train loss   {train[0]['loss']:.4f} at step {train[0]['step']} -> {train[-1]['loss']:.4f} at step {train[-1]['step']}"
+    )
+    if evals:
+        print(f"  valid loss   {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
+    print(f"  parity       {parity.strip()}")
+    print(f"  completion   {prompt!r} -> {completion!r}")
 
 
 if __name__ == "__main__":

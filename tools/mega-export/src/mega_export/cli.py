@@ -11,6 +11,7 @@ import typer
 
 from mega_export import __version__
 from megacore.cli import debug_option, main_for, make_app, version_option
+from megacore.errors import UserError
 from megacore.progress import plural
 
 app = make_app("Checkpoint artifact (any layout) to a Hugging Face model directory.")
@@ -28,6 +29,25 @@ def export(
     force: bool = typer.Option(
         False, "--force", help="Replace OUT when it is an export these tools wrote from other inputs."
     ),
+    push_to_hub: str | None = typer.Option(
+        None,
+        "--push-to-hub",
+        metavar="REPO",
+        help="Then upload OUT to this Hugging Face model repo (created if missing); token: HF_TOKEN "
+        "or `hf auth login`, never printed.",
+    ),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private."),
+    revision: str | None = typer.Option(
+        None, "--revision", help="With --push-to-hub: the branch to commit to (created from main if missing)."
+    ),
+    commit_message: str | None = typer.Option(
+        None, "--commit-message", help="With --push-to-hub: the commit's message."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="With --push-to-hub: list the files and sizes it would upload, upload nothing.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
     version: bool = version_option("mega-export", __version__),
     debug: bool = debug_option(),
@@ -38,16 +58,45 @@ def export(
     t.AutoModelForCausalLM.from_pretrained('hf-out')"
     """
     from mega_export.export import export_hf  # torch is imported only once there is work
+    from mega_export.hub import push, upload_files
 
+    pushing = (
+        ("--private", private),
+        ("--revision", revision),
+        ("--commit-message", commit_message),
+        ("--dry-run", dry_run),
+    )
+    stray = [flag for flag, given in pushing if given]
+    if stray and push_to_hub is None:
+        raise UserError(f"{stray[0]} is an option of --push-to-hub REPO, which is not given")
     s = export_hf(checkpoint, out, dtype=dtype, force=force)
+    if not as_json:
+        if s["reused"]:
+            print(
+                f"mega-export: {out} is already this export; reused (pass --force to rebuild)",
+                file=sys.stderr,
+            )
+        else:
+            typer.echo(
+                f"wrote {out}: {s['family']}, {plural(s['tensors'], 'tensor')} in {plural(len(s['files']), 'file')}, {s['dtype']}"
+            )
+    if push_to_hub is not None:
+        files = upload_files(out)
+        s["push"] = {"repo": push_to_hub, "revision": revision or "main", "dry_run": dry_run,
+                     "files": [{"path": p, "bytes": n} for p, n in files]}  # fmt: skip
+        if dry_run and not as_json:
+            typer.echo(f"would upload to {push_to_hub} ({revision or 'main'}):")
+            for path, size in files:
+                typer.echo(f"  {size:>14,}  {path}")
+            typer.echo(f"  {sum(n for _, n in files):>14,}  bytes in {plural(len(files), 'file')}")
+        if not dry_run:
+            s["push"]["commit"] = push(
+                out, push_to_hub, private=private, revision=revision, commit_message=commit_message
+            )
+            if not as_json:
+                typer.echo(f"pushed {out} to {push_to_hub}: {s['push']['commit']}")
     if as_json:
         typer.echo(json.dumps(s, indent=2))
-    elif s["reused"]:
-        print(f"mega-export: {out} is already this export; reused (pass --force to rebuild)", file=sys.stderr)
-    else:
-        typer.echo(
-            f"wrote {out}: {s['family']}, {plural(s['tensors'], 'tensor')} in {plural(len(s['files']), 'file')}, {s['dtype']}"
-        )
 
 
 main = main_for(app, "mega-export")

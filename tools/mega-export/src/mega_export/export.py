@@ -2,7 +2,8 @@
 
 The directory is written like every artifact (staged in `<out>.partial/`, renamed into place, the
 output policy of megacore.artifacts.output): config.json, model*.safetensors (with an index above
-`max_shard_bytes`), the tokenizer, and a `manifest.json` of kind `hf` that transformers ignores and
+`max_shard_bytes`), the tokenizer, a model card (`README.md`, from the checkpoint's lineage) and
+a `manifest.json` of kind `hf` that transformers ignores and
 that lets a rerun reuse or replace the directory. The tokenizer of a checkpoint mega-train wrote is
 the one its data was tokenized with, written so that `AutoTokenizer` encodes as the data was
 encoded (megacore.models.hf_tokenizer); one mega-convert wrote carries the source model's files.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from mega_export import __version__
+from mega_export.card import model_card
 from megacore.artifacts import TORCH_DTYPES, HFManifest, SafetensorsStreamWriter, new_header_fields, parent_of
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
@@ -101,6 +103,7 @@ def export_hf(
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+            w.path("README.md").write_text(model_card(out.name, ckpt.manifest, checkpoint), encoding="utf-8")
             if ckpt.manifest.tokenizer is not None:  # trained here: the data's tokenizer
                 try:
                     made = hf_tokenizer_files(

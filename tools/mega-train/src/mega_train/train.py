@@ -38,6 +38,7 @@ from mega_train.metrics import MetricsLog, eval_line, memory_gb, peak_tflops, pe
 from mega_train.plan import RUN_MARK, RunPlan
 from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import OptimizerSpec, TrainingState
+from megacore.artifacts.reader import parent_of
 from megacore.config import flops_per_token
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
@@ -63,6 +64,7 @@ class State:
     optimizer_steps: int = 0
     loss_scale: float | None = None
     counters: dict[str, int] = field(default_factory=lambda: {"skipped": 0, "nan_steps": 0, "scale_good": 0})
+    metrics: dict[str, float] = field(default_factory=dict)  # last train_loss, valid_loss (not restored)
 
 
 def lr_at(step: int, opt: OptimizerSpec, total: int) -> float:
@@ -203,6 +205,8 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
     stop = StopRequest()
     saved_at = state.step if resumed else None
 
+    parents = [parent_of(p) for p in plan.inputs] if rank == 0 else []  # lineage: init and data
+
     def save() -> None:
         nonlocal saved_at
         path = step_dir(plan.checkpoints, state.step)
@@ -218,13 +222,14 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             loss_scale=state.loss_scale,
             counters=dict(state.counters),
             run=plan.fingerprint,
+            metrics={k: v for k, v in state.metrics.items() if math.isfinite(v)},
         )
         kill = injected("kill-in-save", state.step)
         save_checkpoint(
             path, pm, opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
             rank_state={"cpu": torch.get_rng_state()},
             on_written=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None,
-            tokenizer=plan.tokenizer,
+            tokenizer=plan.tokenizer, parents=parents,
         )  # fmt: skip
         saved_at = state.step
         if rank == 0:
@@ -311,6 +316,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             if rank == 0 and injected("nan-grad", state.step):
                 next(p for p in params if p.grad is not None).grad.fill_(float("nan"))
             loss, stopping = reduce_loss(local, counted, stop.signum)
+            state.metrics["train_loss"] = loss
             with torch.no_grad():
                 if scale != 1.0:
                     for p in params:
@@ -355,6 +361,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                 ev = evaluate()
                 if rank == 0:
                     ev_loss = ev.pop("loss")
+                    state.metrics["valid_loss"] = ev_loss
                     record = {"step": state.step, "kind": "eval", "loss": ev_loss, "ppl": perplexity(ev_loss)}
                     record.update(ev)  # accuracy, the user's metrics, the assistant's (chat data)
                     if "assistant_loss" in record:

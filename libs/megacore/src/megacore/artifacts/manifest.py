@@ -188,6 +188,7 @@ class TrainingState(Struct):
     counters: dict[str, NonNegative] = {}  # skipped steps, non-finite steps
     run: dict[str, str] = {}
     rng_files: list[FilePath] = []
+    metrics: dict[str, float] = {}  # the last train loss and evaluation loss by this step (model cards)
 
 
 class TrainedTokenizer(Struct):

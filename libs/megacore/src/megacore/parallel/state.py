@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate
 
 from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
-from megacore.artifacts.manifest import Layout, TrainedTokenizer, TrainingState
+from megacore.artifacts.manifest import Layout, Parent, TrainedTokenizer, TrainingState
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
 from megacore.config import config_differences
 from megacore.errors import UserError
@@ -64,12 +64,14 @@ def save_checkpoint(
     rank_state: dict[str, torch.Tensor] | None = None,
     on_written: Callable[[], None] | None = None,
     tokenizer: tuple[Path, TrainedTokenizer] | None = None,
+    parents: Sequence[Parent] = (),
 ) -> None:
     """Collective: every rank calls it with its part of the model (and optimizer) and its
     `rank_state`. `inputs` (the run's init checkpoint and data) are never written over, nor into
     (the output policy). `on_written` runs on every rank once its files are written, before the
     commit (a point for fault-injection tests). `tokenizer`: the one the weights were trained
-    with and the directory its files are relative to (copied in by rank 0)."""
+    with and the directory its files are relative to (copied in by rank 0); `parents`: the
+    lineage rank 0 records (the run's init checkpoint and data)."""
     mesh, rank = pm.mesh, dist.get_rank()
     decided: list = [None, None]  # (path to write, refusal) from rank 0
     if rank == 0:
@@ -110,6 +112,7 @@ def save_checkpoint(
             cw.commit(
                 config=pm.config,
                 tokenizer=cw.add_tokenizer(*tokenizer) if tokenizer is not None else None,
+                parents=parents,
                 dtype=dtype_of(next(pm.parameters())),
                 layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.dp, stage_layers=pm.layers),
                 producer=producer,

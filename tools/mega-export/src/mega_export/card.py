@@ -1,0 +1,67 @@
+"""The model card (`README.md` of an export) from the checkpoint's lineage: what it was trained from
+and on (the init checkpoint, the tokens artifacts with their token counts where they can still be
+read), for how long (steps, tokens), in which layout, with which final losses and tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megacore.artifacts import CheckpointManifest, TokensManifest, open_artifact
+from megacore.errors import UserError
+
+
+def _tokens_line(path: str) -> str:
+    try:
+        tokens = open_artifact(Path(path), "tokens", verify="none")
+    except UserError:  # moved or deleted since: the lineage keeps the path and its sha256
+        return f"`{path}`"
+    assert isinstance(tokens, TokensManifest)
+    c = tokens.counts
+    return f"`{path}`: {c.documents:,} documents, {c.tokens:,} tokens ({tokens.format}, {tokens.tokenizer.type} tokenizer)"
+
+
+def model_card(name: str, manifest: CheckpointManifest, checkpoint: Path) -> str:
+    """README.md text for the export of `manifest` (the checkpoint at `checkpoint`) named `name`."""
+    cfg, t = manifest.config, manifest.training
+    front = [
+        "---",
+        "library_name: transformers",
+        "tags:",
+        "- mega-train" if t else "- mega-convert",
+        "---",
+        "",
+    ]
+    lines = [f"# {name}", ""]
+    producer = f"{manifest.producer.name} {manifest.producer.version}" if manifest.producer else "unknown"
+    lines += [
+        f"A {cfg.family} decoder ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
+        f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size}, context {cfg.max_seq_len}), exported by "
+        f"mega-export from the checkpoint `{checkpoint}` ({producer}).",
+        "",
+        "| | |",
+        "| --- | --- |",
+    ]
+    base = [p.path for p in manifest.parents if p.kind == "checkpoint"]
+    data = [p.path for p in manifest.parents if p.kind == "tokens"]
+    if base:
+        lines.append(f"| base model | {', '.join(f'`{b}`' for b in base)} (a checkpoint artifact) |")
+    elif t is not None:
+        lines.append("| base model | none: trained from fresh weights |")
+    for i, d in enumerate(data):
+        lines.append(f"| training data{'' if len(data) == 1 else f' {i + 1}'} | {_tokens_line(d)} |")
+    if t is not None:
+        lines.append(f"| steps | {t.step:,} ({t.consumed_samples:,} samples) |")
+        for key, label in (("train_loss", "final train loss"), ("valid_loss", "final valid loss")):
+            if key in t.metrics:
+                lines.append(f"| {label} | {t.metrics[key]:.4f} |")
+    lay = manifest.layout
+    lines.append(f"| layout | tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {manifest.dtype} |")
+    if manifest.tokenizer is not None:
+        tok = manifest.tokenizer
+        chat = {None: "", "chatml": "; chat: ChatML"}.get(
+            tok.chat_template, "; chat: the tokenizer's template"
+        )
+        added = f", added {', '.join(tok.info.added_special_tokens)}" if tok.info.added_special_tokens else ""
+        lines.append(f"| tokenizer | {tok.info.type}, {tok.info.vocab_size:,} ids{added}{chat} |")
+    lines += ["", "Load it with `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`.", ""]
+    return "\n".join(front + lines)
