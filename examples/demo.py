@@ -49,10 +49,16 @@ def complete(model_dir: Path, prompt: str, tokens: int = 16) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = tok(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    # 30 steps of a tiny model: it has learnt the corpus's commonest tokens; the penalties keep
+    # greedy decoding from repeating the commonest one (a newline) 16 times.
+    out = model.generate(
+        **ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id,
+        repetition_penalty=1.3, no_repeat_ngram_size=2,
+    )  # fmt: skip
     return tok.decode(out[0][ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -176,7 +182,7 @@ def main(out: Path) -> None:
     prompt = "Return a new list"
     print(f"$ python -c 'transformers: complete {prompt!r}'", flush=True)
     completion = complete(out / "hf-trained", prompt)
-    print(f"{prompt}{completion}")
+    print(repr(prompt + completion))
 
     records = [json.loads(x) for x in (out / "train-run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]

@@ -130,7 +130,9 @@ def test_model_card_carries_the_lineage(tmp_path: Path, trained: Path) -> None:
     assert "library_name: transformers" in card
     assert "| steps | 4 (32 samples) |" in card
     assert "| base model | none: trained from fresh weights |" in card
+    assert "| training data | `tokens` (manifest sha256 " in card
     assert "documents," in card and "tokens (text, sentencepiece tokenizer)" in card
+    assert str(tmp_path.parent) not in card and "/tmp" not in card  # no local path is published
     assert "| final train loss |" in card and "| final valid loss |" in card
     assert "| layout | tp 1 x pp 1 x dp 1, float32 |" in card
     assert f"vocab {TINY_LLAMA['vocab_size']}" in card

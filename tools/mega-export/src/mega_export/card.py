@@ -1,27 +1,35 @@
 """The model card (`README.md` of an export) from the checkpoint's lineage: what it was trained from
 and on (the init checkpoint, the tokens artifacts with their token counts where they can still be
-read), for how long (steps, tokens), in which layout, with which final losses and tokenizer."""
+read), for how long (steps, tokens), in which layout, with which final losses and tokenizer.
+
+A card is published: artifacts are named by their directory's name and the sha256 of their
+manifest, never by a local path (which would show a user name or a cluster's layout)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, TokensManifest, open_artifact
+from megacore.artifacts.manifest import Parent
 from megacore.errors import UserError
 
 
-def _tokens_line(path: str) -> str:
+def _name(p: Parent) -> str:
+    return f"`{Path(p.path).name}` (manifest sha256 {p.manifest_sha256[:12]})"
+
+
+def _tokens_line(p: Parent) -> str:
     try:
-        tokens = open_artifact(Path(path), "tokens", verify="none")
-    except UserError:  # moved or deleted since: the lineage keeps the path and its sha256
-        return f"`{path}`"
+        tokens = open_artifact(Path(p.path), "tokens", verify="none")
+    except UserError:  # moved or deleted since: the lineage keeps its name and sha256
+        return _name(p)
     assert isinstance(tokens, TokensManifest)
     c = tokens.counts
-    return f"`{path}`: {c.documents:,} documents, {c.tokens:,} tokens ({tokens.format}, {tokens.tokenizer.type} tokenizer)"
+    return f"{_name(p)}: {c.documents:,} documents, {c.tokens:,} tokens ({tokens.format}, {tokens.tokenizer.type} tokenizer)"
 
 
-def model_card(name: str, manifest: CheckpointManifest, checkpoint: Path) -> str:
-    """README.md text for the export of `manifest` (the checkpoint at `checkpoint`) named `name`."""
+def model_card(name: str, manifest: CheckpointManifest) -> str:
+    """README.md text for the export named `name` of the checkpoint `manifest`."""
     cfg, t = manifest.config, manifest.training
     front = [
         "---",
@@ -36,15 +44,15 @@ def model_card(name: str, manifest: CheckpointManifest, checkpoint: Path) -> str
     lines += [
         f"A {cfg.family} decoder ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size}, context {cfg.max_seq_len}), exported by "
-        f"mega-export from the checkpoint `{checkpoint}` ({producer}).",
+        f"mega-export from a checkpoint written by {producer}.",
         "",
         "| | |",
         "| --- | --- |",
     ]
-    base = [p.path for p in manifest.parents if p.kind == "checkpoint"]
-    data = [p.path for p in manifest.parents if p.kind == "tokens"]
+    base = [p for p in manifest.parents if p.kind == "checkpoint"]
+    data = [p for p in manifest.parents if p.kind == "tokens"]
     if base:
-        lines.append(f"| base model | {', '.join(f'`{b}`' for b in base)} (a checkpoint artifact) |")
+        lines.append(f"| base model | {', '.join(_name(b) for b in base)}, a checkpoint |")
     elif t is not None:
         lines.append("| base model | none: trained from fresh weights |")
     for i, d in enumerate(data):

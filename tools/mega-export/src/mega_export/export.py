@@ -103,7 +103,7 @@ def export_hf(
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
-            w.path("README.md").write_text(model_card(out.name, ckpt.manifest, checkpoint), encoding="utf-8")
+            w.path("README.md").write_text(model_card(out.name, ckpt.manifest), encoding="utf-8")
             if ckpt.manifest.tokenizer is not None:  # trained here: the data's tokenizer
                 try:
                     made = hf_tokenizer_files(
