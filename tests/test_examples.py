@@ -1,0 +1,79 @@
+"""examples/Makefile end to end on tiny inputs: a corpus, a SentencePiece tokenizer and a tiny Llama
+from transformers become tokens, a converted and resharded checkpoint, a training run under torchrun
+and an export; a rerun does nothing; a changed corpus rebuilds the tokens, the run (the old one
+kept aside) and the export, and leaves the converted checkpoints alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import BIN
+from tokenize_testlib import corpus, write_jsonl
+
+MAKEFILE = Path(__file__).resolve().parents[1] / "examples" / "Makefile"
+
+
+def make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    cmd = ["make", "-f", str(MAKEFILE), "CORPUS=corpus.jsonl", "TOKENIZER=tok.model", "HF_MODEL=hf",
+           "OUT=out", "TP=2", "PP=1", "NPROC=2", "STEPS=3", "SEQ=32", "BATCH=4", *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_makefile_chain_reruns_only_what_changed(tmp_path: Path, sp_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    shutil.copy(sp_model, tmp_path / "tok.model")
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in corpus(200)])
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+
+    first = make(tmp_path)
+    for tool in ("mega-tokenize", "mega-convert hf", "mega-shard", "torchrun", "mega-export"):
+        assert tool in first.stdout, tool
+    out = tmp_path / "out"
+    AutoModelForCausalLM.from_pretrained(out / "hf")  # transformers loads the end of the chain
+    done = {
+        p: (out / p / "manifest.json").stat().st_mtime_ns for p in ("ckpt", "ckpt-tp2pp1", "tokens", "hf")
+    }
+
+    again = make(tmp_path)  # up to date: no tool runs
+    assert not any(t in again.stdout for t in ("mega-", "torchrun")), again.stdout
+
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in corpus(150)])  # the data changed
+    third = make(tmp_path)
+    for tool in ("mega-tokenize", "torchrun", "mega-export"):
+        assert tool in third.stdout, tool
+    assert "mega-convert hf" not in third.stdout and "mega-shard" not in third.stdout
+    assert "inputs changed: the previous run is kept as" in third.stdout
+    assert len(list(out.glob("run.before-*"))) == 1  # kept, not deleted
+    for p in ("ckpt", "ckpt-tp2pp1"):
+        assert (out / p / "manifest.json").stat().st_mtime_ns == done[p], p
+    for p in ("tokens", "hf"):
+        assert (out / p / "manifest.json").stat().st_mtime_ns > done[p], p
+
+
+def test_airflow_dag_loads_with_airflows_own_loader() -> None:
+    """Runs where apache-airflow is installed (not a dependency of this project)."""
+    pytest.importorskip("airflow")
+    from airflow.models import DagBag
+
+    bag = DagBag(dag_folder=str(MAKEFILE.parent / "airflow"))  # Airflow 3 (2 loaded its examples too)
+    assert not bag.import_errors, bag.import_errors
+    dag = bag.dags["mega_chain"]  # as parsed (get_dag would ask the metadata database)
+    assert {t.task_id for t in dag.tasks} == {"tokenize", "convert", "shard", "train", "export"}
+    assert dag.get_task("shard").upstream_task_ids == {"convert"}
+    assert dag.get_task("train").upstream_task_ids == {"tokenize", "shard"}
+    assert dag.get_task("export").upstream_task_ids == {"train"}
+    assert "ti.xcom_pull(task_ids='train')" in dag.get_task("export").bash_command
