@@ -43,9 +43,9 @@ installed version, so pip can never replace torch. A peer that cannot be install
 in its row's note instead of failing the run.
 
 Rounds are interleaved (every configuration once per round, each of ours next to the peer it is
-compared with, the order reversed every other round), 3 rounds (`--quick`: 1), then the bare step
-and mega-train alone, alternating which goes first, up to PAIR_ROUNDS (6) rounds: the overhead
-target (5%) is within the noise of a few rounds. Tokens/s shown are each configuration's best
+compared with, the order reversed every other round), 3 rounds (`--quick`: 1), then the two pairs
+with a target (mega-train and the bare step, compiled mega-train and litgpt) alone, alternating
+which goes first, up to PAIR_ROUNDS (6) rounds: the targets' margins are within the noise of 3. Tokens/s shown are each configuration's best
 round; ratios are the median over the rounds both sides ran of ours / peer in the same round (this
 2-core machine is shared and its speed drifts).
 """
@@ -517,7 +517,7 @@ def compare(results: dict[str, list[dict]], ours: str, peer: str, target: str, n
             return Row("train", metric, "-", "-", None, target, f"{LABELS[side]} failed: {failed[0]}", passed)
     o = [r["tokens_per_s"] for r in results[ours]]
     p = [r["tokens_per_s"] for r in results[peer]]
-    n = min(len(o), len(p))  # the rounds both ran (the bare/mega pair runs more: PAIR_ROUNDS)
+    n = min(len(o), len(p))  # the rounds both ran (the pairs with a target run PAIR_ROUNDS)
     o, p = o[:n], p[:n]
     ratio = statistics.median(a / b for a, b in zip(o, p, strict=True))
     rounds = f"rounds {'/'.join(f'{x:.0f}' for x in o)} vs {'/'.join(f'{x:.0f}' for x in p)}"
@@ -566,19 +566,21 @@ def rss_row(setup: Setup, tokens: Path, results: dict[str, list[dict]], note: st
 ORDER = ("bare", "mega", "hf", "litgpt", "mega-compiled")
 
 
-# The overhead row's target (5%) is within this machine's round-to-round noise: paired ratios of
-# 0.92, 1.02 and 0.91 in one run, 0.99 to 1.31 over six rounds in another: its pair gets more rounds.
+# The targets' margins are within this machine's round-to-round noise (mega-train against the bare
+# step: paired ratios 0.92, 1.02, 0.91 in one run; compiled against litgpt: 1.09, 1.21, 1.46 in
+# another): the two pairs with a target run PAIR_ROUNDS rounds, the rest 3.
 PAIR_ROUNDS = 6
+PAIRED = ("bare", "mega", "litgpt", "mega-compiled")
 
 
 def measure_rounds(setup: Setup, tokens: Path, rows: Path) -> dict[str, list[dict]]:
     """Every configuration once per round, in ORDER, reversed every other round (so no configuration
-    always runs first); then the bare step and mega-train alone, alternating, up to PAIR_ROUNDS."""
+    always runs first); then the pairs with a target alone, alternating, up to PAIR_ROUNDS."""
     pythons = {"bare": Path(sys.executable), "hf": peer_python("hf"), "litgpt": peer_python("litgpt")}
     results: dict[str, list[dict]] = {k: [] for k in ORDER}
     pairs = max(setup.rounds, PAIR_ROUNDS if setup.rounds > 1 else 1)
     for r in range(pairs):
-        order = ORDER if r < setup.rounds else ORDER[:2]
+        order = ORDER if r < setup.rounds else PAIRED
         for kind in order if r % 2 == 0 else order[::-1]:
             t = time.perf_counter()
             if kind.startswith("mega"):

@@ -20,6 +20,9 @@ def test_convert_shard_export_gives_back_the_same_model(tmp_path: Path):
         f"model-pp{s:02d}-tp{r:02d}.safetensors" for s in range(2) for r in range(2)
     ]
     run_tool("mega-export", tmp_path / "ckpt-tp2pp2", tmp_path / "out", check=True)
+    run_tool("mega-export", tmp_path / "ckpt", tmp_path / "out-tp1pp1", check=True)
+    for name in ("model.safetensors", "config.json"):  # any layout exports the same bytes
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "out-tp1pp1" / name).read_bytes(), name
 
     before, after = load_file(hf / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
