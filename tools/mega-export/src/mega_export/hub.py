@@ -80,7 +80,7 @@ def push(
         raise HubError(
             f"{repo}: {_first_line(e)}; {out} is intact, rerun to resume", "--push-to-hub"
         ) from None
-    return str(info.commit_url if hasattr(info, "commit_url") else info)
+    return info.commit_url
 
 
 def _first_line(e: BaseException) -> str:

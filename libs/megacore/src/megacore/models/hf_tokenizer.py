@@ -208,10 +208,6 @@ CHATML_TEMPLATE = (
 CHATML_END = "<|im_end|>"
 
 
-class TokenizerMismatch(ValueError):
-    """The tokenizer cannot be exported for this model (ids past its embedding rows)."""
-
-
 def hf_tokenizer_files(
     root: Path, tokenizer: TrainedTokenizer, vocab_rows: int, max_len: int
 ) -> dict[str, str]:
@@ -238,7 +234,7 @@ def hf_tokenizer_files(
     names = _id_to_token(data)
     top = max(names)
     if top >= vocab_rows:
-        raise TokenizerMismatch(
+        raise ValueError(
             f"the tokenizer has ids up to {top} and the model {vocab_rows} embedding rows: ids "
             f"{vocab_rows}..{top} would have no embedding"
         )

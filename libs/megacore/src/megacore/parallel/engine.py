@@ -226,8 +226,8 @@ class ParallelModel:
         microbatches; the gradients of `scale` times the mean loss over the global batch's `count`
         counted targets are accumulated in the parameters (`count` None: every dp rank counts as
         many as this one). `positions` [B, S]: packed documents (`Decoder.forward`), given on
-        every rank, a pipeline's middle stages included. Returns the mean loss (unscaled) over this rank's counted targets on ranks holding the
-        last stage, else None."""
+        every rank, a pipeline's middle stages included. Returns the mean loss (unscaled) over this
+        rank's counted targets on ranks holding the last stage, else None."""
         n = self.par.microbatches
         data = tokens if tokens is not None else targets
         if data is not None:  # middle pipeline stages get no batch; the ends check it
