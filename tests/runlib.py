@@ -62,10 +62,10 @@ def metrics(out: Path, kind: str = "train") -> list[dict]:
 LOSS_REL = 1e-4
 
 
-def torchrun(nproc: int, run_json: Path, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, run_json: Path, *args: str, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **kw.pop("env", {})}
-    cmd += [str(BIN / "mega-train"), "--manifest", str(run_json)]
+    cmd += [str(BIN / "mega-train"), "--manifest", str(run_json), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, **kw)
 
 

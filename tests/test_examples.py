@@ -1,6 +1,6 @@
 """examples/Makefile end to end on tiny inputs: a corpus, a SentencePiece tokenizer and a tiny Llama
 from transformers become tokens, a converted and resharded checkpoint, a training run under torchrun
-and an export; a rerun does nothing; a changed corpus rebuilds the tokens, the run (the old one
+and an export (whose card carries the source's license); a rerun does nothing; a changed corpus rebuilds the tokens, the run (the old one
 kept aside) and the export, and leaves the converted checkpoints alone."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_makefile_chain_reruns_only_what_changed(tmp_path: Path, sp_model: Path) -> None:
     import torch
+    from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     shutil.copy(sp_model, tmp_path / "tok.model")
@@ -38,12 +39,18 @@ def test_makefile_chain_reruns_only_what_changed(tmp_path: Path, sp_model: Path)
     cfg = LlamaConfig(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: tiny-license\n---\n# tiny\n"
+    )
 
     first = make(tmp_path)
     for tool in ("mega-tokenize", "mega-convert hf", "mega-shard", "torchrun", "mega-export"):
         assert tool in first.stdout, tool
     out = tmp_path / "out"
     AutoModelForCausalLM.from_pretrained(out / "hf")  # transformers loads the end of the chain
+    # The source's license, carried by convert, shard and train, is on the card as the Hub reads it.
+    card = ModelCard.load(out / "hf" / "README.md").data
+    assert (card.license, card.license_name) == ("other", "tiny-license")
     done = {
         p: (out / p / "manifest.json").stat().st_mtime_ns for p in ("ckpt", "ckpt-tp2pp1", "tokens", "hf")
     }
@@ -77,3 +84,4 @@ def test_airflow_dag_loads_with_airflows_own_loader() -> None:
     assert dag.get_task("train").upstream_task_ids == {"tokenize", "shard"}
     assert dag.get_task("export").upstream_task_ids == {"train"}
     assert "ti.xcom_pull(task_ids='train')" in dag.get_task("export").bash_command
+    assert "mega-train --manifest $run --json" in dag.get_task("train").bash_command

@@ -25,6 +25,12 @@ except ImportError:  # Airflow 2
 
 # The artifact path a tool's --json summary names, printed last (what BashOperator pushes to XCom).
 OUT = "| python3 -c 'import json, sys; print(json.load(sys.stdin)[\"out\"])'"
+# mega-train's --json: the final checkpoint; a run stopped early (SIGTERM: it saved a checkpoint and
+# exited 0) fails the task instead, and the task's retry resumes it.
+DONE = (
+    '| python3 -c \'import json, sys; s = json.load(sys.stdin); print(s["out"]) if s["complete"] else '
+    'sys.exit("stopped at step %d of %d; a retry resumes" % (s["step"], s["train_steps"]))\''
+)
 P = "{{ params.%s }}"
 XCOM = "{{ ti.xcom_pull(task_ids='%s') }}"
 
@@ -70,10 +76,10 @@ with DAG(
     train = BashOperator(
         task_id="train",
         bash_command=(
-            f"set -e; run={P % 'out'}/run.json; {run_json} $(realpath {P % 'out'})/run "
+            f"set -eo pipefail; run={P % 'out'}/run.json; {run_json} $(realpath {P % 'out'})/run "
             f"$(realpath {XCOM % 'shard'}) $(realpath {XCOM % 'tokenize'}) {P % 'steps'} {P % 'tp'} "
             f"{P % 'pp'} $run; torchrun --nproc-per-node {P % 'nproc'} $(command -v mega-train) "
-            f"--manifest $run >&2; echo $(realpath {P % 'out'})/run/checkpoints/latest"
+            f"--manifest $run --json {DONE}"
         ),
     )
     export = BashOperator(

@@ -15,6 +15,7 @@ from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
 from mega_export.export import export_hf
 from megacore.artifacts import open_artifact
+from megacore.artifacts.manifest import License
 from megacore.checkpoint import load_decoder
 from megacore.errors import UserError
 
@@ -152,8 +153,38 @@ def test_bad_inputs_exit_2_one_line(tmp_path: Path) -> None:
         "model.layers.1.mlp.up_proj.weight",
         "missing",
     )
-    for i in range(1, 4):
+
+    bad_card = build("llama", tmp_path / "card")
+    (bad_card / "README.md").write_text("---\nlicense: [apache-2.0\n---\n# a model\n")
+    assert_one_line_error(
+        run_tool("mega-convert", "hf", bad_card, tmp_path / "o4"),
+        "README.md",
+        "front matter is not valid YAML",
+    )
+    for i in range(1, 5):
         assert not (tmp_path / f"o{i}").exists() and not (tmp_path / f"o{i}.partial").exists()
+
+
+def test_license_is_read_from_the_model_card(tmp_path: Path) -> None:
+    """The card's front matter gives the license (as the Hub reads it); no card, or no license in
+    it: none. The card is part of the recipe: after an edit the old conversion is not reused."""
+    src = build("llama", tmp_path / "hf")
+    convert_hf(src, tmp_path / "none", log=quiet)
+    assert open_artifact(tmp_path / "none", "checkpoint").license is None
+    (src / "README.md").write_text("# no front matter\n")
+    assert convert_hf(src, tmp_path / "plain", log=quiet)["license"] is None
+    (src / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: tiny\nlicense_link: LICENSE\n---\n# a model\n"
+    )
+    s = convert_hf(src, tmp_path / "other", log=quiet)
+    assert s["license"] == "other"
+    assert open_artifact(tmp_path / "other", "checkpoint").license == License("other", "tiny", "LICENSE")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    with pytest.raises(UserError, match="--force"):
+        convert_hf(src, tmp_path / "other", log=quiet)
+    convert_hf(src, tmp_path / "other", log=quiet, force=True)
+    assert open_artifact(tmp_path / "other", "checkpoint").license == License("apache-2.0")
+    assert convert_hf(src, tmp_path / "other", log=quiet)["reused"] is True
 
 
 def _pickled(tmp_path: Path) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -96,6 +97,11 @@ def documents(tokens: Path) -> list[list[int]]:
     return docs
 
 
+def added_id(tok_dir: Path, token: str) -> int:
+    data = json.loads((tok_dir / "tokenizer.json").read_text())
+    return next(t["id"] for t in data["added_tokens"] if t["content"] == token)
+
+
 def export_trained(tmp_path: Path, tokens: Path) -> Path:
     """Two training steps of the tiny Llama on `tokens`, exported with mega-export."""
     run_json = write_run(
@@ -120,7 +126,11 @@ def test_exported_tokenizer_encodes_as_the_training_data(
     tokens = tmp_path / "tokens"
     if kind == "sentencepiece":  # ChatML, its markers added past the tokenizer's 400 pieces
         args = ["-t", sp_model, *CHATML]
-    else:  # the tokenizer's own chat template (its markers are in its vocab)
+    else:  # the tokenizer's own chat template (its markers are in its vocab), and several stop ids
+        # in generation_config.json, as Llama 3.1 has (its <|eot_id|>, <|eom_id|>, <|end_of_text|>)
+        hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "tok"))
+        named_stops = [added_id(hf_dir, t) for t in ("<|endoftext|>", "<|im_end|>", "<|begin|>")]
+        (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": named_stops}))
         args = ["-t", hf_dir, "--chat-template", "tokenizer"]
     run_tool("mega-tokenize", src, tokens, "--format", "chat", *args, check=True)
     manifest = open_artifact(tokens, "tokens")
@@ -169,4 +179,6 @@ def test_exported_tokenizer_encodes_as_the_training_data(
     assert info.eos_id in stops
     if kind == "sentencepiece":
         assert info.added_special_tokens["<|im_end|>"] in stops
+    else:
+        assert info.stop_ids == named_stops and set(named_stops) <= set(stops)
     assert len(tok) <= json.loads((out / "config.json").read_text())["vocab_size"]

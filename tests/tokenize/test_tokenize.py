@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import gigatoken  # noqa: F401  (required, like megatron-core: a broken install fails, never skips)
@@ -18,6 +19,7 @@ from megatron.core.datasets import indexed_dataset
 from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts.reader import open_artifact
 from megacore.data.indexed import IndexedReader
+from megacore.errors import UserError
 from tokenize_testlib import corpus, write_jsonl
 
 
@@ -161,6 +163,22 @@ def test_hf_tokenizer_dir_and_json(tmp_path: Path, hf_dir: Path):
             assert ids[-1] == eos and not specials & set(ids[:-1])
             assert ref.decode(ids[:-1], skip_special_tokens=False) == d
     assert "tokenizer/tokenizer_config.json" in open_artifact(tmp_path / "dir", "tokens").tokenizer.files
+
+
+def test_stop_ids_come_from_generation_config(tmp_path: Path, hf_dir: Path):
+    """A tokenizer directory's generation_config.json names the ids that end generation (one or
+    several); anything else there is a one-line error naming the file."""
+    from mega_tokenize.tokenizer import load_tokenizer
+
+    d = Path(shutil.copytree(hf_dir, tmp_path / "tok"))
+    assert load_tokenizer(d).stop_ids == []
+    for given, want in ((3, [3]), ([0, 3, 3, 2], [0, 3, 2])):
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": given}))
+        assert load_tokenizer(d).stop_ids == want
+    for bad in ('{"eos_token_id": "</s>"}', '{"eos_token_id": [1, -2]}', "[1, 2]", "{"):
+        (d / "generation_config.json").write_text(bad)
+        with pytest.raises(UserError, match="generation_config.json"):
+            load_tokenizer(d)
 
 
 def test_int32_when_vocab_does_not_fit_uint16(tmp_path: Path, sp_model: Path):

@@ -8,6 +8,7 @@ layout must end bit-identical.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -165,6 +166,32 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path, tokens: Path) -> None:
         assert metrics(out)[-1]["step"] == step
         with CheckpointReader(out / "checkpoints" / saved[0]) as ckpt:
             assert ckpt.manifest.training.step == step
+
+
+def test_json_summary_names_the_newest_checkpoint(tmp_path: Path, tokens: Path) -> None:
+    """--json under torchrun: stdout is one JSON object (rank 0's; the console lines went to stderr)
+    naming the newest checkpoint and the last losses as metrics.jsonl has them; a rerun of the
+    finished run says the same without training."""
+    run_json = write_run(tmp_path, tokens, train_steps=4, eval={"every": 2, "iters": 1})
+    out = tmp_path / "run"
+    first = ok(torchrun(2, run_json, "--json"))
+    summary = json.loads(first.stdout)
+    newest = out / "checkpoints" / "step-00000004"
+    assert summary["out"] == str(newest) and summary["kind"] == "checkpoint"
+    assert summary["manifest_sha256"] == hashlib.sha256((newest / "manifest.json").read_bytes()).hexdigest()
+    assert (summary["step"], summary["train_steps"], summary["complete"], summary["stopped_by"]) == (
+        4,
+        4,
+        True,
+        None,
+    )
+    assert summary["train_loss"] == metrics(out)[-1]["loss"]
+    assert summary["valid_loss"] == metrics(out, "eval")[-1]["loss"]
+    assert summary["layout"] == {"tp": 1, "pp": 1, "dp": 2}
+    assert "step 4/4" in first.stderr and "saved" in first.stderr
+    again = ok(torchrun(2, run_json, "--json"))
+    assert json.loads(again.stdout) == summary
+    assert "already complete" in again.stderr and "step 4/4" not in again.stderr
 
 
 def children(pid: int) -> list[int]:

@@ -37,7 +37,7 @@ from megacore.artifacts import (
     open_artifact,
     piece_entry,
 )
-from megacore.artifacts.manifest import Layout, Parent, TrainedTokenizer, TrainingState
+from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import Verify, artifact_root
 from megacore.config import ModelConfig
 from megacore.errors import UserError
@@ -130,6 +130,7 @@ class CheckpointWriter:
         tokenizer_files: Sequence[str] = (),
         tokenizer: TrainedTokenizer | None = None,
         training: TrainingState | None = None,
+        license: License | None = None,
         order: Sequence[str] | None = None,
     ) -> CheckpointManifest:
         """Write the manifest (tensors in `order`, default as declared) and move the artifact in."""
@@ -145,6 +146,7 @@ class CheckpointWriter:
             tokenizer_files=list(tokenizer_files),
             tokenizer=tokenizer,
             training=training,
+            license=license,
         )
         return self.w.commit(manifest)
 

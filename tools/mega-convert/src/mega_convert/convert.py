@@ -2,6 +2,7 @@
 
 Only config.json and safetensors files are read (a single `model.safetensors`, a sharded set with
 `model.safetensors.index.json`, or any `*.safetensors`); pickled `.bin` checkpoints are refused.
+The model card's front matter (README.md) gives the license the checkpoint carries on.
 One HF tensor is in memory at a time, so peak memory stays near the largest tensor, not the model.
 """
 
@@ -19,7 +20,7 @@ from safetensors import safe_open
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, whole
-from megacore.artifacts.manifest import Layout
+from megacore.artifacts.manifest import Layout, License
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import safetensors_header
 from megacore.background import Background
@@ -57,6 +58,32 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError("expected a JSON object", str(path))
     return data
+
+
+def read_license(model_dir: Path) -> License | None:
+    """The license the model card (README.md) states in its front matter, as the Hub reads it."""
+    card = model_dir / "README.md"
+    if not card.is_file():
+        return None
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        meta = metadata_load(card) or {}
+    except Exception as e:  # YAML errors, a front matter that is not a mapping, bad UTF-8
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"the model card's front matter is not valid YAML ({why})", str(card)) from None
+    lic = meta.get("license")
+    if lic is None:
+        return None
+    fields = {
+        "license": lic,
+        "license_name": meta.get("license_name"),
+        "license_link": meta.get("license_link"),
+    }
+    for key, value in fields.items():
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"front matter: {key} should be a string, got {value!r}", str(card))
+    return License(id=lic, name=fields["license_name"], link=fields["license_link"])
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -107,18 +134,20 @@ def check_hf_tensors(config: ModelConfig, where: dict[str, Path], model_dir: Pat
 
 
 def recipe(model_dir: Path, files: list[Path], options: dict[str, Any]) -> str:
-    """What decides the output: config.json bytes, the weight and tokenizer files (name, size,
-    mtime) and the options."""
+    """What decides the output: config.json bytes, the weight and tokenizer files and the model
+    card (name, size, mtime) and the options."""
 
     def ident(f: Path) -> list:
         st = f.stat()
         return [f.name, st.st_size, st.st_mtime_ns]
 
     tokenizer = [ident(model_dir / t) for t in TOKENIZER_FILES if (model_dir / t).is_file()]
+    card = model_dir / "README.md"
     return recipe_sha256(
         config=(model_dir / "config.json").read_bytes().decode("utf-8", "replace"),
         weights=[ident(f) for f in sorted(set(files))],
         tokenizer=tokenizer,
+        **({"card": ident(card)} if card.is_file() else {}),  # recipes of card-less models as before
         **options,
     )
 
@@ -147,10 +176,12 @@ def convert_hf(
     source_dtype = safetensors_header(where[first])[first]["dtype"]
     source = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(source_dtype)
     out_dtype = dtype or source or "float32"
+    license = read_license(model_dir)
     rec = recipe(model_dir, list(where.values()), {"dtype": out_dtype, "pad_multiple": pad_multiple})
     summary = {
         "out": str(out),
         "family": config.family,
+        "license": license.id if license else None,
         "dtype": out_dtype,
         "vocab_size": config.vocab_size,
         "padded_vocab_size": config.padded_vocab_size,
@@ -201,6 +232,7 @@ def convert_hf(
             layout=Layout(tp=1, pp=1, dp=1, stage_layers=[list(range(config.num_layers))]),
             producer=("mega-convert", __version__),
             tokenizer_files=tokenizer_files,
+            license=license,
         )
     shown.done()
     params = sum(int(torch.Size(s).numel()) for s in shapes.values())

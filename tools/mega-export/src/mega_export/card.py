@@ -1,12 +1,14 @@
 """The model card (`README.md` of an export) from the checkpoint's lineage: what it was trained from
 and on (the init checkpoint, the tokens artifacts with their token counts where they can still be
-read), for how long (steps, tokens), in which layout, with which final losses and tokenizer.
+read), for how long (steps, tokens), in which layout, with which final losses and tokenizer, under
+which license (the source model's, as mega-convert read it from its card).
 
 A card is published: artifacts are named by their directory's name and the sha256 of their
 manifest, never by a local path (which would show a user name or a cluster's layout)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, TokensManifest, open_artifact
@@ -31,14 +33,12 @@ def _tokens_line(p: Parent) -> str:
 def model_card(name: str, manifest: CheckpointManifest) -> str:
     """README.md text for the export named `name` of the checkpoint `manifest`."""
     cfg, t = manifest.config, manifest.training
-    front = [
-        "---",
-        "library_name: transformers",
-        "tags:",
-        "- mega-train" if t else "- mega-convert",
-        "---",
-        "",
-    ]
+    front = ["---"]
+    lic = manifest.license
+    if lic is not None:
+        front += [f"{key}: {json.dumps(value)}" for key, value in
+                  (("license", lic.id), ("license_name", lic.name), ("license_link", lic.link)) if value]  # fmt: skip
+    front += ["library_name: transformers", "tags:", "- mega-train" if t else "- mega-convert", "---", ""]
     lines = [f"# {name}", ""]
     producer = f"{manifest.producer.name} {manifest.producer.version}" if manifest.producer else "unknown"
     lines += [
@@ -62,6 +62,8 @@ def model_card(name: str, manifest: CheckpointManifest) -> str:
         for key, label in (("train_loss", "final train loss"), ("valid_loss", "final valid loss")):
             if key in t.metrics:
                 lines.append(f"| {label} | {t.metrics[key]:.4f} |")
+    if lic is not None:
+        lines.append(f"| license | {lic.id}{f' ({lic.name})' if lic.name else ''}, the base model's |")
     lay = manifest.layout
     lines.append(f"| layout | tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {manifest.dtype} |")
     if manifest.tokenizer is not None:

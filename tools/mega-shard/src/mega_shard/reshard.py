@@ -124,6 +124,7 @@ def reshard(
                 tokenizer_files=manifest.tokenizer_files,
                 tokenizer=tokenizer,
                 training=manifest.training,
+                license=manifest.license,
                 order=names,
             )
         shown.done()

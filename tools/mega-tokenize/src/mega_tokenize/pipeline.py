@@ -276,6 +276,7 @@ def _settings(opts: Options, tok: Tokenizer) -> dict:
         "prepend_bos": opts.prepend_bos,
         "added": tok.added,
         "on_error": opts.on_error,
+        **({"stop_ids": tok.stop_ids} if tok.stop_ids else {}),  # recipes without them as before
     }
 
 
@@ -532,6 +533,7 @@ def _manifest(job: _Job, tok_files: list[str], shards: list[mf.Shard], engine: E
             pad_id=tok.pad_id,
             unk_id=tok.unk_id,
             added_special_tokens=dict(tok.added),
+            stop_ids=tok.stop_ids,
         ),
         dtype=job.dtype,
         format=opts.format,

@@ -78,6 +78,7 @@ class Tokenizer:
     unk_id: int | None = None
     added: dict[str, int] = field(default_factory=dict)  # --add-special-tokens, in order
     chat_template: str | None = None
+    stop_ids: list[int] = field(default_factory=list)  # generation_config.json's eos ids
     threads: int = 1
 
     @property
@@ -301,6 +302,8 @@ def load_tokenizer(path: Path, threads: int = 1) -> Tokenizer:
                 tok.files.append(path / extra)
                 if extra.endswith(".jinja") and tok.chat_template is None:
                     tok.chat_template = (path / extra).read_text(encoding="utf-8")
+        if (path / "generation_config.json").is_file():
+            tok.stop_ids = _stop_ids(path / "generation_config.json")
         return tok
     if path.suffix == ".json":
         return _load_hf(path, threads)
@@ -386,6 +389,22 @@ def _apply_config(tok: Tokenizer, cfg: Path) -> None:
         tmpl = next((t.get("template") for t in tmpl if t.get("name") == "default"), None)
     if isinstance(tmpl, str):
         tok.chat_template = tmpl
+
+
+def _stop_ids(path: Path) -> list[int]:
+    """generation_config.json's `eos_token_id`: one id or several."""
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise UserError(f"not a JSON object ({e})", str(path)) from None
+    ids = [ids] if isinstance(ids, int) else ids
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise UserError(f"eos_token_id: expected an id or a list of ids, got {ids!r}", str(path))
+    return list(dict.fromkeys(ids))
 
 
 # --- engine choice -------------------------------------------------------------------------------

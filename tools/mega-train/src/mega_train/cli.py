@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -55,7 +57,12 @@ def train(
         "nvidia-smi shows as 81920MiB); says whether each rank fits.",
     ),
     verify: Verify = verify_option("the referenced artifacts' files"),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON on stdout."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print a machine-readable summary on stdout: the plan (with --dry-run), else the run's "
+        "newest checkpoint (`out`), step, losses; the console lines go to stderr.",
+    ),
     version: bool = version_option("mega-train", __version__),
     debug: bool = debug_option(),
 ) -> None:
@@ -63,6 +70,8 @@ def train(
 
     Checkpoints go to the run's `out` directory; rerunning the same command resumes from the newest
     complete one (in any tp/pp/dp layout). SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
+    With --json, rank 0 ends by printing the run's summary on stdout, `out` being the newest
+    checkpoint: what an orchestrator hands to mega-export.
 
     Example: torchrun --nproc-per-node 8 $(which mega-train) --manifest run.json
     """
@@ -104,7 +113,7 @@ def train(
 
             report = memory_plan(plan, memory_bytes, gpus)
             summary |= report
-        if as_json:
+        if as_json and dry_run:
             typer.echo(json.dumps(summary, indent=2))
         else:
             par, batch = summary["parallel"], summary["batch"]
@@ -112,7 +121,8 @@ def train(
                 f"{manifest}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
                 f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
                 f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
-                f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps"
+                f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps",
+                err=as_json,
             )
             if report is not None:
                 typer.echo("\n".join(memory_lines(report)))
@@ -122,7 +132,14 @@ def train(
         raise UserError("--world-size is for --dry-run; a run's world size is torchrun's", "--world-size")
     from mega_train.train import train as run_training
 
-    raise typer.Exit(run_training(plan, peak_tflops))
+    if not as_json:
+        run_training(plan, peak_tflops)
+        return
+    # stdout carries the summary alone: everything the run prints goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        finished = run_training(plan, peak_tflops)
+    if finished is not None:
+        typer.echo(json.dumps(finished, indent=2))
 
 
 main = main_for(app, "mega-train")

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ class State:
     optimizer_steps: int = 0
     loss_scale: float | None = None
     counters: dict[str, int] = field(default_factory=lambda: {"skipped": 0, "nan_steps": 0, "scale_good": 0})
-    metrics: dict[str, float] = field(default_factory=dict)  # last train_loss, valid_loss (not restored)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last train_loss, valid_loss
 
 
 def lr_at(step: int, opt: OptimizerSpec, total: int) -> float:
@@ -108,7 +109,9 @@ class StopRequest:
             signal.signal(s, h)
 
 
-def train(plan: RunPlan, peak: float | None = None) -> int:
+def train(plan: RunPlan, peak: float | None = None) -> dict | None:
+    """Train (or resume) `plan`'s run. Rank 0 returns what an orchestrator passes on (`finished`:
+    the newest checkpoint, how far the run got, its last losses); the other ranks None."""
     run, config = plan.run, plan.config
     G, S = run.batch.global_batch_size, run.batch.seq_length
     configure_allocator(device_type())
@@ -180,7 +183,7 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
         load_checkpoint(path, pm, opt)
         t = manifest.training
         applied = t.step if t.optimizer_steps is None else t.optimizer_steps
-        state = State(t.step, applied, t.loss_scale, {**state.counters, **t.counters})
+        state = State(t.step, applied, t.loss_scale, {**state.counters, **t.counters}, dict(t.metrics))
         rng = load_rank_state(path, manifest)
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
@@ -204,11 +207,13 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
     progress = Progress("mega-train", "steps", total=todo, enabled=None if rank == 0 else False)
     stop = StopRequest()
     saved_at = state.step if resumed else None
+    last = resumed[0] if resumed else None  # the newest checkpoint of this run
+    stopped_by: str | None = None
 
     parents = [parent_of(p) for p in plan.inputs] if rank == 0 else []  # lineage: init and data
 
     def save() -> None:
-        nonlocal saved_at
+        nonlocal saved_at, last
         path = step_dir(plan.checkpoints, state.step)
         training = TrainingState(
             step=state.step,
@@ -230,8 +235,9 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             rank_state={"cpu": torch.get_rng_state()},
             on_written=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None,
             tokenizer=plan.tokenizer, parents=parents,
+            license=plan.init[1].license if plan.init is not None else None,
         )  # fmt: skip
-        saved_at = state.step
+        saved_at, last = state.step, path
         if rank == 0:
             point_latest(plan.checkpoints, path)
             prune(plan.checkpoints, run.checkpoint.keep)
@@ -371,22 +377,22 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
                         wb.log(record)
                     say(eval_line(record))
             if stopping:
-                name = signal.Signals(stop.signum or signal.SIGTERM).name
+                stopped_by = signal.Signals(stop.signum or signal.SIGTERM).name
                 if saved_at != state.step:
                     save()
                 if rank == 0:
                     say(
-                        f"mega-train: {name} at step {state.step}: checkpoint saved; rerun the command to resume"
+                        f"mega-train: {stopped_by} at step {state.step}: checkpoint saved; rerun the command to resume"
                     )
                 clean = True
-                return 0
+                return finished(plan, last, state, stopped_by) if rank == 0 else None
             if state.step % run.checkpoint.every == 0 or state.step == run.train_steps:
                 save()
         if saved_at != state.step:
             save()
         progress.done()
         clean = True
-        return 0
+        return finished(plan, last, state, stopped_by) if rank == 0 else None
     except UserError:
         clean = True  # every rank decided it alike (a halt): they can still meet at the barrier
         raise
@@ -398,6 +404,31 @@ def train(plan: RunPlan, peak: float | None = None) -> int:
             wb.finish(ok=sys.exc_info()[0] is None)
         if clean:
             shutdown()
+
+
+def finished(plan: RunPlan, last: Path | None, state: State, stopped_by: str | None) -> dict:
+    """The run's summary for `--json`: `out` is its newest checkpoint (the artifact to pass on)."""
+    t = plan.run.parallel
+    return {
+        "out": str(last) if last is not None else None,
+        "kind": "checkpoint",
+        "manifest_sha256": parent_of(last).manifest_sha256 if last is not None else None,
+        "run": str(plan.out),
+        "step": state.step,
+        "train_steps": plan.run.train_steps,
+        "complete": state.step >= plan.run.train_steps,
+        "stopped_by": stopped_by,
+        "optimizer_steps": state.optimizer_steps,
+        "skipped_steps": state.counters["skipped"],
+        "train_loss": _finite(state.metrics.get("train_loss")),
+        "valid_loss": _finite(state.metrics.get("valid_loss")),
+        "layout": {"tp": t.tp, "pp": t.pp, "dp": dist.get_world_size() // (t.tp * t.pp)},
+        "metrics": str(plan.out / "metrics.jsonl"),
+    }
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
 
 
 def update_counters(state: State, run, loss: float, applied: bool) -> None:

@@ -88,7 +88,9 @@ class TokenizerInfo(Struct):
     """The tokenizer the ids came from; its files are copied into the artifact (`files`, relative).
 
     `vocab_size` includes `added_special_tokens` (ids the tokenizer did not have, given on the
-    command line); `base_vocab_size` is the tokenizer's own."""
+    command line); `base_vocab_size` is the tokenizer's own. `stop_ids`: every id that ends
+    generation where the tokenizer's directory names them (generation_config.json's
+    `eos_token_id`: Llama 3.1 has three)."""
 
     type: Literal["sentencepiece", "hf"]
     files: list[FilePath]
@@ -100,6 +102,7 @@ class TokenizerInfo(Struct):
     pad_id: int | None = None
     unk_id: int | None = None
     added_special_tokens: dict[str, int] = {}
+    stop_ids: list[NonNegative] = []
 
 
 class Shard(Struct):
@@ -202,9 +205,20 @@ class TrainedTokenizer(Struct):
     prepend_bos: bool = False
 
 
+class License(Struct):
+    """The weights' license as the source model's card states it (the front matter of its
+    README.md): `id` is its `license` (`apache-2.0`, `llama2`, `other`...), `name` and `link` its
+    `license_name` and `license_link` (for `other`)."""
+
+    id: str
+    name: str | None = None
+    link: str | None = None
+
+
 class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     """`tokenizer_files`: a Hugging Face model's tokenizer files as mega-convert found them;
-    `tokenizer`: the tokenizer of the data the weights were trained on (mega-train)."""
+    `tokenizer`: the tokenizer of the data the weights were trained on (mega-train); `license`: the
+    source model's, carried by every tool that derives weights from it."""
 
     config: ModelConfig
     dtype: DType
@@ -213,6 +227,7 @@ class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     tokenizer_files: list[FilePath] = []
     tokenizer: TrainedTokenizer | None = None
     training: TrainingState | None = None
+    license: License | None = None
 
 
 # --- hf ------------------------------------------------------------------------------------------

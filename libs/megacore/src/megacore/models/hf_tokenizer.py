@@ -267,8 +267,10 @@ def hf_tokenizer_files(
     }
     if template:
         config["chat_template"] = template
-    # Generation stops at the end of a document and at the end of a turn.
+    # Generation stops at the end of a document, at the end of a turn, and at every id the source
+    # tokenizer's generation_config.json named.
     stops = [info.eos_id] if info.eos_id is not None else []
+    stops += [i for i in info.stop_ids if i not in stops]
     ends = {CHATML_END: info.added_special_tokens.get(CHATML_END)} if chatml else {}
     if tokenizer.chat_template and not chatml and source_config.get("eos_token"):
         ends[source_config["eos_token"]] = None

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate
 
 from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
-from megacore.artifacts.manifest import Layout, Parent, TrainedTokenizer, TrainingState
+from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
 from megacore.config import config_differences
 from megacore.errors import UserError
@@ -65,13 +65,14 @@ def save_checkpoint(
     on_written: Callable[[], None] | None = None,
     tokenizer: tuple[Path, TrainedTokenizer] | None = None,
     parents: Sequence[Parent] = (),
+    license: License | None = None,
 ) -> None:
     """Collective: every rank calls it with its part of the model (and optimizer) and its
     `rank_state`. `inputs` (the run's init checkpoint and data) are never written over, nor into
     (the output policy). `on_written` runs on every rank once its files are written, before the
     commit (a point for fault-injection tests). `tokenizer`: the one the weights were trained
     with and the directory its files are relative to (copied in by rank 0); `parents`: the
-    lineage rank 0 records (the run's init checkpoint and data)."""
+    lineage rank 0 records (the run's init checkpoint and data); `license`: the init's."""
     mesh, rank = pm.mesh, dist.get_rank()
     decided: list = [None, None]  # (path to write, refusal) from rank 0
     if rank == 0:
@@ -117,6 +118,7 @@ def save_checkpoint(
                 layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.dp, stage_layers=pm.layers),
                 producer=producer,
                 training=training,
+                license=license,
                 order=sorted(cw.tensor_names()),
             )
     except BaseException:
