@@ -106,7 +106,8 @@ def tokenizer(out: Path, corpus_path: Path) -> Path:
 
 
 def tiny_llama(out: Path, vocab_size: int) -> Path:
-    """A randomly initialised 4-layer Llama with GQA, saved the way the hub ships models."""
+    """A randomly initialised 4-layer Llama with GQA, saved the way the hub ships models (with a
+    model card whose license the chain carries to the export's card)."""
     path = out / "hf-llama"
     if (path / "config.json").exists():
         return path
@@ -126,6 +127,7 @@ def tiny_llama(out: Path, vocab_size: int) -> Path:
         max_position_embeddings=256,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
+    (path / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A tiny random Llama for the demo\n")
     return path
 
 
@@ -165,8 +167,12 @@ def main(out: Path) -> None:
     }
     (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     sh("mega-train", "--manifest", out / "run.json", "--dry-run", "--world-size", "8")
-    sh("torchrun", "--nproc-per-node", "4", BIN / "mega-train", "--manifest", out / "run.json")
-    trained = out / "train-run" / "checkpoints" / "latest"
+    # --json: the console lines go to stderr, and stdout is the summary that names the final
+    # checkpoint (`out`), as an orchestrator reads it.
+    done = sh(
+        "torchrun", "--nproc-per-node", "4", BIN / "mega-train", "--manifest", out / "run.json", "--json"
+    )
+    trained = Path(json.loads(done)["out"])
     # The export carries the tokenizer the data was tokenized with and a model card; --dry-run
     # lists what a push would upload (drop it, with HF_TOKEN set, to publish).
     sh(
@@ -198,6 +204,9 @@ def main(out: Path) -> None:
         print(f"  valid loss   {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
     print(f"  parity       {parity.strip()}")
     print(f"  completion   {prompt!r} -> {completion!r}")
+    card = (out / "hf-trained" / "README.md").read_text().splitlines()
+    lic = next((x.removeprefix("license:").strip() for x in card if x.startswith("license:")), "none")
+    print(f"  license      {lic}, from the source model's card to the export's")
 
 
 if __name__ == "__main__":

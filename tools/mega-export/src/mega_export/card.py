@@ -9,6 +9,7 @@ manifest, never by a local path (which would show a user name or a cluster's lay
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, TokensManifest, open_artifact
@@ -36,8 +37,11 @@ def model_card(name: str, manifest: CheckpointManifest) -> str:
     front = ["---"]
     lic = manifest.license
     if lic is not None:
-        front += [f"{key}: {json.dumps(value)}" for key, value in
-                  (("license", lic.id), ("license_name", lic.name), ("license_link", lic.link)) if value]  # fmt: skip
+        for key, value in (("license", lic.id), ("license_name", lic.name), ("license_link", lic.link)):
+            if value:  # YAML: a plain id as is, anything else quoted (JSON strings are YAML)
+                front.append(
+                    f"{key}: {value if re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9._-]*', value) else json.dumps(value)}"
+                )
     front += ["library_name: transformers", "tags:", "- mega-train" if t else "- mega-convert", "---", ""]
     lines = [f"# {name}", ""]
     producer = f"{manifest.producer.name} {manifest.producer.version}" if manifest.producer else "unknown"
