@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from helpers import assert_bitwise_equal, assert_one_line_error, run_tool
 from hf_cases import CASES, build, load_hf, tokens
@@ -55,10 +56,15 @@ def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> N
     for k in a:
         assert_bitwise_equal(a[k], b[k], k)
     assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    # The exported config.json (classic rope form) gives transformers the same model.
+    # The exported config.json (classic rope form) gives transformers the same model, every weight
+    # in its place.
+    exported, info = AutoModelForCausalLM.from_pretrained(
+        back, attn_implementation="sdpa", output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     ids = tokens(load_hf(src).config.vocab_size, 16)
     with torch.no_grad():
-        assert torch.equal(load_hf(back)(ids).logits, load_hf(src)(ids).logits)
+        assert torch.equal(exported.eval()(ids).logits, load_hf(src)(ids).logits)
 
 
 def test_bf16_round_trip_and_dtype_option(tmp_path: Path) -> None:
