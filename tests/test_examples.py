@@ -84,4 +84,45 @@ def test_airflow_dag_loads_with_airflows_own_loader() -> None:
     assert dag.get_task("train").upstream_task_ids == {"tokenize", "shard"}
     assert dag.get_task("export").upstream_task_ids == {"train"}
     assert "ti.xcom_pull(task_ids='train')" in dag.get_task("export").bash_command
-    assert "mega-train --manifest $run --json" in dag.get_task("train").bash_command
+    assert "mega-train) --manifest $run --json" in dag.get_task("train").bash_command
+
+
+def test_airflow_dag_runs_the_chain(tmp_path: Path, sp_model: Path) -> None:
+    """`airflow dags test` runs the DAG end to end on tiny inputs (where apache-airflow is
+    installed, with the tools on PATH): every task succeeds, each hands the next its artifact's
+    path, and the export is the trained checkpoint's, its card carrying the source's license."""
+    pytest.importorskip("airflow")
+    import json
+    import sys
+
+    import torch
+    from huggingface_hub import ModelCard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megacore.artifacts import open_artifact
+
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in corpus(600)])
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    home = tmp_path / "airflow"
+    (home / "dags").mkdir(parents=True)
+    shutil.copy(MAKEFILE.parent / "airflow" / "mega_chain.py", home / "dags")
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    airflow = str(Path(sys.executable).parent / "airflow")
+    conf = {"corpus": str(tmp_path / "corpus.jsonl"), "tokenizer": str(sp_model), "hf_model": str(tmp_path / "hf"),
+            "out": str(tmp_path / "chain"), "tp": 2, "pp": 1, "nproc": 2, "steps": 3}  # fmt: skip
+    (tmp_path / "chain").mkdir()
+    for cmd in ([airflow, "db", "migrate"], [airflow, "dags", "reserialize"],
+                [airflow, "dags", "test", "mega_chain", "--conf", json.dumps(conf)]):  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
+    log = proc.stdout + proc.stderr
+    assert "DagRun Finished" in log and "state=success" in log, log[-3000:]
+    final = tmp_path / "chain" / "run" / "checkpoints" / "step-00000003"
+    export = open_artifact(tmp_path / "chain" / "hf", "hf")
+    assert [Path(p.path).resolve() for p in export.parents] == [final.resolve()]
+    assert ModelCard.load(tmp_path / "chain" / "hf" / "README.md").data.license == "apache-2.0"
