@@ -176,12 +176,12 @@ def convert_hf(
     source_dtype = safetensors_header(where[first])[first]["dtype"]
     source = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(source_dtype)
     out_dtype = dtype or source or "float32"
-    license = read_license(model_dir)
+    card_license = read_license(model_dir)
     rec = recipe(model_dir, list(where.values()), {"dtype": out_dtype, "pad_multiple": pad_multiple})
     summary = {
         "out": str(out),
         "family": config.family,
-        "license": license.id if license else None,
+        "license": card_license.id if card_license else None,
         "dtype": out_dtype,
         "vocab_size": config.vocab_size,
         "padded_vocab_size": config.padded_vocab_size,
@@ -232,7 +232,7 @@ def convert_hf(
             layout=Layout(tp=1, pp=1, dp=1, stage_layers=[list(range(config.num_layers))]),
             producer=("mega-convert", __version__),
             tokenizer_files=tokenizer_files,
-            license=license,
+            license=card_license,
         )
     shown.done()
     params = sum(int(torch.Size(s).numel()) for s in shapes.values())

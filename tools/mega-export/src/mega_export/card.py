@@ -67,7 +67,9 @@ def model_card(name: str, manifest: CheckpointManifest) -> str:
             if key in t.metrics:
                 lines.append(f"| {label} | {t.metrics[key]:.4f} |")
     if lic is not None:
-        lines.append(f"| license | {lic.id}{f' ({lic.name})' if lic.name else ''}, the base model's |")
+        lines.append(
+            f"| license | {lic.id}{f' ({lic.name})' if lic.name else ''}, from the source model's card |"
+        )
     lay = manifest.layout
     lines.append(f"| layout | tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {manifest.dtype} |")
     if manifest.tokenizer is not None:
