@@ -120,8 +120,8 @@ def test_airflow_dag_runs_the_chain(tmp_path: Path, sp_model: Path) -> None:
                 [airflow, "dags", "test", "mega_chain", "--conf", json.dumps(conf)]):  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
-    log = proc.stdout + proc.stderr
-    assert "DagRun Finished" in log and "state=success" in log, log[-3000:]
+    finished = [line for line in (proc.stdout + proc.stderr).splitlines() if "DagRun Finished" in line]
+    assert len(finished) == 1 and " state=success," in finished[0], (proc.stdout[-3000:], proc.stderr[-3000:])
     final = tmp_path / "chain" / "run" / "checkpoints" / "step-00000003"
     export = open_artifact(tmp_path / "chain" / "hf", "hf")
     assert [Path(p.path).resolve() for p in export.parents] == [final.resolve()]
