@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mega_train.evaluation import load_metric
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
-from megacore.artifacts.manifest import TrainedTokenizer, decode_manifest
+from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manifest
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
@@ -48,6 +48,11 @@ class RunPlan:
         each checkpoint records as the tokenizer its weights were trained with."""
         path, tokens, _ = self.data[0]
         return path, TrainedTokenizer(tokens.tokenizer, tokens.chat_template, tokens.prepend_bos)
+
+    @property
+    def license(self) -> License | None:
+        """The init checkpoint's license (its source model's), which every checkpoint carries on."""
+        return self.init[1].license if self.init is not None else None
 
     @property
     def inputs(self) -> list[Path]:

@@ -208,7 +208,6 @@ def train(plan: RunPlan, peak: float | None = None) -> dict | None:
     stop = StopRequest()
     saved_at = state.step if resumed else None
     last = resumed[0] if resumed else None  # the newest checkpoint of this run
-    stopped_by: str | None = None
 
     parents = [parent_of(p) for p in plan.inputs] if rank == 0 else []  # lineage: init and data
 
@@ -235,7 +234,7 @@ def train(plan: RunPlan, peak: float | None = None) -> dict | None:
             rank_state={"cpu": torch.get_rng_state()},
             on_written=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if kill else None,
             tokenizer=plan.tokenizer, parents=parents,
-            license=plan.init[1].license if plan.init is not None else None,
+            license=plan.license,
         )  # fmt: skip
         saved_at, last = state.step, path
         if rank == 0:
@@ -377,22 +376,22 @@ def train(plan: RunPlan, peak: float | None = None) -> dict | None:
                         wb.log(record)
                     say(eval_line(record))
             if stopping:
-                stopped_by = signal.Signals(stop.signum or signal.SIGTERM).name
+                name = signal.Signals(stop.signum or signal.SIGTERM).name
                 if saved_at != state.step:
                     save()
                 if rank == 0:
                     say(
-                        f"mega-train: {stopped_by} at step {state.step}: checkpoint saved; rerun the command to resume"
+                        f"mega-train: {name} at step {state.step}: checkpoint saved; rerun the command to resume"
                     )
                 clean = True
-                return finished(plan, last, state, stopped_by) if rank == 0 else None
+                return finished(plan, last, state, name) if rank == 0 else None
             if state.step % run.checkpoint.every == 0 or state.step == run.train_steps:
                 save()
         if saved_at != state.step:
             save()
         progress.done()
         clean = True
-        return finished(plan, last, state, stopped_by) if rank == 0 else None
+        return finished(plan, last, state, None) if rank == 0 else None
     except UserError:
         clean = True  # every rank decided it alike (a halt): they can still meet at the barrier
         raise
