@@ -1,6 +1,8 @@
 """`make demo`: the chain end to end on a built-in example, each step a real CLI call.
 
     corpus (Python's own documentation, about 0.2 MB) --mega-tokenize--> tokens
+    conversations about the same documentation --mega-tokenize --format chat--> chat tokens
+        (what examples/instruct.json tunes on)
     tiny random Llama (transformers) --mega-convert hf--> checkpoint --mega-convert verify
     checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-export--> HF dir --mega-convert verify
     run.json --mega-train --dry-run--> the resolved 3D plan
@@ -20,6 +22,7 @@ import json
 import os
 import pydoc
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,12 @@ import zstandard
 BIN = Path(sys.executable).parent
 SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "assets" / "mistral-v1-tokenizer.model"
 MODULES = ["json", "pathlib", "collections", "itertools", "functools", "re", "os", "typing", "dataclasses"]
+# Mistral Instruct's [INST] format: its markers are plain text to the tokenizer, so the chat data
+# needs no added tokens and fits the model's vocab as it is (ChatML's two markers would not).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 
 
 def sh(*args: object) -> str:
@@ -62,18 +71,24 @@ def complete(model_dir: Path, prompt: str, tokens: int = 16) -> str:
     return tok.decode(out[0][ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def corpus(out: Path) -> Path:
-    """One jsonl.zst document per documented object of a few standard-library modules."""
-    path = out / "corpus.jsonl.zst"
-    if path.exists():
-        return path
+def documented() -> list[tuple[str, str]]:
+    """(name, documentation) of every well-documented object of a few standard-library modules."""
     docs = []
     for name in MODULES:
         module = __import__(name)
         for attr in sorted(dir(module)):
             text = pydoc.getdoc(getattr(module, attr, None) or "")
             if len(text) > 80:
-                docs.append({"text": f"{name}.{attr}\n{text}"})
+                docs.append((f"{name}.{attr}", text))
+    return docs
+
+
+def corpus(out: Path) -> Path:
+    """One jsonl.zst document per documented object."""
+    path = out / "corpus.jsonl.zst"
+    if path.exists():
+        return path
+    docs = [{"text": f"{name}\n{text}"} for name, text in documented()]
     raw = "".join(json.dumps(d) + "\n" for d in docs).encode()
     path.write_bytes(zstandard.ZstdCompressor().compress(raw))
     print(f"corpus: {len(docs)} documents, {len(raw) / 1e6:.1f} MB -> {path}")
@@ -103,6 +118,28 @@ def tokenizer(out: Path, corpus_path: Path) -> Path:
         )
         model.write_bytes(buf.getvalue())
     return model
+
+
+def chat_tokens(out: Path, tok: Path) -> Path:
+    """A chat tokens artifact (examples/instruct.json's data): per documented object, the user asks
+    what it is and the assistant answers with its documentation's first paragraph, rendered with
+    CHAT_TEMPLATE from a tokenizer directory (the tokenizer, and a tokenizer_config.json with it)."""
+    chats, tok_dir = out / "chat.jsonl", out / "chat-tokenizer"
+    if not chats.exists():
+        lines = [
+            {"messages": [{"role": "user", "content": f"What is {name}?"},
+                          {"role": "assistant", "content": text.split("\n\n")[0]}]}
+            for name, text in documented()
+        ]  # fmt: skip
+        chats.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    if not (tok_dir / "tokenizer_config.json").exists():
+        tok_dir.mkdir(exist_ok=True)
+        shutil.copy(tok, tok_dir / "tokenizer.model")
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    # --no-append-eos: the template ends each answer with EOS already.
+    sh("mega-tokenize", chats, out / "chat-tokens", "--tokenizer", tok_dir, "--format", "chat",
+       "--chat-template", "tokenizer", "--no-append-eos")  # fmt: skip
+    return out / "chat-tokens"
 
 
 def tiny_llama(out: Path, vocab_size: int) -> Path:
@@ -137,6 +174,7 @@ def main(out: Path) -> None:
     text = corpus(out)
     tok = tokenizer(out, text)
     sh("mega-tokenize", text, out / "tokens", "--tokenizer", tok, "--workers", "2")
+    chat = chat_tokens(out, tok)
 
     import sentencepiece as spm
 
@@ -194,7 +232,7 @@ def main(out: Path) -> None:
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     print(f"\ndemo: done; artifacts in {out}/")
-    print(f"  tokens       {out / 'tokens'}")
+    print(f"  tokens       {out / 'tokens'}, {chat} (conversations, for examples/instruct.json)")
     print(f"  checkpoints  {out / 'ckpt-tp1pp1'} (converted), {out / 'ckpt-tp2pp2'} (tp 2 x pp 2), {trained}")
     print(f"  HF exports   {out / 'hf-export'}, {out / 'hf-trained'} (with tokenizer and README.md)")
     print(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenize_testlib import training_text
+from tokenize_testlib import train_bpe, training_text
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -21,24 +21,8 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="session")
 def sp_model(tmp_path_factory) -> Path:
-    import sentencepiece as spm
-
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(training_text()),
-        model_writer=buf,
-        vocab_size=400,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=0.9995,
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        pad_id=-1,
-        minloglevel=2,
-    )
     path = tmp_path_factory.mktemp("sp") / "tiny.model"
-    path.write_bytes(buf.getvalue())
+    path.write_bytes(train_bpe(training_text(), 400))
     return path
 
 

@@ -53,6 +53,14 @@ def write_run(directory: Path, tokens: Path, **overrides) -> Path:
     return path
 
 
+def checkpoint_tensors(path: Path) -> dict:
+    """Every tensor of a checkpoint (weights and moments) by name."""
+    from megacore.checkpoint import CheckpointReader
+
+    with CheckpointReader(path) as ckpt:
+        return {name: ckpt.read(name).clone() for name in ckpt.manifest.tensors}
+
+
 def metrics(out: Path, kind: str = "train") -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

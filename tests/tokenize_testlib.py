@@ -21,6 +21,29 @@ def training_text() -> list[str]:
     return lines
 
 
+def train_bpe(lines: list[str], vocab_size: int) -> bytes:
+    """A SentencePiece BPE model (byte fallback; unk 0, bos 1, eos 2, no pad) trained on `lines`."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.9995,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
+
 def write_jsonl(path: Path, records: list, compress: str | None = None) -> Path:
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
     if compress == "zst":

@@ -23,6 +23,7 @@ from megacore.artifacts import (
     intersect,
     piece_entry,
 )
+from megacore.artifacts.manifest import FileEntry
 from megacore.artifacts.pieces import sub_box
 
 DTYPES = ["float32", "bfloat16", "int32", "uint16"]
@@ -72,17 +73,21 @@ def cases(draw):
     return shape, src, dst, placement, dtype, box, draw(st.integers(0, 2**31))
 
 
-def _write(root: Path, t: torch.Tensor, dtype: str, boxes: list[Box], placement: list[int]) -> list[Piece]:
+def _write(
+    root: Path, t: torch.Tensor, dtype: str, boxes: list[Box], placement: list[int]
+) -> tuple[list[Piece], list[FileEntry]]:
+    """The pieces, and the files as a manifest lists them (the reader checks each against it)."""
     by_file: dict[str, list[tuple[str, Box]]] = defaultdict(list)
     for i, (box, f) in enumerate(zip(boxes, placement, strict=True)):
         by_file[f"stage{f}.safetensors"].append((f"w.{i}", box))
-    pieces = []
+    pieces, files = [], []
     for file, items in by_file.items():
         with SafetensorsStreamWriter(root / file, [(k, dtype, b[1]) for k, b in items]) as w:
             for key, box in items:
                 w.write(key, _slice(t, box))
                 pieces.append(Piece(file=file, key=key, offset=list(box[0]), shape=list(box[1])))
-    return pieces
+        files.append(FileEntry(path=file, size=w.size, sha256=w.close()))
+    return pieces, files
 
 
 @settings(max_examples=150, deadline=None)
@@ -92,8 +97,9 @@ def test_any_slice_from_any_layout(case):
     t = _tensor(shape, dtype, seed)
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        entry = piece_entry(shape, dtype, _write(root, t, dtype, src, placement))
-        with TensorReader(root) as r:
+        pieces, files = _write(root, t, dtype, src, placement)
+        entry = piece_entry(shape, dtype, pieces)
+        with TensorReader(root, files) as r:
             assert_bitwise_equal(r.read("w", entry), t)
             assert_bitwise_equal(r.read("w", entry, box), _slice(t, box).contiguous())
             # Re-layout: every target block assembled from the source pieces tiles the tensor exactly.

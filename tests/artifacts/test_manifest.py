@@ -62,6 +62,19 @@ def test_bad_manifest_names_the_field(patch: dict, message: str):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("given", "held"), [("fp32", "fp32"), ("float32", "fp32"), ("bf16", "bf16"), ("bfloat16", "bf16"),
+                        ("fp16", "fp16"), ("float16", "fp16")],
+)  # fmt: skip
+def test_precision_takes_either_spelling_and_is_written_short(given: str, held: str):
+    """The tools' --dtype spellings are a run's too; what is held and written is the short one, so
+    a manifest written now reads in an older megacore; the schema accepts what the decoder does."""
+    m = _decode({**RUN, "precision": given})
+    assert m.precision == held
+    assert json.loads(encode_manifest(m))["precision"] == held
+    assert given in json_schemas()["run"]["$defs"]["RunManifest"]["properties"]["precision"]["enum"]
+
+
 def test_wrong_kind_is_refused():
     with pytest.raises(UserError, match="expected a checkpoint artifact, found kind 'run'"):
         decode_manifest(json.dumps(RUN).encode(), "run.json", kind="checkpoint")

@@ -15,7 +15,7 @@ from hf_cases import CASES, build, load_hf, tokens
 from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
 from mega_export.export import export_hf
-from megacore.artifacts import open_artifact
+from megacore.artifacts import MANIFEST_NAME, open_artifact, sha256_file
 from megacore.artifacts.manifest import License
 from megacore.checkpoint import load_decoder
 from megacore.errors import UserError
@@ -115,11 +115,38 @@ def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
     assert not json.loads(p.stdout)["reused"]
     p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24")
     assert p.returncode == 0 and "PASS" in p.stdout, p.stderr
-    # Tamper with one weight (same file size): verify reports the error and exits 1.
+    # Tamper with one weight (same file size): the file no longer matches its sha256, exit 2.
     _overwrite_first_value(out / WEIGHTS, "layers.1.mlp.down_proj.weight", 1.5)
+    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
+    assert_one_line_error(p, f"{WEIGHTS}: damaged (sha256 differs from the manifest)")
+    # The same weight in a manifest that agrees (as a faulty converter would write it): verify
+    # reports the logit error and exits 1.
+    doc = json.loads((out / MANIFEST_NAME).read_text())
+    next(e for e in doc["files"] if e["path"] == WEIGHTS)["sha256"] = sha256_file(out / WEIGHTS)
+    (out / MANIFEST_NAME).write_text(json.dumps(doc))
     p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
     r = json.loads(p.stdout)
     assert p.returncode == 1 and not r["passed"] and r["max_abs_error"] > 1e-3
+
+
+def test_bf16_conversion_verifies_in_bf16(tmp_path: Path) -> None:
+    """`--dtype bf16` is `--dtype bfloat16` (the same recipe: reused). verify compares in the
+    checkpoint's dtype with that dtype's tolerance unless --dtype says otherwise, and says which: in
+    float32 the bf16 rounding of the weights alone is above fp32's bar."""
+    src = build("llama2-70b-gqa", tmp_path / "hf")  # float32 weights
+    out = tmp_path / "ckpt"
+    p = run_tool("mega-convert", "hf", src, out, "--dtype", "bf16", "--json", check=True)
+    assert json.loads(p.stdout)["dtype"] == "bfloat16" == open_artifact(out, "checkpoint").dtype
+    p = run_tool("mega-convert", "hf", src, out, "--dtype", "bfloat16", "--json", check=True)
+    assert json.loads(p.stdout)["reused"]
+    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert "compared in bfloat16, the checkpoint's dtype:" in p.stdout and "(tolerance 1)" in p.stdout
+    assert p.stdout.rstrip().endswith("PASS"), p.stdout
+    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--dtype", "fp32", "--json")
+    r = json.loads(p.stdout)
+    assert (r["dtype"], r["dtype_from"], r["tolerance"]) == ("float32", "from --dtype", 1e-4), r
+    assert p.returncode == 1 and not r["passed"] and r["max_abs_error"] > 1e-4
 
 
 def _overwrite_first_value(path: Path, key: str, value: float) -> None:

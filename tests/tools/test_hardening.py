@@ -39,8 +39,8 @@ CHOICES = [
     ("mega-tokenize", [], "--format", ["text", "chat"]),
     ("mega-tokenize", [], "--on-error", ["fail", "skip"]),
     ("mega-tokenize", [], "--chat-template", ["chatml", "tokenizer"]),
-    ("mega-convert", ["hf"], "--dtype", ["float32", "bfloat16", "float16"]),
-    ("mega-convert", ["verify"], "--dtype", ["float32", "bfloat16", "float16"]),
+    ("mega-convert", ["hf"], "--dtype", ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
+    ("mega-convert", ["verify"], "--dtype", ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
     ("mega-export", [], "--dtype", ["float32", "bfloat16", "float16"]),
     ("mega-shard", [], "--verify", ["sha256", "size", "none"]),
     ("mega-train", [], "--verify", ["sha256", "size", "none"]),
@@ -165,30 +165,80 @@ def test_a_failure_while_writing_leaves_nothing(ckpt: Path, tmp_path: Path):
         assert not (tmp_path / out).exists() and not (tmp_path / f"{out}.partial").exists()
 
 
-@pytest.mark.parametrize(
-    ("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+# Wide enough (70 MB of float32 weights) that converting, sharding or exporting it is caught mid-write.
+WIDE = ModelConfig(
+    family="llama",
+    vocab_size=4096,
+    hidden_size=512,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=4,
+    ffn_hidden_size=1536,
 )
-def test_ctrl_c_and_sigterm_leave_nothing(tmp_path: Path, sp_model: Path, sig, code: int, word: str):
-    src = write_jsonl(tmp_path / "big.jsonl", [{"text": d} for d in corpus(300)] * 150)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[str, Path]:
+    """The WIDE model as a Hugging Face directory (transformers' own) and as a checkpoint."""
+    root = tmp_path_factory.mktemp("wide")
+    hf = build(
+        "llama",
+        root / "hf",
+        hidden_size=WIDE.hidden_size,
+        num_hidden_layers=WIDE.num_layers,
+        num_attention_heads=WIDE.num_heads,
+        num_key_value_heads=WIDE.num_kv_heads,
+        intermediate_size=WIDE.ffn_hidden_size,
+        vocab_size=WIDE.vocab_size,
+    )
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(s, generator=g) for n, s in model_tensors(WIDE).items()}
+    write_checkpoint(root / "ckpt", tensors, config=WIDE)
+    return {"hf": hf, "ckpt": root / "ckpt"}
+
+
+def _busy_call(tool: str, out: Path, request) -> tuple[list, Path]:
+    """Arguments that keep `tool` writing for a while, and a file of OUT.partial that exists once it
+    writes."""
+    partial = out.with_name(out.name + ".partial")
+    if tool == "mega-tokenize":
+        src = write_jsonl(out.with_name("big.jsonl"), [{"text": d} for d in corpus(300)] * 150)
+        sp = request.getfixturevalue("sp_model")
+        return [src, out, "-t", sp, "--engine", "sentencepiece"], partial / "shards"
+    wide = request.getfixturevalue("wide")
+    if tool == "mega-convert":
+        return ["hf", wide["hf"], out], partial / "model-pp00-tp00.safetensors"
+    if tool == "mega-shard":
+        return [wide["ckpt"], out, "--tp", "2"], partial / "model-pp00-tp00.safetensors"
+    return [wide["ckpt"], out], partial / "model.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "word"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["SIGINT", "SIGTERM"],
+)
+@pytest.mark.parametrize("tool", ["mega-tokenize", "mega-convert", "mega-shard", "mega-export"])
+def test_ctrl_c_and_sigterm_leave_nothing(tool: str, sig, code: int, word: str, tmp_path: Path, request):
+    """Stopped while it writes OUT.partial, a tool exits 128 + the signal with one line and leaves
+    neither OUT nor OUT.partial. (mega-train saves and stops on SIGTERM: tests/train.)"""
     out = tmp_path / "out"
+    args, writing = _busy_call(tool, out, request)
     proc = subprocess.Popen(
-        [str(BIN / "mega-tokenize"), src, out, "-t", sp_model, "--engine", "sentencepiece"],
+        [str(BIN / tool), *map(str, args)],
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     deadline = time.monotonic() + 60
-    while (
-        not (tmp_path / "out.partial" / "shards").exists()
-        and proc.poll() is None
-        and time.monotonic() < deadline
-    ):
+    while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert proc.poll() is None, "finished before it could be interrupted: make the corpus larger"
+    assert proc.poll() is None, "finished before it could be interrupted: make its input larger"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code and err.strip() == f"mega-tokenize: error: {word}", (proc.returncode, err)
-    assert not out.exists() and not (tmp_path / "out.partial").exists()
+    assert proc.returncode == code and err.strip() == f"{tool}: error: {word}", (proc.returncode, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["big.jsonl"] if tool == "mega-tokenize" else [])
 
 
 # --- what the tools print --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_tool
+from runlib import ok, train, write_run
 from tokenize_testlib import corpus, write_jsonl
 
 
@@ -18,3 +19,11 @@ def tokens(tmp_path_factory, sp_model: Path) -> Path:
     out = root / "tokens"
     run_tool("mega-tokenize", src, out, "--tokenizer", sp_model, check=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, tokens: Path) -> Path:
+    """12 steps in one process, checkpoints every 4: the run the trainer's tests compare against."""
+    run_json = write_run(tmp_path_factory.mktemp("reference"), tokens)
+    ok(train(run_json))
+    return run_json.parent / "run"

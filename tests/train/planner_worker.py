@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mega_train.train import make_optimizer
+from mega_train.trainer import make_optimizer
 from megacore.artifacts.manifest import OptimizerSpec, ParallelSpec
 from megacore.config import ModelConfig
 from megacore.parallel import memory
@@ -69,7 +69,7 @@ def run(sc: dict) -> str:
     for part in pm.parts:
         part.set_attention("sdpa")
     pm.init_weights()
-    opt = make_optimizer(pm, OptimizerSpec())
+    opt = make_optimizer(list(pm.parameters()), OptimizerSpec())
     x = torch.randint(0, cfg.vocab_size, (MICRO * m, SEQ + 1), generator=torch.Generator().manual_seed(0))
     pm.forward_backward(x[:, :-1] if pm.has_first else None, x[:, 1:] if pm.has_last else None)
     opt.step()

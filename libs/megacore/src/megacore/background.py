@@ -1,7 +1,8 @@
-"""The one background-I/O helper: a thread joined to the caller by a short bounded queue.
+"""The one background-I/O helper: threads that overlap the caller's work.
 
 File reads and writes, sha256, decompression and the tokenizer engines release the GIL, so a
-helper thread doing one of them overlaps the caller's work. Two shapes, one mechanism:
+helper thread doing one of them overlaps the caller's work. `Background`: one thread joined to the
+caller by a short bounded queue, in two shapes:
 
 - `Background.sink(fn)`: the caller `put`s items, the thread calls `fn(item)` on each, in order
   (sha256 of a file being written, writing blocks to a file while the next ones are read,
@@ -11,6 +12,9 @@ helper thread doing one of them overlaps the caller's work. Two shapes, one mech
 
 The queue is bounded (`depth`), so memory stays at a few items. An exception in the thread is
 re-raised in the caller at its next `put`, iteration or `close`; `cancel` stops the thread early.
+
+`Jobs`: independent calls on a few threads, each answered by a future (several files hashed at
+once while the caller reads them: artifacts/tensors.py's `TensorReader`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _END = object()
 
@@ -135,3 +142,25 @@ class Background:
             self._q.put(_END)  # the sink drains without working once stopped
         self._thread.join()
         self._thread = None
+
+
+class Jobs:
+    """Independent calls on up to `workers` threads, started as calls come, each answered by a
+    `Future` (its result, or its exception re-raised by `result()`).
+
+    `stop` is set by `cancel`: a long call takes it and checks it between blocks of work, so that
+    a caller giving up (an error, Ctrl-C) neither waits for it nor leaves it running until the
+    interpreter's exit, which joins these threads."""
+
+    def __init__(self, workers: int, name: str = "mega-jobs") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self.stop = threading.Event()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        return self._pool.submit(fn, *args)
+
+    def cancel(self) -> None:
+        """Drop the calls not started, tell the running ones to stop (`stop`), and return at once:
+        a thread still in a call ends when the call next checks `stop`."""
+        self.stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)

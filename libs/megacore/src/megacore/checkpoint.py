@@ -8,9 +8,14 @@ the pieces recorded on the way. mega-convert writes one file, mega-shard one per
 a training job one per rank (rank 0 `merge`s the others' `records`).
 
 Reading (`CheckpointReader`): the manifest with its paths, files and pieces checked
-(`open_artifact`), and `read(name, box)`: any slice of any tensor from whatever layout the
-checkpoint has, reading only the bytes the slice needs. mega-shard, mega-export, mega-convert
-verify and a training job loading its shard all read through it.
+(`open_artifact`), every tensor its config implies present with that shape (`check_model_tensors`),
+and `read(name, box)`: any slice of any tensor from whatever layout the checkpoint has, reading
+only the bytes the slice needs. mega-shard, mega-export, mega-convert verify and a training job
+loading its shard all read through it. Files are checked while read, confirmed before anything
+made from them is kept (`TensorReader`): each file's size when first opened, its sha256 on a helper
+thread meanwhile; `confirm()` waits for the sums and raises `DamagedFile` for a damaged file.
+mega-shard and mega-export confirm before committing their output, a training job's load and
+`decoder()` before they return; `close()` and leaving a `with` block without an error confirm too.
 
 File names: one scheme for every layout, `shard_file`.
 """
@@ -25,6 +30,7 @@ import msgspec
 import torch
 
 from megacore.artifacts import (
+    MANIFEST_NAME,
     ArtifactWriter,
     Box,
     CheckpointManifest,
@@ -38,7 +44,7 @@ from megacore.artifacts import (
     piece_entry,
 )
 from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
-from megacore.artifacts.reader import Verify, artifact_root
+from megacore.artifacts.reader import Verify, artifact_root, check_model_tensors
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models import Decoder
@@ -156,14 +162,19 @@ def dtype_of(t: torch.Tensor) -> str:
 
 
 class CheckpointReader:
-    """A checkpoint artifact opened for reading slices; its paths, files (as `verify` says) and
-    pieces are checked on opening."""
+    """A checkpoint artifact opened for reading slices. On opening: its paths, files (as `verify`
+    says: all of them, before anything is read) and pieces, and the tensors against its config;
+    each file is also hashed while first read unless `verify="sha256"` already did: `confirm()`
+    before keeping anything made from what was read (see the module's docstring)."""
 
     def __init__(self, path: Path, verify: Verify = "size") -> None:
         self.path = Path(path)
         self.manifest = open_artifact(self.path, "checkpoint", verify=verify)
         self.root = artifact_root(self.path)
-        self._reader = TensorReader(self.root)
+        check_model_tensors(self.manifest, str(self.root / MANIFEST_NAME))
+        files = self.manifest.files
+        verified = [e.path for e in files] if verify == "sha256" else []
+        self._reader = TensorReader(self.root, files, verified)
 
     @property
     def config(self) -> ModelConfig:
@@ -186,21 +197,28 @@ class CheckpointReader:
             model = Decoder(self.config)
         model.to_empty(device="cpu")
         model.load_state_dict({name: self.read(name) for name in model.state_dict()}, strict=True)
+        self.confirm()
         return model if dtype is None else model.to(dtype)
+
+    def confirm(self) -> None:
+        """Wait for the sha256 of every file read so far: `DamagedFile` naming the first damaged one.
+        Call it before keeping (committing, returning) anything made from what was read."""
+        self._reader.confirm()
 
     def release(self) -> None:
         """Unmap the files read so far: pages of a mapping left open count as resident memory, so
-        a reader streaming a large model calls this between tensors or blocks."""
-        self._reader.close()
+        a reader streaming a large model calls this between tensors or blocks (their sums go on)."""
+        self._reader.release()
 
     def close(self) -> None:
+        """`confirm`, then let go of the files."""
         self._reader.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self._reader.__exit__(exc_type, *rest)
 
 
 def load_decoder(path: Path, dtype: torch.dtype | None = None) -> Decoder:

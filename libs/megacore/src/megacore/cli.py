@@ -73,8 +73,9 @@ def debug_option():
 
 def verify_option(what: str):
     """`--verify sha256|size|none` for a command's signature (typed `Verify`, default size): how the
-    data files of `what` are checked before use. sha256 reads every byte; size is instant on
-    terabytes of shards."""
+    data files of `what` are checked before the command starts. sha256 reads every byte; size is
+    instant on terabytes of shards. A reader of checkpoint tensors hashes each file it opens anyway
+    (artifacts/tensors.py), unless this already did."""
     return typer.Option("size", "--verify", help=f"How to check {what} first.")
 
 

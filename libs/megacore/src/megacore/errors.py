@@ -23,3 +23,11 @@ class Silent(UserError):
     def __init__(self, exit_code: int = 2) -> None:
         super().__init__("")
         self.exit_code = exit_code
+
+
+class DamagedFile(UserError):
+    """A file of an artifact that is missing, or whose size or sha256 differs from its manifest's
+    `$.files` entry: the artifact is damaged (a torn copy, a disk error), not merely misused.
+
+    Its own type so that a caller can tell damage from other bad input: a training job resuming
+    from a damaged checkpoint falls back to an older one."""

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 import typer
 
 from mega_convert import __version__
+from megacore.artifacts.manifest import FloatName
 from megacore.cli import add_group_options, main_for, make_app
 from megacore.progress import plural
-
-DType = Literal["float32", "bfloat16", "float16"]
 
 app = make_app(
     "Hugging Face Llama / Code Llama / Mistral / Falcon weights to a checkpoint artifact, with a "
@@ -30,7 +28,7 @@ def hf(
         ..., metavar="MODEL_DIR", help="Hugging Face model directory (config.json + *.safetensors)."
     ),
     out: Path = typer.Argument(..., metavar="OUT", help="Output checkpoint artifact directory."),
-    dtype: DType | None = typer.Option(
+    dtype: FloatName | None = typer.Option(
         None, "--dtype", help="Weight dtype of the checkpoint (default: the dtype the weights are stored in)."
     ),
     pad_vocab_multiple: int = typer.Option(
@@ -77,7 +75,9 @@ def verify(
         "--mean-tolerance",
         help="Largest allowed mean abs logit error (default 0.01 float32, 0.1 otherwise).",
     ),
-    dtype: DType = typer.Option("float32", "--dtype", help="Compute dtype for both models."),
+    dtype: FloatName | None = typer.Option(
+        None, "--dtype", help="Compute dtype for both models (default: the checkpoint's dtype)."
+    ),
     seq_len: int = typer.Option(64, "--seq-len", min=2, help="Tokens per sequence."),
     batch: int = typer.Option(2, "--batch", min=1, help="Sequences."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
@@ -102,7 +102,8 @@ def verify(
         typer.echo(json.dumps(r))
     else:
         typer.echo(
-            f"{r['tokens']} tokens, {r['dtype']}: max abs logit error {r['max_abs_error']:.3g} "
+            f"{r['tokens']} tokens compared in {r['dtype']}, {r['dtype_from']}: "
+            f"max abs logit error {r['max_abs_error']:.3g} "
             f"(tolerance {r['tolerance']:.3g}), mean {r['mean_abs_error']:.3g} "
             f"(tolerance {r['mean_tolerance']:.3g}), loss {r['loss_ours']:.6f} vs {r['loss_hf']:.6f} "
             f"(diff {r['loss_diff']:.3g}): {'PASS' if r['passed'] else 'FAIL'}"

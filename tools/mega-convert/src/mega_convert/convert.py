@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, whole
-from megacore.artifacts.manifest import Layout, License
+from megacore.artifacts.manifest import Layout, License, float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import safetensors_header
 from megacore.background import Background
@@ -166,8 +166,7 @@ def convert_hf(
     t0 = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"expected float32, bfloat16 or float16, got {dtype!r}", "--dtype")
+    dtype = float_dtype(dtype) if dtype is not None else None  # either spelling: bf16 or bfloat16
     hf = read_hf_config(model_dir)
     config = config_from_hf(hf, str(model_dir / "config.json"), pad_multiple=pad_multiple)
     check_maps(config)

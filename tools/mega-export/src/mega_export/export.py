@@ -21,7 +21,14 @@ import torch
 
 from mega_export import __version__
 from mega_export.card import model_card
-from megacore.artifacts import TORCH_DTYPES, HFManifest, SafetensorsStreamWriter, new_header_fields, parent_of
+from megacore.artifacts import (
+    TORCH_DTYPES,
+    ArtifactWriter,
+    HFManifest,
+    SafetensorsStreamWriter,
+    new_header_fields,
+    parent_of,
+)
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
@@ -45,6 +52,23 @@ def _shards(shapes: dict[str, tuple[int, ...]], elem: int, max_bytes: int) -> li
         shards[-1].append(name)
         size += nbytes
     return shards
+
+
+def _write_tokenizer(ckpt: CheckpointReader, w: ArtifactWriter) -> None:
+    """The checkpoint's tokenizer as Hugging Face files, into the export being staged by `w`."""
+    if ckpt.manifest.tokenizer is not None:  # trained here: the data's tokenizer
+        config = ckpt.config
+        try:
+            made = hf_tokenizer_files(
+                ckpt.root, ckpt.manifest.tokenizer, config.vocab_size, config.max_seq_len
+            )
+        except ValueError as e:  # an unconvertible .model, ids past the embedding rows
+            raise UserError(f"tokenizer: {e}", str(ckpt.path)) from None
+        for name, text in made.items():
+            w.path(name).write_text(text, encoding="utf-8")
+    else:  # converted from Hugging Face: its own files, as they were
+        for rel in ckpt.manifest.tokenizer_files:
+            w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
 
 
 def export_hf(
@@ -104,18 +128,8 @@ def export_hf(
                 w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
             w.path("README.md").write_text(model_card(out.name, ckpt.manifest), encoding="utf-8")
-            if ckpt.manifest.tokenizer is not None:  # trained here: the data's tokenizer
-                try:
-                    made = hf_tokenizer_files(
-                        ckpt.root, ckpt.manifest.tokenizer, config.vocab_size, config.max_seq_len
-                    )
-                except ValueError as e:  # an unconvertible .model, ids past the embedding rows
-                    raise UserError(f"tokenizer: {e}", str(checkpoint)) from None
-                for name, text in made.items():
-                    w.path(name).write_text(text, encoding="utf-8")
-            else:  # converted from Hugging Face: its own files, as they were
-                for rel in ckpt.manifest.tokenizer_files:
-                    w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
+            _write_tokenizer(ckpt, w)
+            ckpt.confirm()  # the checkpoint's sums, hashed meanwhile: a damaged one leaves no output
             w.commit(
                 HFManifest(**new_header_fields("mega-export", __version__), parents=[parent], dtype=dtype)
             )

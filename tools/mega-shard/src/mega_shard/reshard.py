@@ -4,7 +4,9 @@ Each tensor is read once, in row blocks of at most `chunk_bytes`, from whatever 
 has (`CheckpointReader` reads only the bytes a block needs), and every tensor-parallel rank's part
 of the block (`layout.tp_box`) is appended to that rank's file, on a background writer per file so
 that reading, hashing and the disk overlap. Peak memory is a few blocks, whatever the model size;
-the source files are unmapped after every block so their pages never accumulate as resident.
+the source files are unmapped after every block so their pages never accumulate as resident. The
+source files are hashed while read and confirmed at the end of each stage, before it is reported
+written and before the commit: a damaged file leaves no output.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ def reshard(
             cw = CheckpointWriter(w)
             for s, stage_names in enumerate(by_stage):
                 _write_stage(ckpt, cw, s, stage_names, places, tp, chunk_bytes, shown)
+                # The source's sums, hashed meanwhile, before a stage is said to be written: a
+                # damaged file is the one line of output, and leaves no output behind.
+                ckpt.confirm()
                 log(f"mega-shard: stage {s + 1}/{pp} written ({len(stage_names)} tensors, {tp} files)")
             extra = list(manifest.tokenizer_files) + (
                 manifest.training.rng_files if manifest.training else []

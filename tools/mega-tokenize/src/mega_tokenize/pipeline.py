@@ -394,10 +394,14 @@ def _tokenize(opts: Options, log: Callable[[str], None]) -> Result:
 
 def _copy_tokenizer(tok: Tokenizer, w: ArtifactWriter) -> list[str]:
     """The tokenizer's files under `tokenizer/`; a SentencePiece model always as `tokenizer.model`
-    (the name Hugging Face loaders look for), whatever it was called."""
+    (the name Hugging Face loaders look for), whatever it was called; its directory's other files
+    (tokenizer_config.json, a chat template) by their own names."""
+    model = None
+    if tok.type == "sentencepiece":
+        model = next((f for f in tok.files if f.suffix == ".model"), tok.files[0])
     rels = []
     for f in tok.files:
-        rel = "tokenizer/tokenizer.model" if tok.type == "sentencepiece" else f"tokenizer/{f.name}"
+        rel = "tokenizer/tokenizer.model" if f == model else f"tokenizer/{f.name}"
         w.path(rel).write_bytes(f.read_bytes())
         rels.append(rel)
     return rels

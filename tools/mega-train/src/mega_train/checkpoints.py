@@ -5,6 +5,12 @@ A checkpoint is complete when its `manifest.json` is there (the artifact writer 
 renames the staging directory into place), so a write killed halfway leaves `step-N.partial/`,
 which resuming ignores and the next save of that step replaces. `latest` is a convenience for
 people (`mega-export run/checkpoints/latest hf`); resuming trusts only the manifests.
+
+A complete checkpoint whose files no longer match its manifest (a truncated or overwritten shard
+file) is *damaged*: found when the run starts (sizes, or sha256 with `--verify sha256`) or while
+its files are read (every file is hashed as it is read), it is named on one line and set aside as
+`step-N.damaged` (renamed, never deleted), `latest` moves to the newest intact checkpoint, and the
+run resumes from that one.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, open_artifact
 from megacore.artifacts.output import remove_artifact
+from megacore.artifacts.reader import Verify
 from megacore.config import ModelConfig, config_differences
 from megacore.errors import UserError
 
@@ -39,16 +46,32 @@ def complete(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def newest(checkpoints: Path) -> tuple[Path, CheckpointManifest] | None:
-    """The newest complete checkpoint that opens cleanly (sizes and pieces checked), if any."""
+def resume_point(
+    checkpoints: Path, verify: Verify = "size"
+) -> tuple[tuple[Path, CheckpointManifest] | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of a training run that opens cleanly (files checked as
+    `verify` says, pieces against their headers), and the damaged ones newer than it with why."""
+    damaged = []
     for _, path in reversed(complete(checkpoints)):
         try:
-            manifest = open_artifact(path, "checkpoint", verify="size")
-        except UserError:
-            continue  # damaged after it was written: an older one is the one to resume from
+            manifest = open_artifact(path, "checkpoint", verify=verify)
+        except UserError as e:
+            damaged.append((path, str(e)))
+            continue
         if manifest.training is not None:
-            return path, manifest
-    return None
+            return (path, manifest), damaged
+    return None, damaged
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to `step-N.damaged` (`.damaged-2`, ... when taken): kept for a
+    person to look at, and out of the way of resuming, pruning and the next save of its step."""
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    path.rename(target)
+    return target
 
 
 def check_resumable(
@@ -72,11 +95,14 @@ def check_resumable(
             )
 
 
-def point_latest(checkpoints: Path, path: Path) -> None:
-    """Make `latest` a relative link to `path`, replaced atomically."""
+def point_latest(checkpoints: Path, path: Path | None) -> None:
+    """Make `latest` a relative link to `path`, replaced atomically (removed when None)."""
     link = checkpoints / LATEST
     if link.exists() and not link.is_symlink():
         return  # someone else's file: not ours to replace
+    if path is None:
+        link.unlink(missing_ok=True)
+        return
     tmp = checkpoints / f".{LATEST}.tmp-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(path.name)

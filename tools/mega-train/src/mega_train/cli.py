@@ -63,22 +63,73 @@ def train(
         help="Print a machine-readable summary on stdout: the plan (with --dry-run), else the run's "
         "newest checkpoint (`out`), step, losses; the console lines go to stderr.",
     ),
+    nproc_per_node: int | None = typer.Option(
+        None,
+        "--nproc-per-node",
+        min=1,
+        show_default=False,
+        help="Launch the workers of this node itself, as torchrun would, with clean stops: SIGTERM, "
+        "Ctrl-C or SIGUSR1 save a checkpoint and exit 0 (see README, Stopping a run).",
+    ),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="With --nproc-per-node: the number of nodes."),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="With --nproc-per-node: this node's rank."),
+    master_addr: str | None = typer.Option(
+        None, "--master-addr", show_default=False, help="With --nproc-per-node: node 0's address."
+    ),
+    master_port: int | None = typer.Option(
+        None, "--master-port", show_default=False, help="With --nproc-per-node: node 0's port."
+    ),
     version: bool = version_option("mega-train", __version__),
     debug: bool = debug_option(),
 ) -> None:
-    """Train from a run manifest, in one process or under torchrun (one process per device).
+    """Train from a run manifest, in one process, under torchrun, or with --nproc-per-node.
 
     Checkpoints go to the run's `out` directory; rerunning the same command resumes from the newest
-    complete one (in any tp/pp/dp layout). SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
+    intact one (in any tp/pp/dp layout). SIGTERM, SIGINT or SIGUSR1 saves a checkpoint and exits 0.
     With --json, rank 0 ends by printing the run's summary on stdout, `out` being the newest
     checkpoint: what an orchestrator hands to mega-export.
 
-    Example: torchrun --nproc-per-node 8 $(which mega-train) --manifest run.json
+    Example: mega-train --nproc-per-node 8 --manifest run.json
     """
-    from mega_train.plan import check_machine, plan_run
+    memory_bytes = _planning_flags(dry_run, gpus, gpu_memory, world_size, nproc_per_node)
+    if gpus is not None:
+        world_size = gpus
+    launcher = nproc_per_node is not None
+    if launcher:
+        world_size = nproc_per_node * nnodes
+    plan = _plan(manifest, world_size, verify, machine=gpus is None)
+    _report(plan, dry_run, as_json, memory_bytes, gpus, verify)
+    if dry_run:
+        return
+    if launcher:
+        from mega_train.launch import launch, torchrun_args
+
+        worker = ["--manifest", str(manifest), "--verify", verify]
+        worker += (["--json"] if as_json else []) + (["--debug"] if debug else [])
+        worker += ["--peak-tflops", str(peak_tflops)] if peak_tflops is not None else []
+        options = torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+        raise typer.Exit(launch(options, worker))
+    if world_size is not None and world_size != int(os.environ.get("WORLD_SIZE", "1")):
+        raise UserError("--world-size is for --dry-run; a run's world size is torchrun's", "--world-size")
+    from mega_train.trainer import train as run_training
+
+    if not as_json:
+        run_training(plan, peak_tflops)
+        return
+    # stdout carries the summary alone: everything the run prints goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        finished = run_training(plan, peak_tflops)
+    if finished is not None:
+        typer.echo(json.dumps(finished, indent=2))
+
+
+def _planning_flags(
+    dry_run: bool, gpus: int | None, gpu_memory: str | None, world_size: int | None, nproc: int | None
+) -> int | None:
+    """Check the flags that only plan (before the manifest: a typo fails at once); returns
+    --gpu-memory in bytes."""
     from megacore.parallel.memory import parse_size
 
-    # Planning flags are checked before the manifest: a typo fails at once.
     memory_bytes = parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
     if (gpus is not None or gpu_memory is not None) and not dry_run:
         raise UserError(
@@ -89,57 +140,63 @@ def train(
             raise UserError("give --gpus or --world-size, not both", "--gpus")
         if memory_bytes is None:
             raise UserError("ranking layouts needs --gpu-memory, e.g. --gpu-memory 80GB", "--gpus")
-        world_size = gpus
+    if nproc is not None and (world_size is not None or gpus is not None):
+        raise UserError("--nproc-per-node sets the world size: give it without --world-size or --gpus")
+    if nproc is not None and "RANK" in os.environ:
+        raise UserError("--nproc-per-node launches the workers: run mega-train with it, not under torchrun")
+    return memory_bytes
+
+
+def _plan(manifest: Path, world_size: int | None, verify: Verify, machine: bool):
+    """The checked plan and the start-up checks (the same for a dry run and a run); every rank
+    finds the same, and rank 0 says it once."""
+    from mega_train.plan import plan_run, start_checks
+
     rank = int(os.environ.get("RANK", "0"))
     ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         plan = plan_run(manifest, ws, verify)
-        if not dry_run:
-            check_machine(plan)
+        start_checks(plan, machine)
     except UserError as e:
         if rank == 0:
             raise
-        # Every rank finds the same; rank 0 says it once. Torchrun stops the others (SIGTERM) as
-        # soon as one exits, so the silent ones give rank 0 a moment to print, and go quietly.
+        # Torchrun stops the others (SIGTERM) as soon as one exits, so the silent ones wait for
+        # rank 0 to print and exit (however loaded the machine), and go quietly.
         code = e.exit_code
         signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
-        time.sleep(2)
+        time.sleep(30)
         raise Silent(code) from None
-    if dry_run or rank == 0:
-        summary = plan.summary()
-        report = None
-        if dry_run:
-            from mega_train.planner import memory_lines, memory_plan
+    return plan
 
-            report = memory_plan(plan, memory_bytes, gpus)
-            summary |= report
-        if as_json and dry_run:
-            typer.echo(json.dumps(summary, indent=2))
-        else:
-            par, batch = summary["parallel"], summary["batch"]
-            typer.echo(
-                f"{manifest}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
-                f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
-                f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
-                f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps",
-                err=as_json,
-            )
-            if report is not None:
-                typer.echo("\n".join(memory_lines(report)))
+
+def _report(
+    plan, dry_run: bool, as_json: bool, memory_bytes: int | None, gpus: int | None, verify: Verify
+) -> None:
+    """The plan's line (and with --dry-run each rank's memory and where it would resume), on rank 0."""
+    if not (dry_run or int(os.environ.get("RANK", "0")) == 0):
+        return
+    summary = plan.summary()
+    report = None
     if dry_run:
-        return
-    if world_size is not None and world_size != int(os.environ.get("WORLD_SIZE", "1")):
-        raise UserError("--world-size is for --dry-run; a run's world size is torchrun's", "--world-size")
-    from mega_train.train import train as run_training
+        from mega_train.planner import memory_lines, memory_plan
 
-    if not as_json:
-        run_training(plan, peak_tflops)
+        report = memory_plan(plan, memory_bytes, gpus)
+        summary |= report
+    if as_json and dry_run:
+        typer.echo(json.dumps(summary, indent=2))
         return
-    # stdout carries the summary alone: everything the run prints goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr):
-        finished = run_training(plan, peak_tflops)
-    if finished is not None:
-        typer.echo(json.dumps(finished, indent=2))
+    par, batch = summary["parallel"], summary["batch"]
+    typer.echo(
+        f"{plan.path}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
+        f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
+        f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
+        f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps",
+        err=as_json,
+    )
+    for note in plan.notes + (plan.resume_notes(verify) if dry_run else []):
+        typer.echo(f"mega-train: {note}", err=as_json)
+    if report is not None:
+        typer.echo("\n".join(memory_lines(report)))
 
 
 main = main_for(app, "mega-train")

@@ -12,16 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from mega_train.evaluation import load_metric
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manifest
 from megacore.artifacts.output import check_inputs
-from megacore.artifacts.reader import Verify, read_manifest_bytes
+from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 from megacore.parallel.layout import Parallelism, check_parallelism, check_tp, check_world
+from megacore.tokenizer_files import first_difference, recorded_vocabulary
 
 
 @dataclass
@@ -41,6 +44,25 @@ class RunPlan:
     checkpoints: Path  # where step-NNNNNNNN checkpoints and `latest` go
     fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
     eval_metrics: list[Callable] = field(default_factory=list)  # $.eval.metrics, imported
+    notes: list[str] = field(default_factory=list)  # said once by rank 0, in a run and a dry run alike
+
+    def resume_notes(self, verify: Verify = "size") -> list[str]:
+        """Where a run would start (a dry run's report; the run itself says it as it resumes),
+        with the same search as the run's (`checkpoints.resume_point`)."""
+        from mega_train.checkpoints import resume_point
+        from mega_train.lifecycle import LOCK_FILE, describe, held_by
+
+        notes = []
+        holder = held_by(self.out / LOCK_FILE)
+        if holder is not None:
+            notes.append(f"{self.out} is in use by {describe(holder)}: a run started now would be refused")
+        found, damaged = resume_point(self.checkpoints, verify)
+        for path, why in damaged:
+            notes.append(f"warning: {path} is damaged ({why}); the run will set it aside")
+        if found is not None:
+            step = found[1].training.step
+            notes.append(f"resumes from {found[0]} (step {step} of {self.run.train_steps})")
+        return notes
 
     @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
@@ -86,20 +108,6 @@ class RunPlan:
         }
 
 
-def _check_init(path: Path, init: CheckpointManifest, where: str) -> None:
-    """The checkpoint holds every tensor of its model with its shape (the pieces were checked
-    against their files when it was opened)."""
-    for name, shape in model_tensors(init.config).items():
-        entry = init.tensors.get(name)
-        if entry is None:
-            raise UserError(f"$.model.init: tensor {name!r} is missing from {path}", where)
-        if tuple(entry.shape) != shape:
-            raise UserError(
-                f"$.model.init: tensor {name!r} in {path} has shape {entry.shape}, the model {list(shape)}",
-                where,
-            )
-
-
 def _check_tokens(
     i: int, path: Path, tokens: TokensManifest, config: ModelConfig, run: RunManifest, where: str
 ) -> None:
@@ -128,6 +136,28 @@ def _check_tokens(
         IndexedReader(path / shard.prefix)
 
 
+def _check_init_tokenizer(
+    init: tuple[Path, CheckpointManifest] | None,
+    sources: list[tuple[Path, TokensManifest, float]],
+    where: str,
+) -> None:
+    """The data's ids mean the tokens the init checkpoint's weights learned: its tokenizer maps every
+    id both have as the data's does (compared as vocabularies, not files; the sources share one
+    tokenizer). A checkpoint that records no tokenizer is not checked."""
+    if init is None or (theirs := recorded_vocabulary(*init)) is None:
+        return
+    path, tokens, _ = sources[0]
+    ours = recorded_vocabulary(path, tokens)
+    diff = first_difference(theirs, ours) if ours is not None else None
+    if diff is not None:
+        i, there, here = diff
+        raise UserError(
+            f"$.data.sources[0]: {path} was tokenized with another tokenizer than the init checkpoint "
+            f"{init[0]}: id {i} is {there!r} there and {here!r} here",
+            where,
+        )
+
+
 def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> RunPlan:
     """Load and check `run.json` for a job of `world_size` processes."""
     manifest_path = Path(manifest_path)
@@ -139,77 +169,13 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     where = str(manifest_path)
     if world_size < 1:
         raise UserError(f"must be at least 1, got {world_size}", "--world-size")
-
-    init = None
-    if run.model.init is not None:
-        path = resolve_ref(base, run.model.init)
-        init = (path, open_artifact(path, "checkpoint", verify=verify))
-        _check_init(path, init[1], where)
-    if (init is None) == (run.model.config is None):
-        raise UserError("$.model: give exactly one of `init` (a checkpoint) or `config`", where)
+    init = _open_init(base, run, verify, where)
     config = init[1].config if init is not None else run.model.config
     assert config is not None
-
-    sources = []
-    for i, src in enumerate(run.data.sources):
-        path = resolve_ref(base, src.path)
-        tokens = open_artifact(path, "tokens", verify=verify)
-        _check_tokens(i, path, tokens, config, run, where)
-        sources.append((path, tokens, src.weight))
-    first = sources[0][1].tokenizer
-    for i, (path, tokens, _) in enumerate(sources[1:], 1):
-        theirs = tokens.tokenizer
-        if (theirs.fingerprint, theirs.added_special_tokens) != (
-            first.fingerprint,
-            first.added_special_tokens,
-        ):
-            raise UserError(
-                f"$.data.sources[{i}]: {path} was tokenized with another tokenizer than $.data.sources[0] "
-                f"(fingerprint {theirs.fingerprint[:12]}, added {theirs.added_special_tokens} against "
-                f"{first.fingerprint[:12]}, {first.added_special_tokens}): the same id would mean different text",
-                where,
-            )
-    if run.data.loss_on == "assistant" and len({m.roles["assistant"] for _, m, _ in sources}) > 1:
-        codes = ", ".join(f"{m.roles['assistant']} in {p}" for p, m, _ in sources)
-        raise UserError(f"$.data.sources: the assistant role has different codes ({codes})", where)
-
-    b, opt = run.batch, run.optimizer
-    if b.seq_length > config.max_seq_len:
-        raise UserError(
-            f"$.batch.seq_length: {b.seq_length} exceeds the model's max_seq_len {config.max_seq_len}, the "
-            "context its positions were trained for; raise max_seq_len (with rope_scaling) in the model "
-            "config to train a longer context",
-            where,
-        )
-    if run.attention == "flash" and run.precision == "fp32":
-        raise UserError(
-            "$.attention: 'flash' (FlashAttention kernels) runs in bf16 or fp16, and $.precision is fp32",
-            where,
-        )
-    if opt.min_lr > opt.lr:
-        raise UserError(f"$.optimizer.min_lr: {opt.min_lr} is above lr {opt.lr}", where)
-    if opt.warmup_steps > run.train_steps:
-        raise UserError(
-            f"$.optimizer.warmup_steps: {opt.warmup_steps} exceeds train_steps {run.train_steps}", where
-        )
-    check_tp(config, run.parallel.tp, "$.parallel.tp")  # before the world: the more basic mistake
-    dp = check_world(world_size, run.parallel.tp, run.parallel.pp, "$.parallel")
-    if b.global_batch_size % (b.micro_batch_size * dp):
-        raise UserError(
-            f"$.batch.global_batch_size: {b.global_batch_size} is not a multiple of "
-            f"micro_batch_size * dp = {b.micro_batch_size} * {dp}",
-            where,
-        )
-    # One step runs the rank's share of the batch as microbatches of `micro_batch_size`.
-    microbatches = b.global_batch_size // (b.micro_batch_size * dp)
-    par = Parallelism(run.parallel, run.precision, microbatches, run.compile, run.recompute)
-    stages = check_parallelism(config, par, "$.parallel")
-    if run.eval.every and (len(run.data.split) < 2 or run.data.split[1] == 0):
-        raise UserError(
-            f"$.eval.every: evaluation needs a valid split, and $.data.split {run.data.split} gives it "
-            "no documents; set eval.every to 0 or give the valid split a fraction",
-            where,
-        )
+    sources = _open_sources(base, run, config, verify, where)
+    _check_init_tokenizer(init, sources, where)
+    _check_schedule(run, config, where)
+    dp, microbatches, stages = _check_layout(run, config, world_size, where)
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
     out = resolve_ref(base, run.out)
@@ -235,17 +201,116 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     )
 
 
+def _open_init(
+    base: Path, run: RunManifest, verify: Verify, where: str
+) -> tuple[Path, CheckpointManifest] | None:
+    """`$.model.init`, opened and checked against its config, when given (or `config`, never both)."""
+    init = None
+    if run.model.init is not None:
+        path = resolve_ref(base, run.model.init)
+        init = (path, open_artifact(path, "checkpoint", verify=verify))
+        check_model_tensors(init[1], f"{where}: $.model.init: {path}")
+    if (init is None) == (run.model.config is None):
+        raise UserError("$.model: give exactly one of `init` (a checkpoint) or `config`", where)
+    return init
+
+
+def _open_sources(
+    base: Path, run: RunManifest, config: ModelConfig, verify: Verify, where: str
+) -> list[tuple[Path, TokensManifest, float]]:
+    """The data sources, each opened and checked; they share one tokenizer (and assistant code)."""
+    sources = []
+    for i, src in enumerate(run.data.sources):
+        path = resolve_ref(base, src.path)
+        tokens = open_artifact(path, "tokens", verify=verify)
+        _check_tokens(i, path, tokens, config, run, where)
+        sources.append((path, tokens, src.weight))
+    first = sources[0][1].tokenizer
+    for i, (path, tokens, _) in enumerate(sources[1:], 1):
+        theirs = tokens.tokenizer
+        if (theirs.fingerprint, theirs.added_special_tokens) != (
+            first.fingerprint,
+            first.added_special_tokens,
+        ):
+            raise UserError(
+                f"$.data.sources[{i}]: {path} was tokenized with another tokenizer than $.data.sources[0] "
+                f"(fingerprint {theirs.fingerprint[:12]}, added {theirs.added_special_tokens} against "
+                f"{first.fingerprint[:12]}, {first.added_special_tokens}): the same id would mean different text",
+                where,
+            )
+    if run.data.loss_on == "assistant" and len({m.roles["assistant"] for _, m, _ in sources}) > 1:
+        codes = ", ".join(f"{m.roles['assistant']} in {p}" for p, m, _ in sources)
+        raise UserError(f"$.data.sources: the assistant role has different codes ({codes})", where)
+    return sources
+
+
+def _check_schedule(run: RunManifest, config: ModelConfig, where: str) -> None:
+    """Sequence length, attention kernel, learning rates and evaluation agree with each other."""
+    b, opt = run.batch, run.optimizer
+    if b.seq_length > config.max_seq_len:
+        raise UserError(
+            f"$.batch.seq_length: {b.seq_length} exceeds the model's max_seq_len {config.max_seq_len}, the "
+            "context its positions were trained for; raise max_seq_len (with rope_scaling) in the model "
+            "config to train a longer context",
+            where,
+        )
+    if run.attention == "flash" and run.precision == "fp32":
+        raise UserError(
+            "$.attention: 'flash' (FlashAttention kernels) runs in bf16 or fp16, and $.precision is fp32",
+            where,
+        )
+    if opt.min_lr > opt.lr:
+        raise UserError(f"$.optimizer.min_lr: {opt.min_lr} is above lr {opt.lr}", where)
+    if opt.warmup_steps > run.train_steps:
+        raise UserError(
+            f"$.optimizer.warmup_steps: {opt.warmup_steps} exceeds train_steps {run.train_steps}", where
+        )
+    if run.eval.every and (len(run.data.split) < 2 or run.data.split[1] == 0):
+        raise UserError(
+            f"$.eval.every: evaluation needs a valid split, and $.data.split {run.data.split} gives it "
+            "no documents; set eval.every to 0 or give the valid split a fraction",
+            where,
+        )
+
+
+def _check_layout(
+    run: RunManifest, config: ModelConfig, world_size: int, where: str
+) -> tuple[int, int, list]:
+    """dp, the microbatches of a step and each stage's layers, for this world size."""
+    b = run.batch
+    check_tp(config, run.parallel.tp, "$.parallel.tp")  # before the world: the more basic mistake
+    dp = check_world(world_size, run.parallel.tp, run.parallel.pp, "$.parallel")
+    if b.global_batch_size % (b.micro_batch_size * dp):
+        raise UserError(
+            f"$.batch.global_batch_size: {b.global_batch_size} is not a multiple of "
+            f"micro_batch_size * dp = {b.micro_batch_size} * {dp}",
+            where,
+        )
+    # One step runs the rank's share of the batch as microbatches of `micro_batch_size`.
+    microbatches = b.global_batch_size // (b.micro_batch_size * dp)
+    par = Parallelism(run.parallel, run.precision, microbatches, run.compile, run.recompute)
+    return dp, microbatches, check_parallelism(config, par, "$.parallel")
+
+
 RUN_MARK = ".mega-train"  # in a run directory this tool made: a rerun resumes there
 
 
-def check_machine(plan: RunPlan) -> None:
-    """What only the machine that trains can tell (a dry run may plan a GPU run on a laptop)."""
-    import torch
+def start_checks(plan: RunPlan, machine: bool = True) -> None:
+    """What a run checks before it starts, beyond the manifest and its artifacts: the same for a
+    dry run and a run. `machine`: this machine is the one that trains (not a dry run planning
+    other GPUs with --gpus)."""
+    if machine and plan.run.attention == "flash":
+        import torch
 
-    if plan.run.attention == "flash" and not torch.cuda.is_available():
-        raise UserError(
-            "$.attention: 'flash' runs on a GPU and this machine has none; use auto or sdpa", str(plan.path)
-        )
+        if not torch.cuda.is_available():
+            raise UserError(
+                "$.attention: 'flash' runs on a GPU and this machine has none; use auto or sdpa",
+                str(plan.path),
+            )
+    split = plan.run.data.split
+    if abs(sum(split) - 1) > 1e-6:
+        used = [round(f / sum(split), 4) for f in split]
+        plan.notes.append(f"$.data.split {split} sums to {sum(split):g}: the fractions used are {used}")
 
 
 def check_run_dir(out: Path, where: str) -> None:
@@ -267,8 +332,9 @@ def fingerprint(
     init: tuple[Path, CheckpointManifest] | None,
     sources: list[tuple[Path, TokensManifest, float]],
 ) -> dict[str, str]:
-    """What decides the model's start and the sequence of batches, by manifest field: a run resumes
-    only from a checkpoint with the same values (train_steps, the optimizer and the layout may change)."""
+    """What decides the model's start, the sequence of batches and the updates, by manifest field: a
+    run resumes only from a checkpoint with the same values. The layout, the precision and
+    train_steps may change (the schedule is stretched: `schedule.py`)."""
     out = {
         "$.data.split": json.dumps(run.data.split),
         "$.data.loss_on": run.data.loss_on,
@@ -280,6 +346,8 @@ def fingerprint(
         "$.model.init": sha256_bytes(read_manifest_bytes(init[0])[1]) if init else "none",
         "$.data.sources": str(len(sources)),
     }
+    for name, value in msgspec.structs.asdict(run.optimizer).items():
+        out[f"$.optimizer.{name}"] = json.dumps(value)
     for i, (path, _, weight) in enumerate(sources):
         out[f"$.data.sources[{i}]"] = f"{sha256_bytes(read_manifest_bytes(path)[1])} weight {weight}"
     return out

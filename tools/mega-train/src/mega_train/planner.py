@@ -12,7 +12,7 @@ TOP = 5  # layouts printed (the JSON has them all)
 
 
 def run_parallelism(plan: RunPlan) -> Parallelism:
-    """What the engine builds for this run (as train.py does)."""
+    """What the engine builds for this run (as trainer.py does)."""
     run = plan.run
     return Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
 

@@ -25,7 +25,13 @@ from megacore.artifacts.manifest import (
 )
 from megacore.artifacts.output import prepare_output, recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import Box, chunk_split, even_split, intersect, piece_entry, whole
-from megacore.artifacts.reader import confined_path, open_artifact, parent_of, resolve_ref
+from megacore.artifacts.reader import (
+    check_model_tensors,
+    confined_path,
+    open_artifact,
+    parent_of,
+    resolve_ref,
+)
 from megacore.artifacts.writer import ArtifactWriter, sha256_file
 
 _LAZY = {"SafetensorsStreamWriter", "TensorReader", "TORCH_DTYPES", "dtype_name"}
@@ -45,6 +51,7 @@ __all__ = [
     "TensorEntry",
     "TensorReader",
     "TokensManifest",
+    "check_model_tensors",
     "chunk_split",
     "confined_path",
     "decode_manifest",

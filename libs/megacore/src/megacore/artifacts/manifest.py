@@ -30,7 +30,28 @@ MANIFEST_NAME = "manifest.json"
 
 Kind = Literal["tokens", "checkpoint", "run", "hf"]
 DType = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint16", "uint8"]
+# The float dtypes' two spellings, the one alias table: a tool's --dtype and a run manifest's
+# `precision` take either, normalised by `float_dtype` / `precision_name`; what is written stays
+# canonical (a tensor's dtype long, a run's precision short), so older readers read it.
+FLOAT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+FloatName = Literal[(*FLOAT_DTYPES, *FLOAT_DTYPES.values())]
+_LONG_NAMES = {
+    **{long: long for long in FLOAT_DTYPES},
+    **{short: long for long, short in FLOAT_DTYPES.items()},
+}
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "interleavedzb"]
+
+
+def float_dtype(name: str, where: str = "--dtype") -> str:
+    """A float dtype in either spelling (bf16 or bfloat16) as its long name (bfloat16)."""
+    if name not in _LONG_NAMES:
+        raise UserError(f"expected one of {', '.join(_LONG_NAMES)}, got {name!r}", where)
+    return _LONG_NAMES[name]
+
+
+def precision_name(name: str, where: str = "$.precision") -> str:
+    """A float dtype in either spelling as its short name (bf16), as a run's `precision` is held."""
+    return FLOAT_DTYPES[float_dtype(name, where)]
 
 
 def _path(kind: str) -> object:
@@ -353,7 +374,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     train_steps: Positive
     parallel: ParallelSpec = msgspec.field(default_factory=ParallelSpec)
     optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    precision: FloatName = "bf16"  # either spelling; held as the short one (fp32, bf16, fp16)
     recompute: Literal["none", "full", "selective"] = "none"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
     compile: bool = False  # torch.compile each transformer block (Decoder.compile_blocks)
@@ -362,6 +383,9 @@ class RunManifest(Header, tag="run", kw_only=True):
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
     logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)
     seed: int = 1234
+
+    def __post_init__(self) -> None:
+        self.precision = precision_name(self.precision)
 
 
 Manifest = TokensManifest | CheckpointManifest | RunManifest | HFManifest

@@ -102,12 +102,13 @@ def _remove_leftover_staging(stage: Path, where: str) -> None:
         pid, host = int(info["pid"]), str(info["host"])
     except (ValueError, KeyError, TypeError):
         raise UserError(f"{stage}: unreadable staging mark; remove the directory by hand", where) from None
-    if host == socket.gethostname() and pid != os.getpid() and _alive(pid):
+    if host == socket.gethostname() and pid != os.getpid() and pid_alive(pid):
         raise UserError(f"another run (pid {pid}) is writing this output now", where)
     shutil.rmtree(stage)  # the leftover of an interrupted run of these tools
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with that pid exists (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -4,6 +4,11 @@ Every tool opens its inputs through `open_artifact`; the errors are UserErrors (
 the artifact, the field path and the file. `check_paths` is the one place a path from a manifest
 is checked: it finds every field typed as a path (manifest.py's `FilePath`, `Prefix`, `Ref`,
 `Record`) by walking the manifest with its type, so a path field added later is checked too.
+`check_file` is the one place a data file is checked against its `$.files` entry (a mismatch is
+`DamagedFile`): `open_artifact` calls it for every file, and tensors.py's `TensorReader` for each
+file it opens (its size then; its sha256, hashed while the file is read, goes to `check_sha256`,
+the comparison `check_file` makes too). `check_model_tensors`: a checkpoint holds every tensor its
+config implies, with that shape.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import msgspec.inspect as mi
 from megacore.artifacts.manifest import (
     MANIFEST_NAME,
     CheckpointManifest,
+    FileEntry,
     HFManifest,
     Kind,
     Manifest,
@@ -31,7 +37,8 @@ from megacore.artifacts.manifest import (
 )
 from megacore.artifacts.pieces import check_pieces
 from megacore.artifacts.writer import sha256_bytes, sha256_file
-from megacore.errors import UserError
+from megacore.config import model_tensors
+from megacore.errors import DamagedFile, UserError
 
 Verify = Literal["sha256", "size", "none"]
 PREFIX_SUFFIXES = (".bin", ".idx")
@@ -193,18 +200,48 @@ def open_artifact(path: Path, kind: Kind | None = None, verify: Verify = "sha256
     if verify == "none":
         return manifest
     for i, entry in enumerate(manifest.files):
-        at = f"{where}: $.files[{i}]"
-        full = root / entry.path
-        if not full.is_file():
-            raise UserError(f"{entry.path}: listed in the manifest but missing", at)
-        size = full.stat().st_size
-        if size != entry.size:
-            raise UserError(f"{entry.path}: size {size} differs from the manifest's {entry.size}", at)
-        if verify == "sha256" and sha256_file(full) != entry.sha256:
-            raise UserError(f"{entry.path}: sha256 differs from the manifest (corrupted or edited)", at)
+        check_file(root, entry, f"{where}: $.files[{i}]", sha256=verify == "sha256")
     if isinstance(manifest, CheckpointManifest):
         check_pieces(manifest.tensors, root, where)
     return manifest
+
+
+def check_file(root: Path, entry: FileEntry, where: str, sha256: bool = True) -> Path:
+    """The file of `entry` (under `root`) exists with the manifest's size and, when `sha256`, its
+    checksum; else `DamagedFile` naming it. Returns its path."""
+    full = root / entry.path
+    if not full.is_file():
+        raise DamagedFile(f"{entry.path}: damaged (listed in the manifest but missing)", where)
+    size = full.stat().st_size
+    if size != entry.size:
+        raise DamagedFile(
+            f"{entry.path}: damaged (size {size} differs from the manifest's {entry.size})", where
+        )
+    if sha256:
+        check_sha256(entry, sha256_file(full), where)
+    return full
+
+
+def check_sha256(entry: FileEntry, digest: str, where: str) -> None:
+    """`digest`, the sha256 of `entry`'s file (computed here by `check_file`, or by a reader while it
+    reads the file), is the manifest's; else `DamagedFile` naming the file."""
+    if digest != entry.sha256:
+        raise DamagedFile(f"{entry.path}: damaged (sha256 differs from the manifest)", where)
+
+
+def check_model_tensors(manifest: CheckpointManifest, where: str) -> None:
+    """Every tensor the checkpoint's config implies (`model_tensors`) is in it with that shape: a
+    hand-edited config whose files still match would otherwise build a model its weights do not
+    fit. Other tensors (optimizer moments) are not the config's to judge."""
+    for name, shape in model_tensors(manifest.config).items():
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            raise UserError(f"{name}: missing from the checkpoint, the config implies {list(shape)}", where)
+        if tuple(entry.shape) != shape:
+            raise UserError(
+                f"{name}: shape {list(entry.shape)} in the checkpoint, the config implies {list(shape)}",
+                where,
+            )
 
 
 def artifact_root(path: Path) -> Path:

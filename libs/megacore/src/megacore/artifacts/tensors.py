@@ -2,27 +2,38 @@
 
 Any rectangular slice of a logical tensor is assembled from whatever pieces cover it, reading only
 the bytes the slice needs (`safe_open(...).get_slice`): the one mechanism behind conversion,
-resharding, a training rank loading its shard, and export. `SafetensorsStreamWriter` knows every
-tensor's shape up front, writes the header first and then streams the data, so a file larger than
-memory is produced one slice at a time, its sha256 computed on the way.
+resharding, a training rank loading its shard, and export. `TensorReader` checks each file
+against the manifest the first time it opens it: its size at once (a cut file is refused before
+any of its bytes are used), its sha256 on a helper thread while the caller reads, converts and
+writes (`reader.check_file`, `reader.check_sha256`). The rule that keeps damage out: files are
+checked while read, confirmed before anything made from them is kept. `TensorReader.confirm()`
+waits for the sums and raises `DamagedFile` for a damaged file; a caller calls it before it
+commits an output or hands over what it read (`close()`, and leaving a `with` block without an
+error, confirm too), so a damaged file yields `DamagedFile`, never garbage weights kept.
+`SafetensorsStreamWriter` knows every tensor's shape up front, writes the header first and then
+streams the data, so a file larger than memory is produced one slice at a time, its sha256
+computed on the way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megacore.artifacts.manifest import TensorEntry
+from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, TensorEntry, decode_manifest
 from megacore.artifacts.pieces import SAFETENSORS_CODES, Box, intersect, numel, whole
-from megacore.artifacts.reader import confined_path
-from megacore.background import Background
-from megacore.errors import UserError
+from megacore.artifacts.reader import check_file, check_sha256, confined_path, read_manifest_bytes
+from megacore.artifacts.writer import sha256_file
+from megacore.background import Background, Jobs
+from megacore.errors import DamagedFile, UserError
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -43,23 +54,99 @@ def dtype_name(dtype: torch.dtype) -> str:
 # --- reading -------------------------------------------------------------------------------------
 
 
-class TensorReader:
-    """Assembles slices of logical tensors of one artifact, keeping safetensors files open."""
+# Whether a TensorReader hashes the files it opens. Only bench/bench_checkpoint.py turns it off, to
+# measure what the check costs; nothing else may.
+CHECK_SHA256 = True
 
-    def __init__(self, root: Path) -> None:
+# Files one reader hashes at once: a checkpoint of several ranks' files has several sums running
+# while they are read, each one core's sequential pass; the cap leaves cores to the caller (and to
+# the other ranks of a node, each with its own reader) and the disk to fewer streams.
+HASH_WORKERS = min(4, os.cpu_count() or 1)
+
+
+class TensorReader:
+    """Assembles slices of logical tensors of one artifact, keeping safetensors files open.
+
+    Each file is checked against the manifest's `$.files` (`files`; default: read from the
+    artifact's manifest) the first time it is opened: its size then, its sha256 on a helper thread
+    (up to `HASH_WORKERS` files at once) while the caller goes on, once per reader (`release`
+    keeps that). `confirm()` waits for those sums and raises `DamagedFile` naming the first
+    damaged file (in `$.files` order); call it before keeping anything made from what was read.
+    `close()` and a `with` block left without an error confirm too; left by an error, the sums
+    still running are stopped instead (that error is the one reported). `verified`: files the
+    caller has already hashed against that manifest (`open_artifact(..., verify="sha256")`), not
+    hashed again."""
+
+    def __init__(
+        self, root: Path, files: Sequence[FileEntry] | None = None, verified: Iterable[str] = ()
+    ) -> None:
         self.root = Path(root)
+        self._where = str(self.root / MANIFEST_NAME)
+        if files is None:
+            files = decode_manifest(read_manifest_bytes(self.root)[1], self._where).files
+        self._listed = {e.path: (i, e) for i, e in enumerate(files)}
+        self._checked: set[str] = set(verified)  # hashed, or being hashed (in _pending)
+        self._pending: dict[str, Future[str]] = {}
+        self._damage: DamagedFile | None = None  # once found, every confirm raises it again
+        self._jobs: Jobs | None = None  # started with the first sum
         self._files: dict[str, object] = {}
+
+    def _check(self, file: str) -> Path:
+        """The path of `file`, confined to the artifact, with the manifest's size; the first time,
+        its sha256 is started on a helper thread (`confirm` collects it)."""
+        confined_path(self.root, file, f"{self.root}: piece file")
+        if file not in self._listed:
+            raise UserError(f"piece file {file!r} is not listed in $.files", self._where)
+        i, entry = self._listed[file]
+        path = check_file(self.root, entry, f"{self._where}: $.files[{i}]", sha256=False)
+        if CHECK_SHA256 and file not in self._checked:
+            if self._jobs is None:
+                self._jobs = Jobs(HASH_WORKERS, name="mega-sha256")
+            self._pending[file] = self._jobs.submit(sha256_file, path, self._jobs.stop)
+        self._checked.add(file)
+        return path
+
+    def confirm(self) -> None:
+        """Wait for the sha256 of every file opened so far; `DamagedFile` naming the first one (in
+        `$.files` order) that differs from the manifest, the others' sums then abandoned. Cheap
+        when nothing is pending; a reader found damaged raises the same error on every call."""
+        for file in sorted(self._pending, key=lambda f: self._listed[f][0]):
+            if self._damage is not None:
+                break
+            i, entry = self._listed[file]
+            try:
+                check_sha256(entry, self._pending[file].result(), f"{self._where}: $.files[{i}]")
+            except DamagedFile as e:
+                self._damage = e
+            else:
+                del self._pending[file]
+        if self._damage is not None:
+            self._stop_hashing()
+            raise self._damage
+
+    def _stop_hashing(self) -> None:
+        """Abandon the sums not confirmed: their files count as unchecked again, should this reader
+        open them once more."""
+        self._checked.difference_update(self._pending)
+        self._pending.clear()
+        if self._jobs is not None:
+            self._jobs.cancel()
+            self._jobs = None
+
+    def _unreadable(self, message: str) -> UserError:
+        """The error for bytes that do not read as their header says: a damaged file is the likely
+        cause, so the pending sums are confirmed first (`DamagedFile` if one differs)."""
+        self.confirm()
+        return UserError(message, str(self.root))
 
     def _handle(self, file: str):
         h = self._files.get(file)
         if h is None:
-            path = confined_path(self.root, file, f"{self.root}: piece file")
-            if not path.is_file():
-                raise UserError(f"piece file {file!r} is missing", str(self.root))
+            path = self._check(file)
             try:
                 h = safe_open(str(path), framework="pt")
             except SafetensorError as e:
-                raise UserError(f"{file}: not a readable safetensors file ({e})", str(self.root)) from None
+                raise self._unreadable(f"{file}: not a readable safetensors file ({e})") from None
             self._files[file] = h
         return h
 
@@ -69,7 +156,7 @@ class TensorReader:
         try:
             return handle.get_slice(key)[src] if src else handle.get_tensor(key)
         except SafetensorError as e:
-            raise UserError(f"{file}: no tensor {key!r} ({e})", str(self.root)) from None
+            raise self._unreadable(f"{file}: no tensor {key!r} ({e})") from None
 
     def read(self, name: str, entry: TensorEntry, box: Box | None = None) -> torch.Tensor:
         """The slice `box` (offset, shape) of the logical tensor; the whole tensor when None."""
@@ -99,10 +186,9 @@ class TensorReader:
             dst = tuple(slice(h - o, h - o + s) for h, o, s in zip(hoff, off, hshape, strict=True))
             data = self._get(piece.file, piece.key, src)
             if list(data.shape) != list(hshape):
-                raise UserError(
+                raise self._unreadable(
                     f"{name}: piece {piece.key!r} in {piece.file} has shape {list(data.shape)}, "
-                    f"expected {list(hshape)}",
-                    str(self.root),
+                    f"expected {list(hshape)}"
                 )
             out[dst] = data.to(out.dtype) if data.dtype != out.dtype else data
             covered += numel(hshape)
@@ -112,14 +198,28 @@ class TensorReader:
             )
         return out
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Unmap the files opened so far (pages of a mapping left open count as resident memory);
+        their sums go on, and a file opened again is not hashed again."""
         self._files.clear()
+
+    def close(self) -> None:
+        """`confirm`, then release the files and the hashing threads (whatever `confirm` raised)."""
+        try:
+            self.confirm()
+        finally:
+            self._stop_hashing()
+            self.release()
 
     def __enter__(self) -> TensorReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the error in flight is reported; nothing read will be kept, so no sum is waited for
+            self._stop_hashing()
+            self.release()
 
 
 # --- writing -------------------------------------------------------------------------------------

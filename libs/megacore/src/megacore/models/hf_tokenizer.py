@@ -4,7 +4,8 @@ data was encoded, with the special tokens added for it (ChatML markers) at their
 template the data was rendered with, and `generation_config.json` with every end-of-turn id.
 
 A SentencePiece `.model` becomes a `tokenizer.json` that encodes exactly as sentencepiece does,
-read from the model file itself (its protobuf, parsed here: no protobuf package needed).
+read from the model file itself (its protobuf, parsed by megacore.tokenizer_files: no protobuf
+package needed).
 
 transformers' own conversion of a `.model` disagrees with sentencepiece on most real documents
 (transformers 5: BPE merges ranked by piece id instead of score, a Metaspace pre-tokenizer that
@@ -29,91 +30,25 @@ from __future__ import annotations
 
 import base64
 import json
-import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from megacore.tokenizer_files import (
+    BPE,
+    CONTROL,
+    NORMAL,
+    UNIGRAM,
+    UNKNOWN,
+    USER_DEFINED,
+    SentencePieceModel,
+    id_to_token,
+    read_sentencepiece,
+)
 
 if TYPE_CHECKING:
     from megacore.artifacts.manifest import TrainedTokenizer
 
 SPACE = "\u2581"  # sentencepiece's escaped space
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # SentencePiece.Type
-UNIGRAM, BPE = 1, 2  # TrainerSpec.ModelType
-
-
-@dataclass(frozen=True)
-class SentencePieceModel:
-    """What encoding depends on, from a `.model` (ModelProto; defaults as its schema gives them)."""
-
-    pieces: list[tuple[str, float, int]]  # (piece, score, type) by id
-    model_type: int = UNIGRAM
-    byte_fallback: bool = False
-    unk_id: int = 0
-    treat_whitespace_as_suffix: bool = False
-    charsmap: bytes = b""
-    add_dummy_prefix: bool = True
-    remove_extra_whitespaces: bool = True
-    escape_whitespaces: bool = True
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of a protobuf message: varints as ints, the rest as their bytes."""
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        kind = key & 7
-        if kind == 0:
-            value, i = _varint(buf, i)
-        elif kind in (1, 5):
-            n = 8 if kind == 1 else 4
-            value, i = buf[i : i + n], i + n
-        elif kind == 2:
-            n, i = _varint(buf, i)
-            value, i = buf[i : i + n], i + n
-        else:
-            raise ValueError(f"not a SentencePiece model (protobuf wire type {kind})")
-        yield key >> 3, value
-
-
-def read_sentencepiece(raw: bytes) -> SentencePieceModel:
-    """Parse a `.model` file's bytes (ModelProto: pieces 1, trainer_spec 2, normalizer_spec 3)."""
-    pieces, trainer, normalizer = [], {}, {}
-    for num, value in _fields(raw):
-        if num == 1:
-            f = dict(_fields(value))
-            score = struct.unpack("<f", f[2])[0] if 2 in f else 0.0
-            pieces.append((f.get(1, b"").decode("utf-8"), score, f.get(3, NORMAL)))
-        elif num == 2:
-            trainer = dict(_fields(value))
-        elif num == 3:
-            normalizer = dict(_fields(value))
-    if not pieces:
-        raise ValueError("not a SentencePiece model (no pieces)")
-    unk = trainer.get(40, 0)
-    return SentencePieceModel(
-        pieces=pieces,
-        model_type=trainer.get(3, UNIGRAM),
-        byte_fallback=bool(trainer.get(35, 0)),
-        unk_id=unk - (1 << 64) if unk >= 1 << 63 else unk,  # int32 varints are sign-extended
-        treat_whitespace_as_suffix=bool(trainer.get(24, 0)),
-        charsmap=normalizer.get(2, b""),
-        add_dummy_prefix=bool(normalizer.get(3, 1)),
-        remove_extra_whitespaces=bool(normalizer.get(4, 1)),
-        escape_whitespaces=bool(normalizer.get(5, 1)),
-    )
 
 
 def _normalizer(m: SentencePieceModel) -> dict | None:
@@ -231,7 +166,7 @@ def hf_tokenizer_files(
             for name, i in sorted(info.added_special_tokens.items(), key=lambda kv: kv[1])
             if name not in have
         ]
-    names = _id_to_token(data)
+    names = id_to_token(data)
     top = max(names)
     if top >= vocab_rows:
         raise ValueError(
@@ -290,14 +225,3 @@ def hf_tokenizer_files(
 
 def _pretty(data: dict) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-
-
-def _id_to_token(data: dict) -> dict[int, str]:
-    """Every id a tokenizer.json can produce and its token: the model's vocab and the added tokens."""
-    vocab = data["model"].get("vocab", {})
-    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel
-        names = {i: t for t, i in vocab.items()}
-    else:  # Unigram: [[piece, score], ...] by id
-        names = {i: t for i, (t, _) in enumerate(vocab)}
-    names.update({t["id"]: t["content"] for t in data.get("added_tokens", [])})
-    return names

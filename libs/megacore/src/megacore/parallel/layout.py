@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 
-from megacore.artifacts.manifest import ParallelSpec, Schedule
+from megacore.artifacts.manifest import FLOAT_DTYPES, ParallelSpec, Schedule
 from megacore.artifacts.pieces import Box, even_split, whole
 from megacore.config import ModelConfig
 from megacore.errors import UserError
@@ -188,7 +188,7 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")  # several stages per pipeline rank
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(FLOAT_DTYPES.values())  # as a run manifest holds them: fp32, bf16, fp16
 RECOMPUTE = ("none", "selective", "full")
 
 

@@ -528,12 +528,15 @@ SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str, where: str = "--gpu-memory") -> int:
-    """Bytes from '80GB', '80G', '80GiB', '81920MiB' or a plain number of bytes. Units are binary
-    (80GB = 80 GiB), as GPU memory is sold and reported (nvidia-smi: 81920MiB on an 80 GB A100)."""
+    """Bytes from '80GB', '80G', '80GiB', '81920MiB' or '4096B'. Units are binary (80GB = 80 GiB), as
+    GPU memory is sold and reported (nvidia-smi: 81920MiB on an 80 GB A100). A bare number is
+    refused: `--gpu-memory 80` means 80 GB, never 80 bytes."""
     m = SIZE.match(text)
     if m is None:
         raise UserError(f"{text!r} is not a memory size such as 80GB or 81920MiB", where)
-    unit = (m.group(2) or "b").lower()
+    if m.group(2) is None:
+        raise UserError(f"{m.group(1)} has no unit: did you mean {m.group(1)}GB?", where)
+    unit = m.group(2).lower()
     power = "bkmgt".index(unit[0])
     value = float(m.group(1)) * (1 << (10 * power))
     if value < 1:

@@ -133,7 +133,8 @@ def load_checkpoint(
     path: Path, pm: ParallelModel, optimizer: torch.optim.Optimizer | None = None
 ) -> CheckpointManifest:
     """Fill this rank's parameters (and AdamW moments, when the checkpoint has them) from a
-    checkpoint of any layout, reading only the slices this rank holds."""
+    checkpoint of any layout, reading only the slices this rank holds. `DamagedFile` when a file
+    read is damaged; the parameters and moments may then hold some of its values."""
     with CheckpointReader(path) as ckpt:
         diff = config_differences(pm.config, ckpt.config)
         if diff:
@@ -163,6 +164,9 @@ def load_checkpoint(
                 if loc.numel():
                     loc.copy_(ckpt.read(optim_state_name(kind, name), (offset, shape)))
                 state[kind] = buf
+        # The files' sums, hashed meanwhile: a damaged file is DamagedFile here, before the caller
+        # trains on what was copied (a run then falls back to an older checkpoint).
+        ckpt.confirm()
         return ckpt.manifest
 
 

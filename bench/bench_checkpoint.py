@@ -1,0 +1,141 @@
+"""What checking a checkpoint's files as they are read costs (issue #20): mega-export and a training
+job's load, with the check on (as shipped) against off.
+
+Every reader of checkpoint tensors (`megacore.artifacts.tensors.TensorReader`) checks each file's
+size the first time it opens it and hashes it on a helper thread while the caller reads, converts
+and writes; `confirm()` waits for the sums before the output is committed or the load returns, so
+what is measured is what the hashing adds to the wall time. Off is
+`megacore.artifacts.tensors.CHECK_SHA256 = False`, set in the measured child process: the one
+switch, which only this benchmark touches (sizes are still checked).
+
+Two checkpoints, written random into bench-out/checkpoint/ as one file each (the tp1/pp1 layout of
+mega-convert and of a one-rank training save; `bench_shard.write_source`): bf16 weights, and bf16
+weights + fp32 AdamW moments (10 bytes per parameter, a training checkpoint), Llama-2-7B tensor
+shapes with one layer (`--quick`: small shapes). Measured, each in a fresh child process:
+- export: `mega_export.export.export_hf` to bf16, of each checkpoint (a training checkpoint's file
+  is hashed whole, moments included, though export reads only the weights);
+- load: `megacore.parallel.state.load_checkpoint` of the training checkpoint into a one-process
+  ParallelModel (gloo, fp32) and its AdamW state: what a resuming run does.
+Rounds are paired and interleaved (on then off, then off then on, ...); the ratio is the median
+over rounds of off / on in the same round (1.0: free; >= 0.91: at most 10% slower, the target), the
+times shown each side's best. The page cache is warm (the files were just written): the check's CPU
+cost in full; reading from a cold disk costs both sides the same read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_shard import LLAMA2_7B, QUICK, write_source
+from megacore.config import ModelConfig
+from run import Row
+
+OUT = Path(__file__).resolve().parents[1] / "bench-out" / "checkpoint"
+FULL_DIMS = {**LLAMA2_7B, "num_layers": 1}
+
+EXPORT = """
+import json, sys, time
+import megacore.artifacts.tensors as tensors
+tensors.CHECK_SHA256 = sys.argv[3] == "on"
+from mega_export.export import export_hf
+t = time.perf_counter()
+export_hf(sys.argv[1], sys.argv[2], dtype="bfloat16", force=True, progress=False)
+print(json.dumps({"seconds": time.perf_counter() - t}))
+"""
+LOAD = """
+import json, sys, time
+import torch
+import megacore.artifacts.tensors as tensors
+tensors.CHECK_SHA256 = sys.argv[2] == "on"
+from megacore.artifacts import open_artifact
+from megacore.parallel.engine import ParallelModel
+from megacore.parallel.layout import Parallelism
+from megacore.parallel.mesh import build_mesh, shutdown
+from megacore.parallel.state import load_checkpoint
+config = open_artifact(sys.argv[1], "checkpoint", verify="none").config
+pm = ParallelModel(config, Parallelism(precision="fp32"), build_mesh(), "cpu")
+opt = torch.optim.AdamW(pm.parameters())
+t = time.perf_counter()
+load_checkpoint(sys.argv[1], pm, opt)
+seconds = time.perf_counter() - t
+shutdown()
+print(json.dumps({"seconds": seconds}))
+"""
+
+
+def log(msg: str) -> None:
+    print(f"   checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+def child(script: str, *args: object) -> float:
+    """Seconds of the measured call, run in a fresh interpreter."""
+    p = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+    if p.returncode:
+        raise RuntimeError(f"child failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def paired(measure, rounds: int) -> dict[str, list[float]]:
+    """`measure(side)` for side on and off, `rounds` times, the order swapped every round."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(rounds):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            times[side].append(measure(side))
+    return times
+
+
+def row(metric: str, times: dict[str, list[float]], note: str) -> Row:
+    ratio = statistics.median(off / on for on, off in zip(times["on"], times["off"], strict=True))
+    rounds = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["on"], times["off"], strict=True))
+    return Row(
+        "checkpoint",
+        metric,
+        f"check on {min(times['on']):.2f}s",
+        f"off {min(times['off']):.2f}s",
+        ratio,
+        "<= 10% slower (ratio >= 0.91)",
+        f"{note}; median of {len(times['on'])} paired rounds (on/off s: {rounds})",
+    )
+
+
+def run(quick: bool) -> list[Row]:
+    shutil.rmtree(OUT, ignore_errors=True)
+    OUT.mkdir(parents=True)
+    dims, shape = (QUICK, "quick sizes") if quick else (FULL_DIMS, "llama2-7b shapes, 1 layer")
+    cfg = ModelConfig(family="llama", **dims)
+    rounds = 2 if quick else 4
+    rows = []
+    for optim in (False, True):
+        src = OUT / ("training" if optim else "weights")
+        size = write_source(src, cfg, optim)
+        what = "weights + AdamW state" if optim else "weights"
+        note = f"{shape}, {what}, {size / 1e9:.2f} GB in one file"
+        log(f"wrote {src.name}: {note}")
+        times = paired(lambda side, src=src: child(EXPORT, src, OUT / "hf", side), rounds)
+        rows.append(row(f"export ({what}) wall", times, note))
+        shutil.rmtree(OUT / "hf", ignore_errors=True)
+        log(f"export of {src.name} done: {times}")
+        if optim:
+            times = paired(lambda side, src=src: child(LOAD, src, side), rounds)
+            rows.append(row("training load (load_checkpoint, 1 process) wall", times, note))
+            log(f"load of {src.name} done: {times}")
+    shutil.rmtree(OUT, ignore_errors=True)
+    return rows
+
+
+if __name__ == "__main__":
+    from run import table
+
+    print(table(run("--quick" in sys.argv)))

@@ -1,0 +1,272 @@
+"""Damaged checkpoints never pass silently (issue #20): a file whose size or sha256 differs from
+the manifest, or a config its tensors do not fit, is refused by every reader of checkpoint tensors
+(mega-shard, mega-export, mega-convert verify) with one line naming the file or tensor, exit 2,
+and nothing written. Files are checked while read (a sum on a helper thread) and confirmed
+before anything made from them is kept (`confirm`, before a commit or a return)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY, assert_one_line_error, write_checkpoint
+from mega_convert.cli import app as convert_app
+from mega_export.cli import app as export_app
+from mega_export.export import export_hf
+from mega_shard.cli import app as shard_app
+from mega_shard.reshard import reshard
+from megacore.artifacts import MANIFEST_NAME, TensorReader, check_model_tensors, open_artifact, sha256_file
+from megacore.checkpoint import CheckpointReader, shard_file
+from megacore.cli import run
+from megacore.config import model_tensors
+from megacore.errors import DamagedFile, UserError
+from megacore.parallel.engine import ParallelModel
+from megacore.parallel.layout import Parallelism
+from megacore.parallel.mesh import build_mesh, shutdown
+from megacore.parallel.state import load_checkpoint
+
+DATA = shard_file(0, 0)
+
+
+@pytest.fixture(scope="module")
+def intact(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random checkpoint and its own export, the Hugging Face directory verify compares with."""
+    root = tmp_path_factory.mktemp("intact")
+    g = torch.Generator().manual_seed(0)
+    write_checkpoint(root / "ckpt", {n: torch.randn(s, generator=g) for n, s in model_tensors(TINY).items()})
+    export_hf(root / "ckpt", root / "hf", progress=False)
+    return root / "ckpt", root / "hf"
+
+
+def _copy(intact: tuple[Path, Path], tmp_path: Path) -> Path:
+    shutil.copytree(intact[0], tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def truncate(ckpt: Path) -> None:
+    data = ckpt / DATA
+    data.write_bytes(data.read_bytes()[:-100])
+
+
+def overwrite_4k(ckpt: Path, where: float = 0.5) -> None:
+    """4 KiB in the file inverted in place (at `where` of its length): same size, other bytes."""
+    raw = bytearray((ckpt / DATA).read_bytes())
+    start = int(len(raw) * where) - 2048
+    raw[start : start + 4096] = bytes(b ^ 0xFF for b in raw[start : start + 4096])
+    (ckpt / DATA).write_bytes(bytes(raw))
+
+
+def double_heads(ckpt: Path) -> None:
+    """The manifest's config hand-edited (num_heads 4 -> 8): the data files still match their sums."""
+    doc = json.loads((ckpt / MANIFEST_NAME).read_text())
+    assert doc["config"]["num_heads"] == 4 and doc["config"]["head_dim"] == 4
+    doc["config"]["num_heads"] = 8
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+class Proc:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def tool(capsys, app, prog: str, *args: object) -> Proc:
+    """A tool's command line run in this process, as its console script runs it."""
+    capsys.readouterr()
+    code = run(app, prog, [str(a) for a in args])
+    out, err = capsys.readouterr()
+    return Proc(code, out, err)
+
+
+TOOLS: dict[str, Callable] = {
+    "mega-shard": lambda capsys, ckpt, hf, out: tool(capsys, shard_app, "mega-shard", ckpt, out, "--tp", "2"),
+    "mega-export": lambda capsys, ckpt, hf, out: tool(capsys, export_app, "mega-export", ckpt, out),
+    "mega-convert verify": lambda capsys, ckpt, hf, out: tool(
+        capsys, convert_app, "mega-convert", "verify", ckpt, hf, "--seq-len", "8"
+    ),
+}
+CASES = {
+    "truncated": (truncate, [f"{DATA}: damaged (size ", "differs from the manifest's"]),
+    "4 KiB overwritten": (overwrite_4k, [f"{DATA}: damaged (sha256 differs from the manifest)"]),
+    "num_heads 4 -> 8": (
+        double_heads,
+        ["layers.0.attn.q_proj.weight: shape [16, 16] in the checkpoint, the config implies [32, 16]"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", TOOLS)
+def test_every_reader_refuses_a_damaged_checkpoint(intact, tmp_path: Path, capsys, name: str, case: str):
+    ckpt = _copy(intact, tmp_path)
+    damage, fragments = CASES[case]
+    damage(ckpt)
+    p = TOOLS[name](capsys, ckpt, intact[1], tmp_path / "out")
+    assert_one_line_error(p, str(ckpt), *fragments)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt"]  # no out, no out.partial
+
+
+def test_a_damaged_file_is_found_when_read_even_unverified_at_opening(intact, tmp_path: Path, capsys):
+    """`--verify none` skips the check of every file before starting; the reader still checks each
+    file before using it, so the half-written output is removed."""
+    ckpt = _copy(intact, tmp_path)
+    overwrite_4k(ckpt)
+    p = tool(capsys, shard_app, "mega-shard", ckpt, tmp_path / "out", "--verify", "none")
+    assert_one_line_error(p, f"$.files[0]: {DATA}: damaged (sha256 differs from the manifest)")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt"]
+
+
+# --- the library -----------------------------------------------------------------------------------
+
+
+def test_damage_is_raised_before_anything_read_is_kept(intact, tmp_path: Path):
+    """The bytes of the last tensor are damaged and the first one, intact, is read: the read returns
+    (the file is hashed meanwhile), `confirm` raises DamagedFile, again on every call, and so do
+    leaving the `with` block, `decoder()` and `close()`: nothing read outlives the reader unconfirmed."""
+    ckpt = _copy(intact, tmp_path)
+    overwrite_4k(ckpt, where=0.97)
+    first = next(iter(model_tensors(TINY)))
+    with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256"), CheckpointReader(ckpt) as r:
+        assert list(r.read(first).shape) == r.entry(first).shape
+        for _ in range(2):
+            with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256"):
+                r.confirm()
+    with pytest.raises(DamagedFile, match="sha256 differs"), CheckpointReader(ckpt) as r:
+        r.decoder()
+    m = open_artifact(ckpt, "checkpoint", verify="size")
+    r = TensorReader(ckpt)
+    r.read(first, m.tensors[first])
+    with pytest.raises(DamagedFile) as e:
+        r.close()
+    assert isinstance(e.value, UserError) and "$.files[0]" in str(e.value)
+    with pytest.raises(DamagedFile, match="sha256 differs"):
+        open_artifact(ckpt, "checkpoint", verify="sha256")
+
+
+def test_an_error_in_flight_is_the_one_reported(intact, tmp_path: Path):
+    """Leaving the `with` block by another error stops the sums instead of confirming them: that
+    error is reported, not masked by the damage it may have nothing to do with."""
+    ckpt = _copy(intact, tmp_path)
+    overwrite_4k(ckpt)
+    with pytest.raises(KeyError, match="elsewhere"), CheckpointReader(ckpt) as r:
+        r.read("norm.weight")
+        raise KeyError("elsewhere")
+
+
+def test_a_stopped_sum_passes_for_no_file(intact):
+    """A sum stopped half-way (a reader given up) returns "", which matches no manifest."""
+    data, entry = intact[0] / DATA, open_artifact(intact[0], "checkpoint").files[0]
+    assert sha256_file(data) == entry.sha256
+    stop = threading.Event()
+    stop.set()
+    assert sha256_file(data, stop) == ""
+
+
+def test_bytes_that_do_not_read_are_reported_as_the_damage_they_are(intact, tmp_path: Path):
+    """A header overwritten in place (same size, unchecked at opening with `verify="none"`) fails to
+    parse before its sum is done: the reader confirms first and reports the damage."""
+    ckpt = _copy(intact, tmp_path)
+    raw = bytearray((ckpt / DATA).read_bytes())
+    raw[8:40] = bytes(b ^ 0xFF for b in raw[8:40])
+    (ckpt / DATA).write_bytes(bytes(raw))
+    with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256"):
+        CheckpointReader(ckpt, verify="none").read("norm.weight")
+
+
+def test_the_first_damaged_file_of_those_read_is_named(intact, tmp_path: Path):
+    """Two files (tp 2): a file is hashed once it is read, so damage to one not read goes unseen;
+    with both read and both damaged, `confirm` names the first in `$.files`."""
+    ckpt = tmp_path / "tp2"
+    reshard(intact[0], ckpt, tp=2, pp=1, log=lambda msg: None, progress=False)
+    files = [e.path for e in open_artifact(ckpt, "checkpoint").files if e.path.endswith(".safetensors")]
+    assert files == [shard_file(0, 0), shard_file(0, 1)]
+    name = "layers.0.mlp.down_proj.weight"  # split over tp: a piece in each file
+    rank0_only = ((0, 0), (16, 16))
+    raw = bytearray((ckpt / files[1]).read_bytes())
+    raw[-64:] = bytes(b ^ 0xFF for b in raw[-64:])
+    (ckpt / files[1]).write_bytes(bytes(raw))
+    with CheckpointReader(ckpt) as r:
+        r.read(name, rank0_only)
+    with (
+        pytest.raises(DamagedFile, match=rf"\$.files\[1\]: {files[1]}: damaged"),
+        CheckpointReader(ckpt) as r,
+    ):
+        r.read(name)
+    raw = bytearray((ckpt / files[0]).read_bytes())
+    raw[-64:] = bytes(b ^ 0xFF for b in raw[-64:])
+    (ckpt / files[0]).write_bytes(bytes(raw))
+    with (
+        pytest.raises(DamagedFile, match=rf"\$.files\[0\]: {files[0]}: damaged"),
+        CheckpointReader(ckpt) as r,
+    ):
+        r.read(name)
+
+
+def test_a_training_load_raises_damage_before_it_returns(intact, tmp_path: Path, monkeypatch):
+    """`load_checkpoint` (a run resuming) copies the slices while their file is hashed, and raises
+    DamagedFile before it returns, which is what sends a run back to an older checkpoint."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a one-process group of its own
+        monkeypatch.delenv(var, raising=False)
+    ckpt = _copy(intact, tmp_path)
+    try:
+        pm = ParallelModel(TINY, Parallelism(precision="fp32"), build_mesh(), "cpu")
+        load_checkpoint(ckpt, pm)
+        with CheckpointReader(ckpt) as r:
+            assert torch.equal(dict(pm.named_parameters())["norm.weight"], r.read("norm.weight"))
+        overwrite_4k(ckpt, where=0.97)
+        with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256"):
+            load_checkpoint(ckpt, pm)
+    finally:
+        shutdown()
+
+
+def test_a_missing_or_cut_file_is_damaged_too(intact, tmp_path: Path):
+    ckpt = _copy(intact, tmp_path)
+    truncate(ckpt)
+    with pytest.raises(DamagedFile, match=r"damaged \(size"):
+        CheckpointReader(ckpt)
+    (ckpt / DATA).unlink()
+    with pytest.raises(DamagedFile, match=r"damaged \(listed in the manifest but missing\)"):
+        CheckpointReader(ckpt, verify="none").read("norm.weight")
+
+
+def test_each_file_is_hashed_once_per_reader(intact, tmp_path: Path):
+    """Once confirmed (hashed by `open_artifact(..., verify="sha256")`, or while first read), a file
+    is not hashed again by the same reader, `release` included: damage made afterwards goes unseen
+    by it, and is seen by a new reader."""
+    ckpt = _copy(intact, tmp_path)
+    with CheckpointReader(ckpt) as r:
+        r.read("norm.weight")
+        r.release()
+        r.confirm()
+        overwrite_4k(ckpt)
+        r.read("norm.weight")
+    with pytest.raises(DamagedFile), CheckpointReader(ckpt, verify="size") as r:
+        r.read("norm.weight")
+    shutil.rmtree(ckpt)
+    ckpt = _copy(intact, tmp_path)
+    with CheckpointReader(ckpt, verify="sha256") as r:
+        overwrite_4k(ckpt)
+        r.read("norm.weight")
+
+
+def test_tensors_are_checked_against_the_config(intact, tmp_path: Path):
+    m = open_artifact(intact[0], "checkpoint")
+    check_model_tensors(m, "here")
+    del m.tensors["layers.1.mlp.down_proj.weight"]
+    with pytest.raises(UserError) as e:
+        check_model_tensors(m, "here")
+    assert (
+        str(e.value)
+        == "here: layers.1.mlp.down_proj.weight: missing from the checkpoint, the config implies [16, 32]"
+    )
+    ckpt = _copy(intact, tmp_path)
+    double_heads(ckpt)
+    with pytest.raises(UserError, match=r"q_proj.weight: shape \[16, 16\] in the checkpoint") as e:
+        CheckpointReader(ckpt)
+    assert not isinstance(e.value, DamagedFile)  # the files are intact: not a reason to fall back

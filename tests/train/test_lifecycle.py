@@ -1,0 +1,175 @@
+"""A run left alone: what a person, a scheduler or a crash does to it never loses work nor rewinds
+silently. Real processes: mega-train alone and as its own launcher (`--nproc-per-node`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from helpers import BIN, assert_bitwise_equal
+from mega_train.launch import children
+from runlib import checkpoint_tensors, metrics, ok, train, write_run
+
+LONG = {"train_steps": 100000, "checkpoint": {"every": 100000}}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def start(*args: object) -> subprocess.Popen:
+    cmd = [str(BIN / "mega-train"), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not ((out / "metrics.jsonl").is_file() and len(metrics(out)) >= n):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the run did not start"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_second_launch_on_the_same_out_is_refused(tmp_path: Path, tokens: Path) -> None:
+    """While a run trains, a second launch on its `out` (2 workers) exits 2 with one line naming
+    the live run and writes nothing; the first then stops on SIGTERM with its work intact."""
+    run_json = write_run(tmp_path, tokens, **LONG)
+    out = tmp_path / "run"
+    first = start("--manifest", run_json)
+    wait_for_steps(out, 2, first)
+    second = subprocess.run(
+        [str(BIN / "mega-train"), "--nproc-per-node", "2", "--manifest", str(run_json)],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert second.returncode == 2, (second.stdout, second.stderr)
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"in use by mega-train pid {first.pid}" in lines[0], second.stderr
+    assert "--force" not in second.stderr
+    assert not list((out / "checkpoints").iterdir())
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    steps = [r["step"] for r in metrics(out)]
+    assert steps == list(range(1, steps[-1] + 1))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", f"step-{steps[-1]:08d}"]
+    assert (out / ".lock").read_text() == ""  # released
+
+
+def test_damaged_newest_checkpoint_is_set_aside(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """The newest checkpoint truncated (found by size at start) or overwritten in place (found by
+    its sha256 as it is read): named on one line, set aside, the run resumes from the one before,
+    ends bit-identical to the reference, and a rerun is not blocked."""
+    want = checkpoint_tensors(reference / "checkpoints" / "step-00000012")
+    for damage in ("truncated", "overwritten"):
+        run_json = write_run(tmp_path / damage, tokens)
+        out = run_json.parent / "run"
+        shutil.copytree(
+            reference, out, symlinks=True, ignore=shutil.ignore_patterns("step-00000004", ".lock")
+        )
+        shard = out / "checkpoints" / "step-00000012" / "model-pp00-tp00.safetensors"
+        data = bytearray(shard.read_bytes())
+        if damage == "truncated":
+            shard.write_bytes(data[:-100])
+        else:
+            data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)
+            shard.write_bytes(bytes(data))
+        dry = ok(train(run_json, "--dry-run", "--verify", "sha256"))
+        assert "step-00000012 is damaged" in dry.stdout and "the run will set it aside" in dry.stdout
+        assert "resumes from" in dry.stdout and "step-00000008 (step 8 of 12)" in dry.stdout
+        assert (out / "checkpoints" / "step-00000012").is_dir()  # a dry run moves nothing
+        resumed = ok(train(run_json))
+        assert (
+            "model-pp00-tp00.safetensors" in resumed.stdout
+            and "set aside as step-00000012.damaged" in resumed.stdout
+        )
+        assert "step-00000008 (step 8 of 12)" in resumed.stdout, resumed.stdout
+        aside = out / "checkpoints" / "step-00000012.damaged"
+        assert aside.is_dir() and (aside / "manifest.json").is_file()
+        assert os.readlink(out / "checkpoints" / "latest") == "step-00000012"
+        got = checkpoint_tensors(out / "checkpoints" / "step-00000012")
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], (damage, name))
+        again = ok(train(run_json))
+        assert "already complete" in again.stdout
+
+
+def test_stop_signals_to_the_launcher(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """SIGTERM to `mega-train --nproc-per-node 2`, and Ctrl-C's SIGINT to one with a single worker:
+    a checkpoint at the signal's step, exit 0, rank 0's one line and no traceback; the SIGINT run's
+    rerun ends bit-identical to the uninterrupted reference."""
+    want = checkpoint_tensors(reference / "checkpoints" / "step-00000012")
+    cases = [
+        (signal.SIGTERM, 2, LONG | {"batch": {"micro_batch_size": 4}}),
+        (signal.SIGINT, 1, {"checkpoint": {"every": 100}}),
+    ]
+    for sig, nproc, overrides in cases:
+        run_json = write_run(tmp_path / sig.name, tokens, **overrides)
+        out = run_json.parent / "run"
+        proc = start("--nproc-per-node", nproc, "--manifest", run_json)
+        wait_for_steps(out, 3, proc)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, (sig, stdout[-2000:], stderr[-3000:])
+        assert "Traceback" not in stderr and "Error" not in stderr, stderr
+        saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+        step = int(saved[-1].removeprefix("step-"))
+        assert saved == [f"step-{step:08d}"] and metrics(out)[-1]["step"] == step
+        assert stdout.count(f"{sig.name} at step {step}: checkpoint saved") == 1, stdout
+        if sig == signal.SIGINT:
+            ok(train(run_json))
+            got = checkpoint_tensors(out / "checkpoints" / "step-00000012")
+            for name in want:
+                assert_bitwise_equal(got[name], want[name], name)
+            assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
+
+
+def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path, tokens: Path) -> None:
+    """SIGKILL to the launcher: within 10 s no worker is alive and nothing more is written."""
+    run_json = write_run(tmp_path, tokens, batch={"micro_batch_size": 4}, **LONG)
+    out = tmp_path / "run"
+    proc = start("--nproc-per-node", "2", "--manifest", run_json)
+    wait_for_steps(out, 2, proc)
+    ranks = children(proc.pid)
+    assert len(ranks) == 2, ranks
+    proc.kill()
+    proc.communicate(timeout=30)
+    time.sleep(10)
+    assert not [pid for pid in ranks if alive(pid)]
+    size = (out / "metrics.jsonl").stat().st_size
+    time.sleep(2)
+    assert (out / "metrics.jsonl").stat().st_size == size
+
+
+def test_train_steps_change_on_resume(tmp_path: Path, tokens: Path) -> None:
+    """Killed at step 7 of 12 (checkpoint at 4), resumed with train_steps 20: said on one line, the
+    lr continues from the old schedule's and decays to min_lr at 20 (closed form worked out here);
+    another lr is refused naming the field."""
+    run_json = write_run(tmp_path, tokens)
+    out = tmp_path / "run"
+    killed = train(run_json, env={"MEGA_TRAIN_INJECT": "kill@7"})
+    assert killed.returncode == -signal.SIGKILL
+    write_run(tmp_path, tokens, train_steps=20, eval={"every": 0})
+    resumed = ok(train(run_json))
+    assert "train_steps 12 -> 20 on resume" in resumed.stdout, resumed.stdout
+    lr, low, warmup = 3e-3, 3e-4, 2  # runlib.write_run's optimizer
+    p4 = (4 - warmup) / (12 - warmup)
+    for r in metrics(out):
+        k = r["step"] - 1  # the step's index
+        p = (k - warmup) / (12 - warmup) if k < 4 else p4 + (1 - p4) * (k - 4) / (20 - 4)
+        want = lr * (k + 1) / warmup if k < warmup else low + (lr - low) * 0.5 * (1 + math.cos(math.pi * p))
+        assert math.isclose(r["lr"], want, rel_tol=1e-9), (r["step"], r["lr"], want)
+    assert [r["step"] for r in metrics(out)] == list(range(1, 21))
+    write_run(tmp_path, tokens, train_steps=30, optimizer={"lr": 1e-3, "warmup_steps": 2, "min_lr": 3e-4})
+    refused = train(run_json)
+    assert refused.returncode == 2 and "$.optimizer.lr differs" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

@@ -1,0 +1,57 @@
+"""Fault injection for tests: `MEGA_TRAIN_INJECT="nan-grad@3,nan-loss@5,kill@7,kill-in-save@4"`.
+
+Read once when a run starts; a run without it never looks again (the trainer holds None). At step N
+(counted from 1, the step that just ran): `nan-grad` poisons a gradient on rank 0, `nan-loss` the
+loss; `kill` SIGKILLs the job in the middle of the step (after backward, before the update);
+`kill-in-save` in the middle of writing that step's checkpoint (after the shard files, before the
+manifest).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KINDS = ("nan-grad", "nan-loss", "kill", "kill-in-save")
+ENV = "MEGA_TRAIN_INJECT"
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The faults asked for, as (kind, step) pairs."""
+
+    planned: frozenset[tuple[str, int]]
+
+    @staticmethod
+    def from_env() -> Faults | None:
+        spec = os.environ.get(ENV, "")
+        planned = set()
+        for item in filter(None, spec.split(",")):
+            kind, _, step = item.partition("@")
+            if kind not in KINDS or not step.isdigit():
+                raise ValueError(f"{ENV}: {item!r} is not one of {', '.join(KINDS)} @ a step")
+            planned.add((kind, int(step)))
+        return Faults(frozenset(planned)) if planned else None
+
+    def at(self, kind: str, step: int) -> bool:
+        return (kind, step) in self.planned
+
+    def after_backward(self, step: int, loss, params: list, rank: int):
+        """Apply this step's faults between backward and the update; returns the (poisoned) loss."""
+        if self.at("kill", step):
+            _kill_self()
+        if loss is not None and self.at("nan-loss", step):
+            loss = loss.new_full(loss.shape, float("nan"))
+        if rank == 0 and self.at("nan-grad", step):
+            next(p for p in params if p.grad is not None).grad.fill_(float("nan"))
+        return loss
+
+    def in_save(self, step: int) -> Callable[[], None] | None:
+        """What to run once a checkpoint's shard files are written (before its manifest)."""
+        return _kill_self if self.at("kill-in-save", step) else None

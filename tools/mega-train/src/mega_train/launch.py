@@ -1,0 +1,98 @@
+"""`mega-train --nproc-per-node N`: torchrun's launcher (`torch.distributed.run`'s API, the same
+elastic agent and rendezvous) with the stopping a scheduler expects.
+
+What it changes from plain `torchrun`:
+
+- SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 to the launcher are forwarded to its workers, which save one
+  checkpoint at the next step boundary and exit 0; the launcher then exits 0, with the one line of
+  rank 0 and no traceback. It never kills a worker that is saving (plain torchrun does after its
+  `--shutdown-timeout`, 30 s). A second Ctrl-C is forwarded too, and aborts at once (exit 130).
+- A worker that fails makes the launcher exit with that worker's code (2 for bad input, whose one
+  line the worker printed), without torchrun's `ChildFailedError` report.
+- The manifest is checked here before any worker starts, so a bad one is one line, once.
+- The workers watch the launcher: if it is SIGKILLed they exit within a second (`lifecycle.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from megacore.cli import error
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (a launcher's workers), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _forward(signum: int, frame: object) -> None:
+    for pid in children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def torchrun_args(
+    nproc: int, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None
+) -> list[str]:
+    """The torchrun options of a static rendezvous (on one node without an address, torchrun's
+    `--standalone`: a c10d rendezvous on a free local port)."""
+    args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--node-rank={node_rank}"]
+    if nnodes == 1 and master_addr is None and master_port is None:
+        return [*args, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
+    args.append(f"--master-addr={master_addr or '127.0.0.1'}")
+    if master_port is not None:
+        args.append(f"--master-port={master_port}")
+    return args
+
+
+def launch(options: list[str], worker_args: list[str]) -> int:
+    """Run `mega-train <worker_args>` in each worker under torchrun's elastic agent started with
+    `options`; returns the launcher's exit code (module docstring)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+    # The agent's own log lines (a worker's exit code, closing processes) repeat what the workers
+    # and this launcher say in one line.
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    entry = [sys.executable, "-c", "from mega_train.cli import main; main()"]
+    args = get_args_parser().parse_args([*options, "--no-python", *entry, *worker_args])
+    config, cmd, cmd_args = config_from_args(args)
+    # The agent handles only what we do not: the stop signals are ours to forward.
+    config.signals_to_handle = "SIGHUP,SIGQUIT"
+    previous = {s: signal.signal(s, _forward) for s in FORWARDED}
+    try:
+        elastic_launch(config, cmd)(*cmd_args)
+        return 0
+    except ChildFailedError as e:
+        # The root cause: the first rank that exited by itself (the agent SIGTERMs the others then).
+        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp))
+        code = failure.exitcode
+        if code < 0:  # killed by a signal: report it as a shell would
+            error("mega-train", f"rank {rank} was killed by {signal.Signals(-code).name}")
+            return 128 - code
+        if code != 2:  # a bad input's one line was printed by the worker itself
+            error("mega-train", f"rank {rank} exited with code {code}")
+        return code
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,565 @@
+"""mega-train's trainer: a run's phases as methods of one object, read top to bottom.
+
+`Trainer(plan)` on every rank with the same checked `RunPlan`, then:
+
+- `setup`: the mesh, the run directory and its lock (`lifecycle.py`), the stop flag and the
+  launcher watch, the sample index, the `ParallelModel` and AdamW.
+- `resume`: the newest intact checkpoint of this run (damaged ones set aside, `checkpoints.py`),
+  else `init`'s weights, else fresh ones; a changed `train_steps` stretches the schedule
+  (`schedule.py`).
+- `step`: global batch `step` of the train samples (`megacore.data.Dataset`: the sequence depends
+  on the seed and the data only), this rank's dp share as microbatches through
+  `ParallelModel.forward_backward` (the loss is the mean over the global batch's counted targets);
+  one all-reduce brings every rank the loss and the stop request; then unscale (fp16), the global
+  gradient norm and clipping, and the update only when loss and norm are finite (`LossScale`).
+- `evaluate` every `eval.every` steps and after the last one (`evaluation.py`); `report` writes
+  each record to metrics.jsonl and W&B on rank 0; `save` writes an atomic checkpoint.
+- `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
+  or at `nan.policy: halt` (exit 1).
+
+`train(plan)` runs the whole. Fault injection for tests: `faults.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mega_train import __version__
+from mega_train.allocator import configure_allocator
+from mega_train.checkpoints import (
+    PRODUCER,
+    check_resumable,
+    point_latest,
+    prune,
+    resume_point,
+    set_aside,
+    step_dir,
+)
+from mega_train.evaluation import EvalSums
+from mega_train.faults import Faults
+from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher
+from mega_train.metrics import MetricsLog, eval_line, memory_gb, peak_tflops, perplexity, say, train_line
+from mega_train.plan import RUN_MARK, RunPlan
+from mega_train.schedule import LossScale, Schedule
+from mega_train.wandb_run import WandbLog
+from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
+from megacore.artifacts.reader import parent_of
+from megacore.config import flops_per_token
+from megacore.data.dataset import Batch, Dataset
+from megacore.data.packing import IGNORE, inputs_and_targets
+from megacore.errors import DamagedFile, Silent, UserError
+from megacore.parallel.engine import ParallelModel, clip_grad_norm
+from megacore.parallel.layout import Parallelism
+from megacore.parallel.mesh import build_mesh, device_type, shutdown
+from megacore.parallel.state import load_checkpoint, load_rank_state, save_checkpoint
+from megacore.progress import Progress
+
+T = TypeVar("T")
+
+
+class Halted(UserError):
+    """The run stopped itself (nan.policy halt): exit 1, the last checkpoint left as it was."""
+
+    exit_code = 1
+
+
+@dataclass
+class Position:
+    """How far the run is: what a checkpoint's `training` section restores besides the weights,
+    the moments, the schedule and the loss scale."""
+
+    step: int = 0
+    optimizer_steps: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # the last train_loss, valid_loss
+
+
+def make_optimizer(params: list[torch.nn.Parameter], opt: OptimizerSpec) -> torch.optim.AdamW:
+    """AdamW; norms and biases (1-D) are not decayed. Vocab padding rows get no gradient and so stay zero."""
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True)
+
+
+@torch.no_grad()
+def unscale_and_clip(params: list[torch.Tensor], scale: float, clip: float, pp_group=None) -> float:
+    """Divide the gradients by the loss scale, then clip them to global norm `clip` (0: no clipping);
+    returns the norm before clipping, of the unscaled gradients (what a run reports)."""
+    if scale != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(1.0 / scale)
+    return float(clip_grad_norm(params, clip or math.inf, pp_group))
+
+
+class Trainer:
+    """One rank's part of a run (module docstring)."""
+
+    def __init__(self, plan: RunPlan, peak: float | None = None, faults: Faults | None = None) -> None:
+        self.plan, self.run = plan, plan.run
+        self.G, self.S = plan.run.batch.global_batch_size, plan.run.batch.seq_length
+        self.peak = peak
+        self.faults = faults
+        self.lock: RunLock | None = None
+        self.stop: StopRequest | None = None
+        self.log: MetricsLog | None = None
+        self.wb: WandbLog | None = None
+        self.position = Position()
+        self.resumed: Path | None = None  # the checkpoint this run resumed from
+        self.last: Path | None = None  # the run's newest checkpoint
+        self.saved_at: int | None = None
+
+    # --- set up -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Mesh, lock, stop flag, data and model; collective."""
+        run = self.run
+        configure_allocator(device_type())
+        self.mesh = build_mesh(run.parallel.tp, run.parallel.pp)
+        self.rank = dist.get_rank()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else "cpu"
+        torch.manual_seed(run.seed)
+        self.on_rank0(self._claim_run_dir)
+        self.stop = StopRequest()
+        watch_launcher()
+        self._open_data()
+        par = Parallelism(run.parallel, run.precision, self.plan.grad_accum, run.compile, run.recompute)
+        self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
+        for part in self.pm.parts:
+            part.set_attention(run.attention)
+        self.params = list(self.pm.parameters())
+        self.opt = make_optimizer(self.params, run.optimizer)
+        fp16 = run.precision == "fp16"
+        self.scaler = LossScale(
+            run.optimizer.initial_loss_scale if fp16 else None, run.optimizer.loss_scale_window
+        )
+        self.schedule = Schedule(run.optimizer, run.train_steps)
+        self.dp, self.dp_rank = self.mesh["dp"].size(), self.mesh["dp"].get_local_rank()
+        self.pp_group = self.mesh["pp"].get_group() if run.parallel.pp > 1 else None
+
+    def on_rank0(self, work: Callable[[], T]) -> T:
+        """Run `work` on rank 0 and hand every rank its result; a UserError it raises stops every
+        rank alike (rank 0 says it, the others exit quietly with its code)."""
+        box: list = [None, None]
+        error: UserError | None = None
+        if self.rank == 0:
+            try:
+                box[0] = work()
+            except UserError as e:
+                error, box[1] = e, e.exit_code
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            shutdown()
+            raise error if error is not None else Silent(box[1])
+        return box[0]
+
+    def _claim_run_dir(self) -> None:
+        """Rank 0: the lock first, before anything is written into `out`."""
+        plan = self.plan
+        plan.out.mkdir(parents=True, exist_ok=True)
+        self.lock = RunLock(plan.out)
+        self.lock.acquire(f"{plan.path}: $.out")
+        if self.lock.took_over:
+            say(
+                f"mega-train: taking over {self.lock.path}, left by {describe(self.lock.took_over)}, which is gone"
+            )
+        (plan.out / RUN_MARK).write_text(f"{PRODUCER} {__version__}\n")
+        plan.checkpoints.mkdir(parents=True, exist_ok=True)
+
+    def _open_data(self) -> None:
+        """The train and valid sample indexes: rank 0 builds (or finds) them, the others then load
+        them from the cache."""
+        run, plan = self.run, self.plan
+
+        def build(which: str, samples: int) -> Dataset:
+            return Dataset.build(
+                plan.data, run.data.split, which, self.S, samples, run.seed, plan.out / "data-index",
+                packing=run.data.packing, doc_mask=run.data.doc_mask,
+            )  # fmt: skip
+
+        for turn in (0, 1):
+            if (self.rank == 0) == (turn == 0):
+                self.train_data = build("train", run.train_steps * self.G)
+                self.valid_data = build("valid", run.eval.iters * self.G) if run.eval.every else None
+            dist.barrier()
+        if self.rank == 0 and self.train_data.truncated:
+            say(
+                f"mega-train: warning: {self.train_data.truncated} conversations of the train split are "
+                f"longer than seq_length + 1 = {self.S + 1} tokens and are cut to it"
+            )
+        # Loss on the assistant's tokens only: their role code (the plan checked every source has it).
+        self.train_role = plan.data[0][1].roles["assistant"] if run.data.loss_on == "assistant" else None
+        # Chat data trained on every token: evaluation also reports the assistant's tokens alone.
+        valid = self.valid_data
+        chat = valid is not None and valid.has_roles and valid.has_positions
+        self.assistant_code = (
+            plan.data[0][1].roles.get("assistant") if chat and self.train_role is None else None
+        )
+        # Some targets may not count: chat data or document masking; both come with positions.
+        self.masked = self.train_data.has_positions
+
+    # --- resume -------------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """The newest intact checkpoint of this run, else `init`'s weights, else fresh ones."""
+        while (found := self.on_rank0(self._resume_point)) is not None:
+            path, manifest = found
+            try:
+                check_resumable(path, manifest, self.plan.config, self.plan.fingerprint, str(self.plan.path))
+            except UserError as e:
+                shutdown()
+                raise e if self.rank == 0 else Silent(e.exit_code) from None
+            damage = self._load(path)
+            if damage is None:
+                self._restore(path, manifest)
+                return
+            self.on_rank0(lambda path=path, damage=damage: self._set_aside(path, damage))
+        self.opt.state.clear()  # whatever a damaged checkpoint left there
+        if self.plan.init is not None:
+            load_checkpoint(self.plan.init[0], self.pm)  # weights only: fine-tuning starts a new optimizer
+        else:
+            self.pm.init_weights(self.run.model.init_std, self.run.seed)
+        self._open_reports(resumed=False)
+
+    def _resume_point(self) -> tuple[Path, CheckpointManifest] | None:
+        """Rank 0: the newest complete checkpoint that opens cleanly, newer damaged ones set aside,
+        and `latest` pointing at it."""
+        found, damaged = resume_point(self.plan.checkpoints)
+        for path, why in damaged:
+            self._set_aside(path, why)
+        if found is not None or damaged:
+            point_latest(self.plan.checkpoints, found[0] if found is not None else None)
+        return found
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        moved = set_aside(path)
+        say(f"mega-train: warning: {path} is damaged ({why}); set aside as {moved.name}")
+
+    def _load(self, path: Path) -> str | None:
+        """Load a checkpoint's slices on every rank; the damage any rank found (its files are hashed
+        as they are read), else None. Every rank learns the same."""
+        damage = ""
+        try:
+            load_checkpoint(path, self.pm, self.opt)
+        except DamagedFile as e:
+            damage = str(e)
+        flags = torch.tensor([1 if damage else 0], device=self.device)
+        dist.all_reduce(flags)
+        if not int(flags.item()):
+            return None
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, damage)
+        return next(d for d in every if d)
+
+    def _restore(self, path: Path, manifest: CheckpointManifest) -> None:
+        t, run = manifest.training, self.run
+        applied = t.step if t.optimizer_steps is None else t.optimizer_steps
+        self.position = Position(t.step, applied, dict(t.metrics))
+        self.scaler.scale = t.loss_scale
+        self.scaler.counters.update(t.counters)
+        rng = load_rank_state(path, manifest)
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+        saved = Schedule.restored(run.optimizer, t.scheduler, run.train_steps)
+        self.schedule = saved.resized(run.train_steps, t.step)
+        self.resumed = self.last = path
+        self.saved_at = t.step
+        if self.rank == 0:
+            done = " — already complete, nothing to do" if t.step >= run.train_steps else ""
+            say(f"mega-train: resuming from {path} (step {t.step} of {run.train_steps}){done}")
+            if saved.total != run.train_steps and t.step < run.train_steps:
+                say(
+                    f"mega-train: train_steps {saved.total} -> {run.train_steps} on resume: the learning rate "
+                    f"continues from {self.schedule.lr(t.step):.3g}, what is left of its decay spread over "
+                    f"steps {t.step + 1}..{run.train_steps}"
+                )
+        self._open_reports(resumed=True)
+
+    def _open_reports(self, resumed: bool) -> None:
+        """metrics.jsonl (cut back to the resumed step) and W&B (none for a run already complete)."""
+        if self.rank != 0:
+            return
+        self.log = MetricsLog(self.plan.out, self.position.step if resumed else None)
+        if self.position.step < self.run.train_steps:
+            self.wb = WandbLog.open(self.plan, resumed)
+
+    # --- a step -------------------------------------------------------------------------------
+
+    def rows(self, data: Dataset, k: int) -> Batch:
+        """This rank's rows (its dp share) of global batch k."""
+        n = self.G // self.dp
+        return data.batch(k * self.G + self.dp_rank * n, k * self.G + (self.dp_rank + 1) * n)
+
+    def batch(
+        self, b: Batch, role: int | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+        """Inputs where this rank holds the first stage, targets where it holds the last, positions
+        (packed documents) or None, and how many of the targets count."""
+        if not self.masked:
+            x = torch.from_numpy(b.tokens).to(self.device)
+            inputs, targets, positions = x[:, :-1], x[:, 1:], None
+        else:
+            inputs, positions, targets = (
+                torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+                for a in inputs_and_targets(b.tokens, b.positions, b.roles, role)
+            )
+        counted = int((targets != IGNORE).sum()) if self.masked else targets.numel()
+        pm = self.pm
+        return (inputs if pm.has_first else None), (targets if pm.has_last else None), positions, counted
+
+    def global_count(self, counted: int) -> int:
+        """The counted targets of the whole global batch: the dp ranks' counts added up."""
+        if not self.masked:
+            return self.G * self.S
+        c = torch.tensor([counted], dtype=torch.int64, device=self.device)
+        dist.all_reduce(c, group=self.mesh["dp"].get_group())
+        return int(c.item())
+
+    def reduce_loss(self, loss: torch.Tensor | None, counted: int, flag: int = 0) -> tuple[float, int]:
+        """The mean loss over the counted targets of the ranks holding the last stage (each rank's
+        mean weighted by its count), and the sum of `flag`, on every rank."""
+        v = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if loss is not None:
+            v[0], v[1] = loss.double() * counted, float(counted)
+        v[2] = flag
+        dist.all_reduce(v)
+        return float(v[0] / v[1]) if v[1] else math.nan, int(v[2])
+
+    def step(self) -> tuple[dict, bool]:
+        """Train one step; returns its record and whether any rank was asked to stop."""
+        t0 = time.perf_counter()
+        pos = self.position
+        lr = self.schedule.lr(pos.step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        tokens, targets, positions, counted = self.batch(
+            self.rows(self.train_data, pos.step), self.train_role
+        )
+        scale = self.scaler.factor
+        count = self.global_count(counted)
+        local = self.pm.forward_backward(tokens, targets, scale, positions, count)
+        pos.step += 1
+        if self.faults is not None:
+            local = self.faults.after_backward(pos.step, local, self.params, self.rank)
+        loss, stopping = self.reduce_loss(local, counted, self.stop.signum if self.stop else 0)
+        pos.metrics["train_loss"] = loss
+        norm = unscale_and_clip(self.params, scale, self.run.optimizer.grad_clip, self.pp_group)
+        if self.scaler.judge(loss, norm):
+            self.opt.step()
+            pos.optimizer_steps += 1
+        self.opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        return self._record(loss, lr, norm, count, dt), bool(stopping)
+
+    def _record(self, loss: float, lr: float, norm: float, count: int, dt: float) -> dict:
+        tps = self.G * self.S / dt
+        flops = flops_per_token(self.plan.config, self.S)
+        peak = peak_tflops(self.peak, self.run.precision)
+        c = self.scaler.counters
+        return {
+            "step": self.position.step, "kind": "train", "loss": loss, "lr": lr, "grad_norm": norm,
+            "tokens_per_s": tps, "counted_tokens": count, "tflops": tps * flops / 1e12,
+            "mfu": tps * flops / 1e12 / peak if peak else None,
+            "skipped": c["skipped"], "nan_steps": c["nan_steps"], "loss_scale": self.scaler.scale,
+            "memory_gb": memory_gb(), "step_time_s": dt, "world_size": dist.get_world_size(),
+        }  # fmt: skip
+
+    def check_halt(self) -> None:
+        """`nan.policy: halt` after `nan.max_steps` non-finite steps: every rank stops (exit 1)."""
+        nan = self.run.nan
+        count = self.scaler.counters["nan_steps"]
+        if nan.policy != "halt" or count < nan.max_steps:
+            return
+        if self.rank != 0:
+            raise Silent(Halted.exit_code)
+        last = resume_point(self.plan.checkpoints)[0]
+        raise Halted(
+            f"step {self.position.step}: loss or gradients not finite ({count} such steps, $.nan.max_steps "
+            f"{nan.max_steps}); stopped without saving, the last checkpoint is {last[0] if last else 'none'}"
+        )
+
+    # --- evaluate and report ------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss, accuracy and the user's metrics over the first `eval.iters` valid batches (the
+        same ones in every layout and resume), on every rank."""
+        pm, run = self.pm, self.run
+        sums = EvalSums(run.eval.metrics, self.plan.eval_metrics, str(self.plan.path))
+        for k in range(run.eval.iters):
+            b = self.rows(self.valid_data, k)
+            tokens, targets, positions, counted = self.batch(b, self.train_role)
+            on_logits = sums.add_logits
+            if self.assistant_code is not None and pm.reports_logits:
+                # Chat data with the loss on every token: the assistant's tokens reported apart too,
+                # microbatch by microbatch, in the order evaluate goes through them.
+                assistant = inputs_and_targets(b.tokens, b.positions, b.roles, self.assistant_code)[2]
+                parts = iter(torch.from_numpy(assistant).to(self.device).chunk(pm.par.microbatches))
+
+                def on_logits(logits: torch.Tensor, tg: torch.Tensor, parts=parts) -> None:
+                    sums.add_logits(logits, tg)
+                    sums.add_assistant(logits, next(parts))
+
+            loss = pm.evaluate(tokens, targets, on_logits, positions)
+            if pm.reports_logits:  # one rank per dp rank, like the metrics
+                sums.add_loss(float(loss), counted)
+        return sums.combine()
+
+    def eval_record(self, ev: dict[str, float]) -> dict:
+        loss = ev.pop("loss")
+        self.position.metrics["valid_loss"] = loss
+        record = {"step": self.position.step, "kind": "eval", "loss": loss, "ppl": perplexity(loss)}
+        record.update(ev)  # accuracy, the user's metrics, the assistant's (chat data)
+        if "assistant_loss" in record:
+            record["assistant_ppl"] = perplexity(record["assistant_loss"])
+        return record
+
+    def report(self, record: dict) -> None:
+        """Rank 0: metrics.jsonl, W&B and, when due, the console."""
+        if self.rank != 0:
+            return
+        self.log.write(record)
+        if self.wb is not None:
+            self.wb.log(record)
+        if record["kind"] == "eval":
+            say(eval_line(record))
+        elif record["step"] % self.run.logging.every == 0 or record["step"] == self.run.train_steps:
+            say(train_line(record, self.run.train_steps))
+
+    # --- save and stop ------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """A checkpoint of this step (collective): weights, moments, schedule, counters, RNG."""
+        pos, plan = self.position, self.plan
+        path = step_dir(plan.checkpoints, pos.step)
+        training = TrainingState(
+            step=pos.step,
+            consumed_samples=pos.step * self.G,
+            scheduler=self.schedule.saved(pos.step),
+            optimizer="adamw",
+            optimizer_steps=pos.optimizer_steps,
+            loss_scale=self.scaler.scale,
+            counters=dict(self.scaler.counters),
+            run=plan.fingerprint,
+            metrics={k: v for k, v in pos.metrics.items() if math.isfinite(v)},
+        )
+        try:
+            save_checkpoint(
+                path, self.pm, self.opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
+                rank_state={"cpu": torch.get_rng_state()},
+                on_written=self.faults.in_save(pos.step) if self.faults is not None else None,
+                tokenizer=plan.tokenizer, parents=[parent_of(p) for p in plan.inputs] if self.rank == 0 else [],
+                license=plan.license,
+            )  # fmt: skip
+        except UserError:
+            if self.rank != 0:
+                raise Silent(2) from None
+            raise UserError(
+                f"cannot save step {pos.step}: {path} is in the way and is not a checkpoint this run can "
+                "resume from; move it elsewhere and rerun to resume"
+            ) from None
+        self.saved_at, self.last = pos.step, path
+        if self.rank == 0:
+            point_latest(plan.checkpoints, path)
+            prune(plan.checkpoints, self.run.checkpoint.keep)
+            say(f"mega-train: saved {path}")
+
+    def fit(self) -> dict | None:
+        """Steps until `train_steps` or a stop request; rank 0 returns the run's summary."""
+        run, pos = self.run, self.position
+        progress = Progress(
+            "mega-train",
+            "steps",
+            total=max(0, run.train_steps - pos.step),
+            enabled=None if self.rank == 0 else False,
+        )
+        while pos.step < run.train_steps:
+            record, stopping = self.step()
+            progress.update(1)
+            self.report(record)
+            self.check_halt()
+            if run.eval.every and (pos.step % run.eval.every == 0 or pos.step == run.train_steps):
+                self.report(self.eval_record(self.evaluate()))
+            if stopping:
+                name = self.stop.name or "SIGTERM"
+                if self.saved_at != pos.step:
+                    self.save()
+                if self.rank == 0:
+                    say(
+                        f"mega-train: {name} at step {pos.step}: checkpoint saved; rerun the command to resume"
+                    )
+                return self.summary(name)
+            if pos.step % run.checkpoint.every == 0 or pos.step == run.train_steps:
+                self.save()
+        if self.saved_at != pos.step:
+            self.save()
+        progress.done()
+        return self.summary(None)
+
+    def summary(self, stopped_by: str | None) -> dict | None:
+        """The run's summary for `--json` on rank 0: `out` is its newest checkpoint (the artifact to
+        pass on); None on the other ranks."""
+        if self.rank != 0:
+            return None
+        t, pos, last = self.run.parallel, self.position, self.last
+        return {
+            "out": str(last) if last is not None else None,
+            "kind": "checkpoint",
+            "manifest_sha256": parent_of(last).manifest_sha256 if last is not None else None,
+            "run": str(self.plan.out),
+            "step": pos.step,
+            "train_steps": self.run.train_steps,
+            "complete": pos.step >= self.run.train_steps,
+            "stopped_by": stopped_by,
+            "optimizer_steps": pos.optimizer_steps,
+            "skipped_steps": self.scaler.counters["skipped"],
+            "train_loss": _finite(pos.metrics.get("train_loss")),
+            "valid_loss": _finite(pos.metrics.get("valid_loss")),
+            "layout": {"tp": t.tp, "pp": t.pp, "dp": dist.get_world_size() // (t.tp * t.pp)},
+            "metrics": str(self.plan.out / "metrics.jsonl"),
+        }
+
+    def close(self, ok: bool) -> None:
+        """Restore the signal handlers, close the reports, release the lock."""
+        if self.stop is not None:
+            self.stop.restore()
+        if self.log is not None:
+            self.log.close()
+        if self.wb is not None:  # an exception on its way out (a halt too) marks the W&B run failed
+            self.wb.finish(ok=ok)
+        if self.lock is not None:
+            self.lock.release()
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def train(plan: RunPlan, peak: float | None = None) -> dict | None:
+    """Train (or resume) `plan`'s run on this rank. Rank 0 returns the run's summary (`--json`),
+    the other ranks None."""
+    trainer = Trainer(plan, peak, Faults.from_env())
+    clean = False
+    try:
+        trainer.setup()
+        trainer.resume()
+        summary = trainer.fit()
+        clean = True
+        return summary
+    except UserError:
+        clean = True  # every rank decided it alike (a halt): they can still meet at the barrier
+        raise
+    finally:
+        trainer.close(ok=sys.exc_info()[0] is None)
+        if clean:
+            shutdown()
