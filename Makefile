@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup airflow-venv test test-slow test-all demo bench lint format schemas clean
+.PHONY: setup airflow-venv test test-slow test-all demo bench lint format schemas docs clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,9 @@ format: setup
 
 schemas: setup
 	$(PY) -c "from megacore.artifacts.manifest import write_schemas; print(*write_schemas('schemas'), sep='\n')"
+
+docs: setup
+	$(PY) docs/gen_help.py
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_VENV) demo-out bench-out

@@ -1,21 +1,26 @@
 """What checking a checkpoint's files as they are read costs (issue #20): mega-export and a training
-job's load, with the check on (as shipped) against off.
+job's load, with the check on (as shipped) against off; and what recording the per-piece sums
+costs a training save.
 
 Every reader of checkpoint tensors (`megacore.artifacts.tensors.TensorReader`) checks each file's
-size the first time it opens it and hashes it on a helper thread while the caller reads, converts
-and writes; `confirm()` waits for the sums before the output is committed or the load returns, so
-what is measured is what the hashing adds to the wall time. Off is
-`megacore.artifacts.tensors.CHECK_SHA256 = False`, set in the measured child process: the one
-switch, which only this benchmark touches (sizes are still checked).
+size the first time it opens it and hashes, on helper threads while the caller reads, converts and
+writes, the bytes of each piece it reads (`Piece.sha256`); `confirm()` waits for the sums before
+the output is committed or the load returns, so what is measured is what the hashing adds to the
+wall time. Off is `megacore.artifacts.tensors.CHECK_SHA256 = False`, set in the measured child
+process: the one switch, which only this benchmark touches (sizes are still checked). The save
+row switches `megacore.checkpoint.PIECE_SHA256` the same way (the file's own sum is made either
+way).
 
 Two checkpoints, written random into bench-out/checkpoint/ as one file each (the tp1/pp1 layout of
 mega-convert and of a one-rank training save; `bench_shard.write_source`): bf16 weights, and bf16
 weights + fp32 AdamW moments (10 bytes per parameter, a training checkpoint), Llama-2-7B tensor
 shapes with one layer (`--quick`: small shapes). Measured, each in a fresh child process:
-- export: `mega_export.export.export_hf` to bf16, of each checkpoint (a training checkpoint's file
-  is hashed whole, moments included, though export reads only the weights);
+- export: `mega_export.export.export_hf` to bf16, of each checkpoint (of a training checkpoint only
+  the weights' bytes are hashed: export reads nothing else);
 - load: `megacore.parallel.state.load_checkpoint` of the training checkpoint into a one-process
-  ParallelModel (gloo, fp32) and its AdamW state: what a resuming run does.
+  ParallelModel (gloo, fp32) and its AdamW state: what a resuming run does;
+- save: `megacore.parallel.state.save_checkpoint` of that model and AdamW state (fp32 weights and
+  moments, one process), piece sums recorded or not.
 Rounds are paired and interleaved (on then off, then off then on, ...); the ratio is the median
 over rounds of off / on in the same round (1.0: free; >= 0.91: at most 10% slower, the target), the
 times shown each side's best. The page cache is warm (the files were just written): the check's CPU
@@ -67,6 +72,27 @@ seconds = time.perf_counter() - t
 shutdown()
 print(json.dumps({"seconds": seconds}))
 """
+SAVE = """
+import json, sys, time
+import torch
+import megacore.checkpoint as checkpoint
+checkpoint.PIECE_SHA256 = sys.argv[3] == "on"
+from megacore.artifacts import open_artifact
+from megacore.artifacts.manifest import TrainingState
+from megacore.parallel.engine import ParallelModel
+from megacore.parallel.layout import Parallelism
+from megacore.parallel.mesh import build_mesh, shutdown
+from megacore.parallel.state import load_checkpoint, save_checkpoint
+config = open_artifact(sys.argv[1], "checkpoint", verify="none").config
+pm = ParallelModel(config, Parallelism(precision="fp32"), build_mesh(), "cpu")
+opt = torch.optim.AdamW(pm.parameters())
+load_checkpoint(sys.argv[1], pm, opt)
+t = time.perf_counter()
+save_checkpoint(sys.argv[2], pm, opt, TrainingState(step=1, optimizer="adamw"), force=True)
+seconds = time.perf_counter() - t
+shutdown()
+print(json.dumps({"seconds": seconds}))
+"""
 
 
 def log(msg: str) -> None:
@@ -96,13 +122,13 @@ def paired(measure, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def row(metric: str, times: dict[str, list[float]], note: str) -> Row:
+def row(metric: str, times: dict[str, list[float]], note: str, switch: str = "check") -> Row:
     ratio = statistics.median(off / on for on, off in zip(times["on"], times["off"], strict=True))
     rounds = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["on"], times["off"], strict=True))
     return Row(
         "checkpoint",
         metric,
-        f"check on {min(times['on']):.2f}s",
+        f"{switch} on {min(times['on']):.2f}s",
         f"off {min(times['off']):.2f}s",
         ratio,
         "<= 10% slower (ratio >= 0.91)",
@@ -131,6 +157,10 @@ def run(quick: bool) -> list[Row]:
             times = paired(lambda side, src=src: child(LOAD, src, side), rounds)
             rows.append(row("training load (load_checkpoint, 1 process) wall", times, note))
             log(f"load of {src.name} done: {times}")
+            times = paired(lambda side, src=src: child(SAVE, src, OUT / "saved", side), rounds)
+            rows.append(row("training save (save_checkpoint, 1 process) wall", times, note, "piece sums"))
+            shutil.rmtree(OUT / "saved", ignore_errors=True)
+            log(f"save of {src.name} done: {times}")
     shutil.rmtree(OUT, ignore_errors=True)
     return rows
 

@@ -9,7 +9,8 @@ dtype, fp32 and bf16, on the CPU with 2 threads:
 - RoPE: `megacore.models.rope.apply_rope` (`_Rope`) against `x * cos + rotate_half(x) * sin`,
   tables from `rope_tables`; x is [1, tokens, 32 heads, 128];
 - fused loss: `megacore.models.loss.fused_linear_cross_entropy` (`_FusedLinearCE`) against
-  `F.cross_entropy(F.linear(h, w).float(), t)`, vocab 32000.
+  `F.cross_entropy(F.linear(h, w).float(), t)`, vocab 32000; and the same two in evaluation
+  (forward only, under `torch.no_grad`: the fused loss then computes the loss alone).
 Sizes: Llama-7B-like hidden 4096 with 4096 tokens (the loss: 2048 tokens, its matmuls dominate);
 `--quick`: hidden 1024, 1024 tokens (loss 256), to check the benchmark runs.
 A sample is forward + backward (`torch.autograd.grad` of the output with a fixed output gradient,
@@ -130,6 +131,29 @@ def loss_cases(s: Sizes, dtype: torch.dtype) -> tuple[Step, dict[str, Step]]:
     }
 
 
+def eval_loss_cases(s: Sizes, dtype: torch.dtype) -> tuple[Step, dict[str, Step]]:
+    """The fused loss in evaluation (no autograd): the loss alone, no gradient matmuls."""
+    from megacore.models.loss import fused_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(s.loss_tokens, s.hidden, generator=g).to(dtype)
+    w = (torch.randn(VOCAB, s.hidden, generator=g) * s.hidden**-0.5).to(dtype)
+    t = torch.randint(0, VOCAB, (s.loss_tokens,), generator=g)
+
+    def no_grad(f: Callable[[], torch.Tensor]) -> Step:
+        def step() -> tuple[torch.Tensor, ...]:
+            with torch.no_grad():
+                return (f(),)
+
+        return step
+
+    return no_grad(lambda: fused_linear_cross_entropy(h, w, t, VOCAB)), {
+        "F.cross_entropy(F.linear(h, w).float(), t)": no_grad(
+            lambda: F.cross_entropy(F.linear(h, w).float(), t)
+        )
+    }
+
+
 def max_rel_error(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> float:
     """Largest |a - b| over each tensor's largest |b|, over the output and every gradient."""
     with torch.no_grad():
@@ -173,6 +197,7 @@ def run(quick: bool) -> list[Row]:
         ("RMSNorm", rmsnorm_cases, s.rounds, f"{s.tokens}x{s.hidden}"),
         ("RoPE", rope_cases, s.rounds, f"1x{s.tokens}x{s.heads}x128"),
         ("fused loss", loss_cases, s.loss_rounds, f"{s.loss_tokens}x{s.hidden}, vocab {VOCAB}"),
+        ("fused loss (eval)", eval_loss_cases, s.loss_rounds, f"{s.loss_tokens}x{s.hidden}, vocab {VOCAB}"),
     )
     rows = []
     for dname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -190,7 +215,7 @@ def run(quick: bool) -> list[Row]:
             for label in peers:
                 ratio = statistics.median(p / o for p, o in zip(times[label], times["ours"], strict=True))
                 rows.append(
-                    Row("kernels", f"{kernel} fwd+bwd {dname} vs {label}", _ms(best["ours"]),
+                    Row("kernels", f"{kernel} {'fwd' if 'eval' in kernel else 'fwd+bwd'} {dname} vs {label}", _ms(best["ours"]),
                         _ms(best[label]), ratio, ">= 1x",
                         f"{shape}, {THREADS} threads; median of {rounds} paired rounds; best-of "
                         f"{best[label] / best['ours']:.2f}x; max rel err {errors[label]:.1e}")

@@ -87,3 +87,11 @@ def write_checkpoint(
         layout = Layout(stage_layers=[list(range(config.num_layers))])
         dtype = next(iter(cw.records()[1].values()))[1]
         return cw.commit(config=config, dtype=dtype, layout=layout, producer=("tests", "0"), **commit)
+
+
+def load_decoder(path: Path, dtype: torch.dtype | None = None):
+    """A whole Decoder with a checkpoint's weights (any layout; one process)."""
+    from megacore.checkpoint import CheckpointReader
+
+    with CheckpointReader(path) as ckpt:
+        return ckpt.decoder(dtype)

@@ -1,19 +1,26 @@
 """Damaged checkpoints never pass silently (issue #20): a file whose size or sha256 differs from
 the manifest, or a config its tensors do not fit, is refused by every reader of checkpoint tensors
 (mega-shard, mega-export, mega-convert verify) with one line naming the file or tensor, exit 2,
-and nothing written. Files are checked while read (a sum on a helper thread) and confirmed
-before anything made from them is kept (`confirm`, before a commit or a return)."""
+and nothing written. What is read is checked while read (a sum on a helper thread: of each piece
+read, or of the whole file for a checkpoint without piece sums) and confirmed before anything made
+from it is kept (`confirm`, before a commit or a return). A reader vouches for what it reads: damage
+to a piece it does not read is not its to see (`--verify sha256` checks whole files)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from helpers import TINY, assert_one_line_error, write_checkpoint
 from mega_convert.cli import app as convert_app
@@ -22,6 +29,8 @@ from mega_export.export import export_hf
 from mega_shard.cli import app as shard_app
 from mega_shard.reshard import reshard
 from megacore.artifacts import MANIFEST_NAME, TensorReader, check_model_tensors, open_artifact, sha256_file
+from megacore.artifacts.pieces import safetensors_layout
+from megacore.background import Jobs
 from megacore.checkpoint import CheckpointReader, shard_file
 from megacore.cli import run
 from megacore.config import model_tensors
@@ -54,12 +63,35 @@ def truncate(ckpt: Path) -> None:
     data.write_bytes(data.read_bytes()[:-100])
 
 
+def invert(path: Path, start: int, stop: int) -> None:
+    """Bytes [start, stop) of the file inverted in place: same size, other bytes."""
+    raw = bytearray(path.read_bytes())
+    raw[start:stop] = bytes(b ^ 0xFF for b in raw[start:stop])
+    path.write_bytes(bytes(raw))
+
+
 def overwrite_4k(ckpt: Path, where: float = 0.5) -> None:
-    """4 KiB in the file inverted in place (at `where` of its length): same size, other bytes."""
-    raw = bytearray((ckpt / DATA).read_bytes())
-    start = int(len(raw) * where) - 2048
-    raw[start : start + 4096] = bytes(b ^ 0xFF for b in raw[start : start + 4096])
-    (ckpt / DATA).write_bytes(bytes(raw))
+    """4 KiB in the file inverted in place (at `where` of its length)."""
+    start = int((ckpt / DATA).stat().st_size * where) - 2048
+    invert(ckpt / DATA, start, start + 4096)
+
+
+def damage_tensor(ckpt: Path, key: str, file: str = DATA) -> None:
+    """Up to 4 KiB of tensor `key`'s bytes in `file` inverted in place (found through its header)."""
+    data_start, header = safetensors_layout(ckpt / file)
+    begin, end = header[key]["data_offsets"]
+    invert(ckpt / file, data_start + begin, data_start + min(end, begin + 4096))
+
+
+def tensor_at(ckpt: Path, where: float, file: str = DATA) -> str:
+    """The tensor whose bytes hold `where` of the file's length."""
+    data_start, header = safetensors_layout(ckpt / file)
+    at = int((ckpt / file).stat().st_size * where) - data_start
+    return next(
+        k
+        for k, v in header.items()
+        if k != "__metadata__" and v["data_offsets"][0] <= at < v["data_offsets"][1]
+    )
 
 
 def double_heads(ckpt: Path) -> None:
@@ -92,7 +124,7 @@ TOOLS: dict[str, Callable] = {
 }
 CASES = {
     "truncated": (truncate, [f"{DATA}: damaged (size ", "differs from the manifest's"]),
-    "4 KiB overwritten": (overwrite_4k, [f"{DATA}: damaged (sha256 differs from the manifest)"]),
+    "4 KiB overwritten": (overwrite_4k, [f"{DATA}: damaged (sha256 of tensor ", "differs from the manifest"]),
     "num_heads 4 -> 8": (
         double_heads,
         ["layers.0.attn.q_proj.weight: shape [16, 16] in the checkpoint, the config implies [32, 16]"],
@@ -117,7 +149,10 @@ def test_a_damaged_file_is_found_when_read_even_unverified_at_opening(intact, tm
     ckpt = _copy(intact, tmp_path)
     overwrite_4k(ckpt)
     p = tool(capsys, shard_app, "mega-shard", ckpt, tmp_path / "out", "--verify", "none")
-    assert_one_line_error(p, f"$.files[0]: {DATA}: damaged (sha256 differs from the manifest)")
+    hit = tensor_at(ckpt, 0.5)
+    assert_one_line_error(
+        p, f"$.files[0]: {DATA}: damaged (sha256 of tensor {hit!r} differs from the manifest)"
+    )
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt"]
 
 
@@ -125,22 +160,24 @@ def test_a_damaged_file_is_found_when_read_even_unverified_at_opening(intact, tm
 
 
 def test_damage_is_raised_before_anything_read_is_kept(intact, tmp_path: Path):
-    """The bytes of the last tensor are damaged and the first one, intact, is read: the read returns
-    (the file is hashed meanwhile), `confirm` raises DamagedFile, again on every call, and so do
-    leaving the `with` block, `decoder()` and `close()`: nothing read outlives the reader unconfirmed."""
+    """The bytes of the last tensor are damaged and it is read: the read returns (its bytes are
+    hashed meanwhile), `confirm` raises DamagedFile naming the file and the tensor, again on every
+    call, and so do leaving the `with` block, `decoder()` and `close()`: nothing read outlives the
+    reader unconfirmed."""
     ckpt = _copy(intact, tmp_path)
-    overwrite_4k(ckpt, where=0.97)
-    first = next(iter(model_tensors(TINY)))
-    with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256"), CheckpointReader(ckpt) as r:
-        assert list(r.read(first).shape) == r.entry(first).shape
+    last = tensor_at(ckpt, 0.97)
+    damage_tensor(ckpt, last)
+    damaged = rf"{DATA}: damaged \(sha256 of tensor '{last}' differs from the manifest\)"
+    with pytest.raises(DamagedFile, match=damaged), CheckpointReader(ckpt) as r:
+        assert list(r.read(last).shape) == r.entry(last).shape
         for _ in range(2):
-            with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256"):
+            with pytest.raises(DamagedFile, match=damaged):
                 r.confirm()
-    with pytest.raises(DamagedFile, match="sha256 differs"), CheckpointReader(ckpt) as r:
+    with pytest.raises(DamagedFile, match=damaged), CheckpointReader(ckpt) as r:
         r.decoder()
     m = open_artifact(ckpt, "checkpoint", verify="size")
     r = TensorReader(ckpt)
-    r.read(first, m.tensors[first])
+    r.read(last, m.tensors[last])
     with pytest.raises(DamagedFile) as e:
         r.close()
     assert isinstance(e.value, UserError) and "$.files[0]" in str(e.value)
@@ -179,7 +216,7 @@ def test_bytes_that_do_not_read_are_reported_as_the_damage_they_are(intact, tmp_
 
 
 def test_the_first_damaged_file_of_those_read_is_named(intact, tmp_path: Path):
-    """Two files (tp 2): a file is hashed once it is read, so damage to one not read goes unseen;
+    """Two files (tp 2): a piece is hashed once it is read, so damage to one not read goes unseen;
     with both read and both damaged, `confirm` names the first in `$.files`."""
     ckpt = tmp_path / "tp2"
     reshard(intact[0], ckpt, tp=2, pp=1, log=lambda msg: None, progress=False)
@@ -187,9 +224,7 @@ def test_the_first_damaged_file_of_those_read_is_named(intact, tmp_path: Path):
     assert files == [shard_file(0, 0), shard_file(0, 1)]
     name = "layers.0.mlp.down_proj.weight"  # split over tp: a piece in each file
     rank0_only = ((0, 0), (16, 16))
-    raw = bytearray((ckpt / files[1]).read_bytes())
-    raw[-64:] = bytes(b ^ 0xFF for b in raw[-64:])
-    (ckpt / files[1]).write_bytes(bytes(raw))
+    damage_tensor(ckpt, name, files[1])
     with CheckpointReader(ckpt) as r:
         r.read(name, rank0_only)
     with (
@@ -197,9 +232,7 @@ def test_the_first_damaged_file_of_those_read_is_named(intact, tmp_path: Path):
         CheckpointReader(ckpt) as r,
     ):
         r.read(name)
-    raw = bytearray((ckpt / files[0]).read_bytes())
-    raw[-64:] = bytes(b ^ 0xFF for b in raw[-64:])
-    (ckpt / files[0]).write_bytes(bytes(raw))
+    damage_tensor(ckpt, name, files[0])
     with (
         pytest.raises(DamagedFile, match=rf"\$.files\[0\]: {files[0]}: damaged"),
         CheckpointReader(ckpt) as r,
@@ -236,7 +269,7 @@ def test_a_missing_or_cut_file_is_damaged_too(intact, tmp_path: Path):
 
 
 def test_each_file_is_hashed_once_per_reader(intact, tmp_path: Path):
-    """Once confirmed (hashed by `open_artifact(..., verify="sha256")`, or while first read), a file
+    """Once confirmed (hashed by `open_artifact(..., verify="sha256")`, or while first read), a piece
     is not hashed again by the same reader, `release` included: damage made afterwards goes unseen
     by it, and is seen by a new reader."""
     ckpt = _copy(intact, tmp_path)
@@ -244,14 +277,14 @@ def test_each_file_is_hashed_once_per_reader(intact, tmp_path: Path):
         r.read("norm.weight")
         r.release()
         r.confirm()
-        overwrite_4k(ckpt)
+        damage_tensor(ckpt, "norm.weight")
         r.read("norm.weight")
-    with pytest.raises(DamagedFile), CheckpointReader(ckpt, verify="size") as r:
+    with pytest.raises(DamagedFile, match="'norm.weight'"), CheckpointReader(ckpt, verify="size") as r:
         r.read("norm.weight")
     shutil.rmtree(ckpt)
     ckpt = _copy(intact, tmp_path)
     with CheckpointReader(ckpt, verify="sha256") as r:
-        overwrite_4k(ckpt)
+        damage_tensor(ckpt, "norm.weight")
         r.read("norm.weight")
 
 
@@ -270,3 +303,125 @@ def test_tensors_are_checked_against_the_config(intact, tmp_path: Path):
     with pytest.raises(UserError, match=r"q_proj.weight: shape \[16, 16\] in the checkpoint") as e:
         CheckpointReader(ckpt)
     assert not isinstance(e.value, DamagedFile)  # the files are intact: not a reason to fall back
+
+
+# --- per-piece sums ---------------------------------------------------------------------------------
+
+
+def moment(name: str) -> str:
+    return f"optim.exp_avg.{name}"
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory) -> Path:
+    """A training checkpoint in one file: fp32 weights and an AdamW moment of each."""
+    root = tmp_path_factory.mktemp("training")
+    g = torch.Generator().manual_seed(1)
+    weights = {n: torch.randn(s, generator=g) for n, s in model_tensors(TINY).items()}
+    write_checkpoint(
+        root / "ckpt", {**weights, **{moment(n): torch.randn_like(t) for n, t in weights.items()}}
+    )
+    return root / "ckpt"
+
+
+def test_a_reader_vouches_for_the_pieces_it_reads_and_no_others(training, tmp_path: Path):
+    """Export reads the weights alone, and hashes only their bytes: a moment damaged in place is
+    not seen by it (deliberately: `--verify sha256` checks whole files, and a training load, which
+    reads the moments, sees it), while a weight damaged in place is DamagedFile naming the tensor."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(training, ckpt)
+    damage_tensor(ckpt, moment("norm.weight"))
+    export_hf(ckpt, tmp_path / "hf", progress=False)
+    assert (tmp_path / "hf" / MANIFEST_NAME).is_file()
+    with pytest.raises(DamagedFile, match=r"sha256 differs from the manifest"):
+        open_artifact(ckpt, "checkpoint", verify="sha256")
+    damaged = rf"sha256 of tensor '{moment('norm.weight')}' differs"
+    with pytest.raises(DamagedFile, match=damaged), CheckpointReader(ckpt) as r:
+        r.read(moment("norm.weight"))
+    damage_tensor(ckpt, "layers.1.attn.v_proj.weight")
+    with pytest.raises(
+        DamagedFile, match=rf"{DATA}: damaged \(sha256 of tensor 'layers.1.attn.v_proj.weight'"
+    ):
+        export_hf(ckpt, tmp_path / "hf2", progress=False)
+    assert not (tmp_path / "hf2").exists() and not (tmp_path / "hf2.partial").exists()
+
+
+def test_old_checkpoints_without_piece_sums_are_hashed_whole(training, tmp_path: Path):
+    """A manifest written before piece sums (no `sha256` in its pieces) still decodes, and its
+    readers hash whole files: damage to a moment is found by a reader of one weight."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(training, ckpt)
+    doc = json.loads((ckpt / MANIFEST_NAME).read_text())
+    for entry in doc["tensors"].values():
+        for piece in entry["pieces"]:
+            del piece["sha256"]
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(doc))
+    assert all(p.sha256 is None for e in open_artifact(ckpt, "checkpoint").tensors.values() for p in e.pieces)
+    damage_tensor(ckpt, moment("norm.weight"))
+    whole_file = rf"{DATA}: damaged \(sha256 differs from the manifest\)"
+    with pytest.raises(DamagedFile, match=whole_file), CheckpointReader(ckpt) as r:
+        r.read("norm.weight")
+
+
+def test_a_header_entry_unlike_the_manifest_is_damage(intact, tmp_path: Path):
+    """A piece's sum covers its data, not the header entry that locates and types it: that entry is
+    checked against the manifest, and one edited in place (dtype F32 -> I32, the same bytes, no
+    check at opening) sends the file to be hashed whole, which finds the damage."""
+    ckpt = _copy(intact, tmp_path)
+    raw = (ckpt / DATA).read_bytes()
+    at = raw.index(b'"norm.weight":{"dtype":"F32"')
+    (ckpt / DATA).write_bytes(raw[:at] + raw[at:].replace(b'"F32"', b'"I32"', 1))
+    with pytest.raises(DamagedFile, match=rf"{DATA}: damaged \(sha256 differs from the manifest\)"):
+        CheckpointReader(ckpt, verify="none").read("norm.weight")
+
+
+@pytest.mark.dist
+def test_a_two_process_training_save_records_every_piece_sum(tmp_path: Path):
+    """`save_checkpoint` in 2 processes (tp 2, AdamW moments; rank 0 merges rank 1's records): every
+    piece's sha256 is that of its tensor's bytes as the `safetensors` library reads them."""
+    tests = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run(
+        [*cmd, str(Path(__file__).with_name("save_worker.py")), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    m = open_artifact(tmp_path / "ckpt", "checkpoint")
+    pieces = [p for e in m.tensors.values() for p in e.pieces]
+    assert {p.file for p in pieces} == {shard_file(0, 0), shard_file(0, 1)}
+    assert moment("layers.0.attn.q_proj.weight") in m.tensors
+    for p in pieces:
+        with safe_open(str(tmp_path / "ckpt" / p.file), framework="numpy") as f:
+            assert p.sha256 == hashlib.sha256(f.get_tensor(p.key).tobytes()).hexdigest(), (p.file, p.key)
+
+
+def test_the_sums_of_one_file_run_one_at_a_time_in_order():
+    """A reader's piece sums of one file share a `Jobs` lane: one sequential pass at a time, in the
+    order read (as the whole file's sum was), while another file's lane runs beside it."""
+    jobs = Jobs(2)
+    running: list[str] = []
+    log: list[str] = []
+    other_ran = threading.Event()
+
+    def piece(name: str) -> str:
+        running.append(name)
+        assert running == [name], running  # never two calls of lane "a" at once
+        if name == "a0":  # waits for lane "b": it runs on the other thread meanwhile
+            assert other_ran.wait(10)
+        log.append(name)
+        running.remove(name)
+        return name
+
+    def other() -> str:
+        other_ran.set()
+        return "b"
+
+    futures = [jobs.submit(piece, f"a{i}", lane="a") for i in range(4)]
+    assert jobs.submit(other, lane="b").result(10) == "b"
+    assert [f.result(10) for f in futures] == ["a0", "a1", "a2", "a3"] == log
+    jobs.cancel()

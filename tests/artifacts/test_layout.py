@@ -24,9 +24,13 @@ from megacore.artifacts import (
     piece_entry,
 )
 from megacore.artifacts.manifest import FileEntry
-from megacore.artifacts.pieces import sub_box
 
 DTYPES = ["float32", "bfloat16", "int32", "uint16"]
+
+
+def sub_box(box, inner):
+    """`inner` is relative to `box`: the same box in global coordinates."""
+    return tuple(a + b for a, b in zip(box[0], inner[0], strict=True)), inner[1]
 
 
 def _tensor(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:

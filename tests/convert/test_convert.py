@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_bitwise_equal, assert_one_line_error, run_tool
+from helpers import assert_bitwise_equal, assert_one_line_error, load_decoder, run_tool
 from hf_cases import CASES, build, load_hf, tokens
 from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
 from mega_export.export import export_hf
 from megacore.artifacts import MANIFEST_NAME, open_artifact, sha256_file
 from megacore.artifacts.manifest import License
-from megacore.checkpoint import load_decoder
+from megacore.artifacts.pieces import safetensors_layout
 from megacore.errors import UserError
 
 
@@ -118,11 +118,15 @@ def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
     # Tamper with one weight (same file size): the file no longer matches its sha256, exit 2.
     _overwrite_first_value(out / WEIGHTS, "layers.1.mlp.down_proj.weight", 1.5)
     p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
-    assert_one_line_error(p, f"{WEIGHTS}: damaged (sha256 differs from the manifest)")
-    # The same weight in a manifest that agrees (as a faulty converter would write it): verify
-    # reports the logit error and exits 1.
+    down = "layers.1.mlp.down_proj.weight"
+    assert_one_line_error(p, f"{WEIGHTS}: damaged (sha256 of tensor {down!r} differs from the manifest)")
+    # The same weight in a manifest that agrees (as a faulty converter would write it, the file's
+    # and the piece's sums): verify reports the logit error and exits 1.
     doc = json.loads((out / MANIFEST_NAME).read_text())
     next(e for e in doc["files"] if e["path"] == WEIGHTS)["sha256"] = sha256_file(out / WEIGHTS)
+    start, header = safetensors_layout(out / WEIGHTS)
+    span = (start + header[down]["data_offsets"][0], start + header[down]["data_offsets"][1])
+    doc["tensors"][down]["pieces"][0]["sha256"] = sha256_file(out / WEIGHTS, span=span)
     (out / MANIFEST_NAME).write_text(json.dumps(doc))
     p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
     r = json.loads(p.stdout)

@@ -8,15 +8,13 @@ import torch
 
 from hf_cases import CASES
 from megacore.config import ModelConfig, model_tensors
-from megacore.models import PRESETS, Decoder, config_from_hf
+from megacore.models import Decoder, config_from_hf
 
 
 def _configs() -> dict[str, ModelConfig]:
     out = {}
     for name, (cls, kwargs, _) in CASES.items():
         out[f"hf-{name}"] = config_from_hf(cls(**kwargs), pad_multiple=64)
-    for name, cfg in PRESETS.items():
-        out[f"preset-{name}"] = cfg
     return out
 
 

@@ -97,3 +97,29 @@ def test_ignored_targets_count_for_nothing(chunk_elements: int, reduction: str, 
     none = fused_linear_cross_entropy(hh, ww, torch.full_like(t, loss_mod.IGNORE), 90)
     none.backward()
     assert none.item() == 0 and not hh.grad.any() and not ww.grad.any()
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 700], ids=["one-chunk", "many-chunks"])
+def test_evaluation_computes_the_loss_alone(chunk_elements: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autograd (evaluation) the loss equals the unfused one, ignored targets included, and
+    no gradient matmul runs: the profiler sees one matmul per chunk (the logits), none of the two
+    `addmm`s per chunk a training step makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_ELEMENTS", chunk_elements)
+    h, w, t = _case(40, 96, 90, 100, torch.float32, seed=5)
+    t[::3] = loss_mod.IGNORE
+    keep = t != loss_mod.IGNORE
+    want = F.cross_entropy((h @ w.T)[:, :90][keep], t[keep])
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def ops(grad: bool) -> tuple[torch.Tensor, list[str]]:
+        with torch.set_grad_enabled(grad), profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = fused_linear_cross_entropy(hh, ww, t, 90)
+        return loss, [e.name for e in prof.events()]
+
+    loss, names = ops(False)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert names.count("aten::addmm") == 0 and names.count("aten::mm") >= 1, sorted(set(names))
+    _, train_names = ops(True)  # the same call with autograd does make them: the count means something
+    assert train_names.count("aten::addmm") >= 2

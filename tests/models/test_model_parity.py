@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from helpers import assert_bitwise_equal
 from hf_cases import CASES, build, load_hf, tokens
+from megacore.config import ModelConfig
 from megacore.models import Decoder, check_maps, config_from_hf, export_tensors, hf_state_dict_to_ours
 from megacore.models.hf import VOCAB_TENSORS
 
@@ -150,9 +151,8 @@ def test_bf16_close_to_fp32(tmp_path: Path) -> None:
 
 def test_meta_init_and_stage_subsets() -> None:
     """Built on the meta device then materialised; a pipeline stage keeps global layer names."""
-    from megacore.models import preset
-
-    cfg = preset("llama-125m")
+    cfg = ModelConfig(family="llama", vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12,
+                      num_kv_heads=4, ffn_hidden_size=2048)  # fmt: skip
     with torch.device("meta"):
         stage = Decoder(cfg, layers=[4, 5], embed=False, head=False)
     assert list(stage.layers) == ["4", "5"]

@@ -230,19 +230,6 @@ def test_real_mistral_tokenizer_every_engine_matches_sentencepiece(tmp_path: Pat
     assert open_artifact(tmp_path / "auto", "tokens").engine == "gigatoken"
 
 
-@pytest.fixture(scope="session")
-def hf_single_word(tmp_path_factory, hf_dir: Path) -> Path:
-    """A tokenizer.json with a `single_word` added token, which gigatoken does not honour: the two
-    engines give different ids on "words"."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    tok.add_tokens([AddedToken("word", single_word=True)])
-    path = tmp_path_factory.mktemp("hfsw") / "tokenizer.json"
-    tok.save(str(path))
-    return path
-
-
 def test_auto_starts_over_with_the_reference_when_the_fast_engine_differs(
     tmp_path: Path, hf_single_word: Path
 ):

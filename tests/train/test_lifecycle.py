@@ -143,11 +143,36 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path, tokens: Path) 
     assert len(ranks) == 2, ranks
     proc.kill()
     proc.communicate(timeout=30)
-    time.sleep(10)
-    assert not [pid for pid in ranks if alive(pid)]
+    deadline = time.time() + 10
+    while [pid for pid in ranks if alive(pid)] and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if alive(pid)], "workers outlived their launcher by 10 s"
     size = (out / "metrics.jsonl").stat().st_size
     time.sleep(2)
     assert (out / "metrics.jsonl").stat().st_size == size
+
+
+def test_a_second_ctrl_c_during_a_save_leaves_nothing(tmp_path: Path, tokens: Path) -> None:
+    """Ctrl-C asks for a save; a second one while that checkpoint is being written aborts at once:
+    exit 130, one line, and neither the checkpoint nor its staging directory is left."""
+    run_json = write_run(tmp_path, tokens, **LONG)
+    out = tmp_path / "run"
+    cmd = [str(BIN / "mega-train"), "--manifest", str(run_json)]
+    # Whichever step the stop lands on, its save waits once its files are written.
+    env = {**ENV, "MEGA_TRAIN_INJECT": ",".join(f"stall-in-save@{k}" for k in range(1, 500))}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_for_steps(out, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.time() + 120
+    while not list((out / "checkpoints").glob("step-*.partial/model-pp00-tp00.safetensors")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(1.5)  # a second press, not the same one reaching the process twice
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    assert stderr == "mega-train: error: interrupted again: stopped without saving\n"
+    assert not list((out / "checkpoints").iterdir()), "a checkpoint or its staging was left"
 
 
 def test_train_steps_change_on_resume(tmp_path: Path, tokens: Path) -> None:
@@ -173,3 +198,27 @@ def test_train_steps_change_on_resume(tmp_path: Path, tokens: Path) -> None:
     refused = train(run_json)
     assert refused.returncode == 2 and "$.optimizer.lr differs" in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_to_plain_torchrun_saves_then_torchrun_fails(tmp_path: Path, tokens: Path) -> None:
+    """Plain torchrun, as the README documents it: SIGTERM to torchrun itself reaches the workers,
+    which save at the next step boundary within torchrun's grace period; torchrun then exits 1 (its
+    SignalException) and the rerun resumes from that checkpoint."""
+    from runlib import free_port
+
+    run_json = write_run(tmp_path, tokens, batch={"micro_batch_size": 4}, **LONG)
+    out = tmp_path / "run"
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(BIN / "mega-train"), "--manifest", str(run_json)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    wait_for_steps(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 1 and "SignalException" in stderr, (proc.returncode, stderr[-2000:])
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    step = int(saved[-1].removeprefix("step-"))
+    assert saved == [f"step-{step:08d}"] and metrics(out)[-1]["step"] == step
+    assert f"SIGTERM at step {step}: checkpoint saved" in stdout
+    write_run(tmp_path, tokens, batch={"micro_batch_size": 4}, train_steps=step + 1)
+    resumed = ok(train(run_json))
+    assert f"(step {step} of {step + 1})" in resumed.stdout

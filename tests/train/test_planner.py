@@ -23,7 +23,6 @@ from helpers import assert_one_line_error, run_tool
 from megacore.artifacts.manifest import ParallelSpec
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families import PRESETS
 from megacore.parallel import memory
 from megacore.parallel.layout import Parallelism
 from runlib import write_run
@@ -90,15 +89,6 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
             {"config": {"ffn_hidden_size": 65, "hidden_size": 6, "num_heads": 1, "num_kv_heads": 1}},
         ],
     )
-
-
-def test_the_constants_copied_from_torch_modules_are_theirs() -> None:
-    """memory.py stays torch-free by copying two constants; they must not drift."""
-    from megacore.models import loss
-    from megacore.parallel import engine
-
-    assert memory.ZERO_BUBBLE == engine.ZERO_BUBBLE
-    assert memory.CE_CHUNK_ELEMENTS == loss._CHUNK_ELEMENTS
 
 
 # --- activations: against a measured step ----------------------------------------------------------
@@ -183,8 +173,25 @@ def test_in_flight_microbatches_follow_the_schedules() -> None:
 # --- Megatron-LLM's hardware table -----------------------------------------------------------------
 
 
+# The models' published shapes (their Hugging Face config.json), sequence 4096.
+LLAMA2 = {"family": "llama", "vocab_size": 32000, "norm_eps": 1e-5, "max_seq_len": 4096}
+SHAPES = {
+    "llama2-7b": {**LLAMA2, "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 32,
+                  "ffn_hidden_size": 11008},
+    "mistral-7b": {"family": "mistral", "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32,
+                   "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336, "max_seq_len": 4096,
+                   "norm_eps": 1e-5, "sliding_window": 4096},
+    "falcon-40b": {"family": "falcon", "norm": "layernorm", "norm_bias": True, "activation": "gelu",
+                   "tie_embeddings": True, "parallel_attn": True, "max_seq_len": 4096, "vocab_size": 65024,
+                   "hidden_size": 8192, "num_layers": 60, "num_heads": 128, "num_kv_heads": 8,
+                   "ffn_hidden_size": 32768, "num_ln_in_parallel_attn": 2},
+    "llama2-70b": {**LLAMA2, "hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8,
+                   "ffn_hidden_size": 28672},
+}  # fmt: skip
+
+
 def preset_config(name: str, **changes) -> dict:
-    return msgspec.to_builtins(msgspec.structs.replace(PRESETS[name], max_seq_len=4096, **changes))
+    return msgspec.to_builtins(ModelConfig(**{**SHAPES[name], **changes}))
 
 
 # Megatron-LLM's FAQ ("What are the basic hardware requirements?"): full fine-tuning on 80 GB GPUs,
@@ -288,9 +295,9 @@ _ROW = re.compile(rf"\| ([^|]+?) \| {_LAYOUT} \((\d+)(?: GPUs)?\) \| (\d+\.\d) \
 
 
 def readme_planner_table() -> dict[str, dict]:
-    """README's "Memory and layout planner" table by model: layout, GPUs, peak and allowance (GiB),
+    """README's "How many GPUs: TP and PP" table by model: layout, GPUs, peak and allowance (GiB),
     the planner's first pick. Every row must parse, so none can drop out of the test unnoticed."""
-    section = README.read_text().split("#### Memory and layout planner\n", 1)[1].split("\n#### ", 1)[0]
+    section = README.read_text().split("## How many GPUs: TP and PP\n", 1)[1].split("\n## ", 1)[0]
     lines = section[section.index("| model | layout | peak rank |") :].splitlines()[2:]
     body = list(itertools.takewhile(lambda line: line.startswith("|"), lines))
     table = {}

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import BIN, assert_one_line_error, run_tool
+from helpers import BIN, assert_one_line_error, load_decoder, run_tool
 from mega_train.launch import children
 from megacore.artifacts import open_artifact
-from megacore.checkpoint import CheckpointReader, load_decoder
+from megacore.checkpoint import CheckpointReader
 from runlib import (
     TINY_LLAMA,
     assert_losses_close,
@@ -210,6 +210,7 @@ def test_half_precisions_train(tmp_path: Path, tokens: Path, precision: str) -> 
         assert rows[-1]["skipped"] == 0 and rows[-1]["loss_scale"] is None
 
 
+@pytest.mark.slow  # 40 s of two measured runs; the planner's activation test covers recompute's bytes
 def test_full_recompute_lowers_peak_memory(tmp_path: Path, tokens: Path) -> None:
     """Long sequences, few parameters: activations dominate. Full recompute keeps only each block's
     input for backward: a lower peak resident set, and the same losses (fp32, same kernels). The

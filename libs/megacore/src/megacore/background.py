@@ -13,15 +13,17 @@ caller by a short bounded queue, in two shapes:
 The queue is bounded (`depth`), so memory stays at a few items. An exception in the thread is
 re-raised in the caller at its next `put`, iteration or `close`; `cancel` stops the thread early.
 
-`Jobs`: independent calls on a few threads, each answered by a future (several files hashed at
-once while the caller reads them: artifacts/tensors.py's `TensorReader`).
+`Jobs`: independent calls on a few threads, each answered by a future; calls of one `lane` run one
+after another (several files hashed at once while the caller reads them, each file's pieces in
+turn: artifacts/tensors.py's `TensorReader`).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -150,17 +152,52 @@ class Jobs:
 
     `stop` is set by `cancel`: a long call takes it and checks it between blocks of work, so that
     a caller giving up (an error, Ctrl-C) neither waits for it nor leaves it running until the
-    interpreter's exit, which joins these threads."""
+    interpreter's exit, which joins these threads.
+
+    `lane`: calls submitted with the same lane run one after another, in order, on one thread at a
+    time (the pieces of one file hashed as one sequential pass would be, leaving the other threads
+    to other files and the cores to the caller)."""
 
     def __init__(self, workers: int, name: str = "mega-jobs") -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._lanes: dict[Hashable, deque[tuple[Future, Callable[..., Any], tuple]]] = {}
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        return self._pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., T], *args: Any, lane: Hashable | None = None) -> Future[T]:
+        if lane is None:
+            return self._pool.submit(fn, *args)
+        future: Future[T] = Future()
+        with self._lock:
+            calls = self._lanes.setdefault(lane, deque())
+            calls.append((future, fn, args))
+            if len(calls) == 1:  # no thread is draining this lane: start one
+                self._pool.submit(self._drain, lane)
+        return future
+
+    def _drain(self, lane: Hashable) -> None:
+        """Run the lane's calls in order until it is empty."""
+        while True:
+            with self._lock:
+                future, fn, args = self._lanes[lane][0]
+            if future.set_running_or_notify_cancel():  # False: cancelled by `cancel`
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # re-raised by result()
+                    future.set_exception(e)
+            with self._lock:
+                calls = self._lanes[lane]
+                calls.popleft()
+                if not calls:
+                    del self._lanes[lane]
+                    return
 
     def cancel(self) -> None:
         """Drop the calls not started, tell the running ones to stop (`stop`), and return at once:
         a thread still in a call ends when the call next checks `stop`."""
         self.stop.set()
+        with self._lock:
+            for calls in self._lanes.values():
+                for future, _, _ in calls:
+                    future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,7 +2,8 @@
 
 Writing (`CheckpointWriter`, inside `write_artifact(out, "checkpoint", ...)`, which applies the
 output policy and stages the directory): `open_file` declares a safetensors file with the slices
-of tensors it will hold, the caller streams them in, `close_file` records its checksum; `add_file`
+of tensors it will hold, the caller streams them in, `close_file` records its checksum and each
+piece's (`Piece.sha256`, hashed on a helper thread while written); `add_file`
 copies tokenizer and other side files in; `commit` writes the manifest, whose tensor entries are
 the pieces recorded on the way. mega-convert writes one file, mega-shard one per (stage, tp rank),
 a training job one per rank (rank 0 `merge`s the others' `records`).
@@ -12,8 +13,11 @@ Reading (`CheckpointReader`): the manifest with its paths, files and pieces chec
 and `read(name, box)`: any slice of any tensor from whatever layout the checkpoint has, reading
 only the bytes the slice needs. mega-shard, mega-export, mega-convert verify and a training job
 loading its shard all read through it. Files are checked while read, confirmed before anything
-made from them is kept (`TensorReader`): each file's size when first opened, its sha256 on a helper
-thread meanwhile; `confirm()` waits for the sums and raises `DamagedFile` for a damaged file.
+made from them is kept (`TensorReader`): each file's size when first opened, and on a helper
+thread meanwhile the sha256 of each piece read (of the whole file for a checkpoint without piece
+sums); `confirm()` waits for the sums and raises `DamagedFile` for a damaged file. A reader vouches
+for what it reads: damage to a piece it does not read (an optimizer moment, on export) is not its
+to see, `--verify sha256` checks whole files.
 mega-shard and mega-export confirm before committing their output, a training job's load and
 `decoder()` before they return; `close()` and leaving a `with` block without an error confirm too.
 
@@ -52,6 +56,10 @@ from megacore.models import Decoder
 # A slice of a tensor that a file holds: (tensor name, global shape, dtype, box).
 Slice = tuple[str, Sequence[int], str, Box]
 
+# Whether a CheckpointWriter records each piece's sha256 (`Piece.sha256`). Only
+# bench/bench_checkpoint.py turns it off, to measure what the sums cost a save; nothing else may.
+PIECE_SHA256 = True
+
 
 def shard_file(pp: int, tp: int, dp: int | None = None) -> str:
     """`model-pp{stage}-tp{rank}.safetensors`, with `-dp{rank}` when the layout also splits tensors
@@ -68,20 +76,27 @@ class CheckpointWriter:
         self.bytes_written = 0
         self._sums: list[tuple[str, str, int]] = []  # (file, sha256, size) of the files written here
         self._tensors: dict[str, tuple[list[int], str, list[Piece]]] = {}
+        self._open: dict[str, list[Piece]] = {}  # a file's pieces, given their sums at close_file
 
     def open_file(
         self, file: str, slices: Sequence[Slice], metadata: dict | None = None
     ) -> SafetensorsStreamWriter:
         """Declare `file` and the slices it holds, in the order they will be written."""
         decl = []
+        self._open[file] = []
         for name, shape, dtype, (offset, size) in slices:
             decl.append((name, dtype, list(size)))
             piece = Piece(file=file, key=name, offset=list(offset), shape=list(size))
             self._tensors.setdefault(name, (list(shape), dtype, []))[2].append(piece)
-        return SafetensorsStreamWriter(self.w.path(file), decl, metadata)
+            self._open[file].append(piece)
+        return SafetensorsStreamWriter(self.w.path(file), decl, metadata, piece_sums=PIECE_SHA256)
 
     def close_file(self, file: str, sw: SafetensorsStreamWriter) -> None:
+        """Finish `file`: its sha256 and size into `$.files`, each piece's sha256 into its piece."""
         sha = sw.close()
+        sums = sw.piece_sha256s() if PIECE_SHA256 else {}
+        for piece in self._open.pop(file):
+            piece.sha256 = sums.get(piece.key)
         self.w.record(file, sha, sw.size)
         self._sums.append((file, sha, sw.size))
         self.files.append(file)
@@ -164,8 +179,9 @@ def dtype_of(t: torch.Tensor) -> str:
 class CheckpointReader:
     """A checkpoint artifact opened for reading slices. On opening: its paths, files (as `verify`
     says: all of them, before anything is read) and pieces, and the tensors against its config;
-    each file is also hashed while first read unless `verify="sha256"` already did: `confirm()`
-    before keeping anything made from what was read (see the module's docstring)."""
+    what is read is also hashed while read (each piece, or the whole file for a checkpoint without
+    piece sums) unless `verify="sha256"` already hashed the file: `confirm()` before keeping
+    anything made from what was read (see the module's docstring)."""
 
     def __init__(self, path: Path, verify: Verify = "size") -> None:
         self.path = Path(path)
@@ -201,8 +217,8 @@ class CheckpointReader:
         return model if dtype is None else model.to(dtype)
 
     def confirm(self) -> None:
-        """Wait for the sha256 of every file read so far: `DamagedFile` naming the first damaged one.
-        Call it before keeping (committing, returning) anything made from what was read."""
+        """Wait for the sums of what was read so far: `DamagedFile` naming the first damaged file (and
+        tensor). Call it before keeping (committing, returning) anything made from what was read."""
         self._reader.confirm()
 
     def release(self) -> None:
@@ -219,9 +235,3 @@ class CheckpointReader:
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         self._reader.__exit__(exc_type, *rest)
-
-
-def load_decoder(path: Path, dtype: torch.dtype | None = None) -> Decoder:
-    """A whole Decoder with the weights of a checkpoint artifact (any layout; one process)."""
-    with CheckpointReader(path) as ckpt:
-        return ckpt.decoder(dtype)

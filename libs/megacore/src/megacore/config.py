@@ -19,6 +19,10 @@ import msgspec
 # Rows of the embedding and output projection are padded to a multiple of this when converting:
 # divisible by every power-of-two tensor-parallel size up to 128.
 DEFAULT_PAD_MULTIPLE = 128
+# Tokens per chunk of the fused loss (models/loss.py): fp32 logits stay under 64M elements (256 MiB
+# of scratch) whatever the vocab size, while a chunk keeps enough rows for the matmuls to run near
+# full speed. Here, torch-free, because the memory planner counts that scratch too.
+LOSS_CHUNK_ELEMENTS = 1 << 26
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]

@@ -21,6 +21,9 @@ from megacore.artifacts.manifest import CheckpointManifest, TokenizerInfo, Token
 from megacore.artifacts.reader import artifact_root
 from megacore.errors import UserError
 
+# ChatML's markers: mega-tokenize renders chat data with them, mega-export writes the template.
+CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # SentencePiece.Type
 UNIGRAM, BPE = 1, 2  # TrainerSpec.ModelType
 

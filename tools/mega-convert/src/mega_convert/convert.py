@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,9 @@ from safetensors import safe_open
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, whole
-from megacore.artifacts.manifest import Layout, License, float_dtype
+from megacore.artifacts.manifest import FLOAT_DTYPES, Layout, License, float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
-from megacore.artifacts.pieces import safetensors_header
+from megacore.artifacts.pieces import SAFETENSORS_CODES, safetensors_header
 from megacore.background import Background
 from megacore.checkpoint import CheckpointWriter, shard_file
 from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
@@ -166,6 +167,50 @@ def convert_hf(
     t0 = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    src = _read_source(model_dir, dtype, pad_multiple)
+    config = src.config
+    summary = {
+        "out": str(out),
+        "family": config.family,
+        "license": src.license.id if src.license else None,
+        "dtype": src.dtype,
+        "vocab_size": config.vocab_size,
+        "padded_vocab_size": config.padded_vocab_size,
+    }
+    if not force and reusable(out, "checkpoint", src.recipe) is not None:
+        say(f"mega-convert: {out} is already this conversion; reusing it (pass --force to rebuild)")
+        return {**summary, "reused": True, "seconds": round(time.perf_counter() - t0, 3)}
+
+    check_hf_tensors(config, src.where, model_dir)
+    shapes = model_tensors(config)
+    order = [n for m in tensor_maps(config) for n in m.ours]  # the order import_tensors yields
+    tokenizer_files = _write_checkpoint(src, out, shapes, order, force=force, progress=progress)
+    params = sum(int(torch.Size(s).numel()) for s in shapes.values())
+    return {
+        **summary,
+        "reused": False,
+        "tensors": len(order),
+        "parameters": params,
+        "tokenizer_files": tokenizer_files,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+@dataclass
+class _Source:
+    """A Hugging Face model directory as read for a conversion: what it holds and what the output is."""
+
+    model_dir: Path
+    config: ModelConfig
+    where: dict[str, Path]  # HF tensor name -> its safetensors file
+    dtype: str  # of the output
+    license: License | None
+    recipe: str
+
+
+def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Source:
+    """The config, weight files, output dtype (`dtype`, else the weights' own), license and recipe;
+    only config.json, the safetensors headers and the model card are read."""
     dtype = float_dtype(dtype) if dtype is not None else None  # either spelling: bf16 or bfloat16
     hf = read_hf_config(model_dir)
     config = config_from_hf(hf, str(model_dir / "config.json"), pad_multiple=pad_multiple)
@@ -173,44 +218,35 @@ def convert_hf(
     where = weight_files(model_dir)
     first = next(iter(where))
     source_dtype = safetensors_header(where[first])[first]["dtype"]
-    source = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(source_dtype)
+    source = {SAFETENSORS_CODES[name]: name for name in FLOAT_DTYPES}.get(source_dtype)
     out_dtype = dtype or source or "float32"
     card_license = read_license(model_dir)
     rec = recipe(model_dir, list(where.values()), {"dtype": out_dtype, "pad_multiple": pad_multiple})
-    summary = {
-        "out": str(out),
-        "family": config.family,
-        "license": card_license.id if card_license else None,
-        "dtype": out_dtype,
-        "vocab_size": config.vocab_size,
-        "padded_vocab_size": config.padded_vocab_size,
-    }
-    if not force and reusable(out, "checkpoint", rec) is not None:
-        say(f"mega-convert: {out} is already this conversion; reusing it (pass --force to rebuild)")
-        return {**summary, "reused": True, "seconds": round(time.perf_counter() - t0, 3)}
+    return _Source(model_dir, config, where, out_dtype, card_license, rec)
 
-    check_hf_tensors(config, where, model_dir)
-    shapes = model_tensors(config)
+
+def _write_checkpoint(
+    src: _Source,
+    out: Path,
+    shapes: dict[str, tuple[int, ...]],
+    order: list[str],
+    *,
+    force: bool,
+    progress: bool | None,
+) -> list[str]:
+    """Stream the weights (in `order`) into one file, copy the tokenizer files and commit;
+    returns the tokenizer files' paths in the checkpoint."""
+    config, model_dir, out_dtype = src.config, src.model_dir, src.dtype
     torch_dtype = TORCH_DTYPES[out_dtype]
-
-    def get(name: str) -> torch.Tensor:
-        if name not in where:
-            raise UserError(f"tensor {name} is missing from the safetensors files", str(model_dir))
-        # Open per tensor: safetensors memory-maps the file, and pages of a mapping that stays open
-        # count as resident, so a long-lived handle would grow RSS to the size of the model.
-        with safe_open(str(where[name]), framework="pt") as h:
-            return h.get_tensor(name)
-
-    order = [n for m in tensor_maps(config) for n in m.ours]  # the order import_tensors yields
     elem = torch_dtype.itemsize
     total = sum(torch.Size(shapes[n]).numel() * elem for n in order)
     shown = Progress("mega-convert", "tensors", total=len(order), total_bytes=total, enabled=progress)
-    with write_artifact(out, "checkpoint", inputs=[model_dir], force=force, recipe=rec) as w:
+    with write_artifact(out, "checkpoint", inputs=[model_dir], force=force, recipe=src.recipe) as w:
         cw = CheckpointWriter(w)
         sw = cw.open_file(WEIGHTS, [(n, shapes[n], out_dtype, whole(shapes[n])) for n in order])
         # The next HF tensor is read on a helper thread while this one is written and hashed.
         tensors = Background.source(
-            import_tensors(config, get, str(model_dir)), depth=1, name="mega-convert-read"
+            import_tensors(config, _tensor_reader(src), str(model_dir)), depth=1, name="mega-convert-read"
         )
         try:
             with sw:
@@ -231,15 +267,21 @@ def convert_hf(
             layout=Layout(tp=1, pp=1, dp=1, stage_layers=[list(range(config.num_layers))]),
             producer=("mega-convert", __version__),
             tokenizer_files=tokenizer_files,
-            license=card_license,
+            license=src.license,
         )
     shown.done()
-    params = sum(int(torch.Size(s).numel()) for s in shapes.values())
-    return {
-        **summary,
-        "reused": False,
-        "tensors": len(order),
-        "parameters": params,
-        "tokenizer_files": tokenizer_files,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
+    return tokenizer_files
+
+
+def _tensor_reader(src: _Source) -> Callable[[str], torch.Tensor]:
+    """An HF tensor by name, read from its file when asked."""
+
+    def get(name: str) -> torch.Tensor:
+        if name not in src.where:
+            raise UserError(f"tensor {name} is missing from the safetensors files", str(src.model_dir))
+        # Open per tensor: safetensors memory-maps the file, and pages of a mapping that stays open
+        # count as resident, so a long-lived handle would grow RSS to the size of the model.
+        with safe_open(str(src.where[name]), framework="pt") as h:
+            return h.get_tensor(name)
+
+    return get

@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from megacore.tokenizer_files import CHATML_END, CHATML_START  # noqa: F401 (this tool's chat vocabulary)
+
 ROLE_CODES: dict[str, int] = {"template": 0, "system": 1, "user": 2, "assistant": 3, "tool": 4}
 ROLES = ("system", "user", "assistant", "tool")
-CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 
 
 class ChatError(ValueError):

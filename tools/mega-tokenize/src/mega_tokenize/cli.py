@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import typer
 
 from mega_tokenize import __version__
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.progress import plural
+
+if TYPE_CHECKING:
+    from mega_tokenize.pipeline import Result  # imported when run, so --help stays instant
 
 app = make_app("Text corpora (jsonl, .zst, .gz) to Megatron-compatible token shards.")
 
@@ -93,36 +96,47 @@ def run(
         progress=progress,
     )
     res = tokenize(opts)
+    _report(res, opts.out)
+    if as_json:
+        print(json.dumps(_summary(res, opts.out)))
+
+
+def _report(res: Result, out: Path) -> None:
+    """What was written (or that it was reused) and the first skipped lines, on stderr."""
     m = res.manifest
     c = m.counts
     if res.reused:
         print(
-            f"mega-tokenize: {opts.out} is already complete with these inputs and settings; reused",
+            f"mega-tokenize: {out} is already complete with these inputs and settings; reused",
             file=sys.stderr,
         )
-    else:
-        mbs = res.input_bytes / max(res.seconds, 1e-9) / 1e6
-        print(
-            f"mega-tokenize: {opts.out}: {plural(c.documents, 'document')}, {plural(c.tokens, 'token')} ({m.dtype}), "
-            f"{plural(c.skipped_lines, 'skipped line')}, engine {m.engine}, {res.seconds:.1f}s, {mbs:.1f} MB/s",
-            file=sys.stderr,
-        )
-        for ex in c.skipped_examples:
-            print(f"  skipped {ex}", file=sys.stderr)
-    if as_json:
-        summary = {
-            "out": str(opts.out),
-            "reused": res.reused,
-            "documents": c.documents,
-            "tokens": c.tokens,
-            "skipped_lines": c.skipped_lines,
-            "dtype": m.dtype,
-            "engine": m.engine,
-            "vocab_size": m.tokenizer.vocab_size,
-            "shards": [s.prefix for s in m.shards],
-            "seconds": round(res.seconds, 3),
-        }
-        print(json.dumps(summary))
+        return
+    mbs = res.input_bytes / max(res.seconds, 1e-9) / 1e6
+    print(
+        f"mega-tokenize: {out}: {plural(c.documents, 'document')}, {plural(c.tokens, 'token')} ({m.dtype}), "
+        f"{plural(c.skipped_lines, 'skipped line')}, engine {m.engine}, {res.seconds:.1f}s, {mbs:.1f} MB/s",
+        file=sys.stderr,
+    )
+    for ex in c.skipped_examples:
+        print(f"  skipped {ex}", file=sys.stderr)
+
+
+def _summary(res: Result, out: Path) -> dict:
+    """The --json summary on stdout."""
+    m = res.manifest
+    c = m.counts
+    return {
+        "out": str(out),
+        "reused": res.reused,
+        "documents": c.documents,
+        "tokens": c.tokens,
+        "skipped_lines": c.skipped_lines,
+        "dtype": m.dtype,
+        "engine": m.engine,
+        "vocab_size": m.tokenizer.vocab_size,
+        "shards": [s.prefix for s in m.shards],
+        "seconds": round(res.seconds, 3),
+    }
 
 
 main = main_for(app, "mega-tokenize")

@@ -15,7 +15,7 @@ import re
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -412,114 +412,174 @@ def _encode_all(
 ) -> tuple[list[mf.Shard], Engine, int]:
     """The encode loop: read and parse on a helper thread, encode on a pool, write in input order.
 
-    `engine.concurrency` batches encode at once and one more waits, so no encoding thread idles
-    while the main thread writes. A sample of every batch is checked against the reference on a
-    thread of its own; every check has passed before this returns (and anything is committed)."""
-    opts, tok, keys = job.opts, job.tok, job.keys
-    writers = {k: IndexedWriter(w.path(f"shards/{_safe_name(k)}"), job.dtype) for k in keys}
-    roles = IndexedWriter(w.path("shards/chat.roles"), "uint8") if opts.format == "chat" else None
-    every = [*writers.values(), *([roles] if roles else [])]
+    A sample of every batch is checked against the reference on a thread of its own; every check
+    has passed before this returns (and anything is committed)."""
+    opts = job.opts
+    shards = _Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=opts.format == "chat")
     shown = Progress("mega-tokenize", "docs", extras=("tokens",), enabled=None if opts.progress else False)
-    engine: Engine | None = None
     input_bytes = 0
-
-    def encode(parsed: Parsed) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Encode one batch and check and wrap its ids (on a pool thread: numpy and the engines
-        release the GIL, so the main thread only writes)."""
-        if parsed.chats is not None:
-            if not parsed.chats:
-                return {}
-            texts = [p.text for c in parsed.chats for p in c if p.text is not None]
-            empty = (np.zeros(0, np.uint32), np.zeros(0, np.int64))
-            flat, lengths = engine.encode(texts) if texts else empty
-            tok.check_no_special(flat)
-            return {"chat": (flat, lengths)}
-        encoded = {}
-        for k in keys:
-            if parsed.texts[k]:
-                flat, lengths = engine.encode(parsed.texts[k])
-                tok.check_no_special(flat)
-                encoded[k] = _wrap(flat, lengths, job.bos, job.eos, job.dtype)
-        return encoded
-
-    def write(parsed: Parsed, encoded: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        ndocs = ntok = 0
-        for k, (flat, lengths) in encoded.items():
-            if parsed.chats is not None:
-                ndocs, ntok = _assemble_chats(
-                    parsed.chats, flat, lengths, job.bos, job.eos, writers[k], roles
-                )
-            else:
-                writers[k].add(flat, lengths)
-                ndocs, ntok = len(lengths), ntok + len(flat)
-        shown.update(ndocs, parsed.nbytes, tokens=ntok)
-
-    checks: deque[Future] = deque()
-
-    def verified(wait: bool) -> None:
-        while checks and (wait or checks[0].done()):
-            if problem := checks.popleft().result():
-                raise _EngineDisagrees(problem, tok.reference().name)
-
-    pool = checker = None
+    pool = checks = None
     # Engines run max(2, workers) batches at once (see Engine.concurrency).
     batches = Background.source(
         _batches(job.files, job.parse, job.skips, opts.batch_bytes, max(2, opts.workers)),
         name="mega-tokenize-reader",
     )
     try:
-        engine = candidate_engine(tok, opts.engine, log)  # built while the reader parses the first batch
+        engine = candidate_engine(job.tok, opts.engine, log)  # built while the reader parses the first batch
         pool = ThreadPoolExecutor(engine.concurrency, thread_name_prefix="mega-tokenize-encode")
-        checker = ThreadPoolExecutor(1, thread_name_prefix="mega-tokenize-check")
-        pending: deque[tuple[Parsed, Future]] = deque()
-        for i, parsed in enumerate(batches):
-            checks.append(
-                checker.submit(verify_engine, tok, engine, _sample(parsed, first=i == 0), probes=i == 0)
-            )
-            verified(wait=False)  # stop early on a disagreement
+        checks = _EngineChecks(job.tok, engine)
+        encode = _Encoder(job, engine)
+        for parsed, encoded in _in_order(checks.sampled(batches), encode, pool, engine.concurrency):
+            ndocs, ntok = shards.write(parsed, encoded)
+            shown.update(ndocs, parsed.nbytes, tokens=ntok)
             input_bytes += parsed.nbytes
-            pending.append((parsed, pool.submit(encode, parsed)))
-            if len(pending) > engine.concurrency:
-                write(*_result(pending.popleft()))
-        while pending:
-            write(*_result(pending.popleft()))
-        verified(wait=True)  # before anything is committed
-        for wr in every:
-            wr.close()
-            w.record(f"shards/{wr.prefix.name}.bin", wr.bin_sha256)
-            w.record(f"shards/{wr.prefix.name}.idx", wr.idx_sha256)
+        checks.passed(wait=True)  # before anything is committed
+        shards.close()
     except BaseException:
         batches.cancel()
-        for ex in (pool, checker):
+        for ex in (pool, checks):
             if ex is not None:
                 ex.shutdown(wait=True, cancel_futures=True)
-        for wr in every:
-            wr.abort()
+        shards.abort()
         raise
-    for ex in (pool, checker):
-        ex.shutdown()
+    pool.shutdown()
+    checks.shutdown()
     shown.done()
-    if writers[keys[0]].documents == 0:
+    if shards.documents == 0:
         raise UserError(
             f"no documents in the input ({job.skips.count} lines skipped)", ", ".join(opts.inputs)
         )
-    sidecars = {"roles": "shards/chat.roles"} if opts.format == "chat" else {}
-    shards = [
-        mf.Shard(
-            prefix=f"shards/{_safe_name(k)}",
-            json_key=k,
-            documents=writers[k].documents,
-            tokens=writers[k].tokens,
-            sidecars=sidecars,
-        )
-        for k in keys
-    ]
-    return shards, engine, input_bytes
+    return shards.entries(), engine, input_bytes
 
 
-def _result(item: tuple[Parsed, Future]) -> tuple[Parsed, Any]:
-    parsed, fut = item
-    return parsed, fut.result()
+_Encoded = dict[str, tuple[np.ndarray, np.ndarray]]  # per key: the batch's ids and each document's length
+
+
+class _EngineChecks:
+    """The engine's ids against the reference's on a sample of every batch, on a thread of its own
+    (off the critical path)."""
+
+    def __init__(self, tok: Tokenizer, engine: Engine) -> None:
+        self.tok, self.engine = tok, engine
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="mega-tokenize-check")
+        self.pending: deque[Future] = deque()
+
+    def sampled(self, batches: Iterable[Parsed]) -> Iterator[Parsed]:
+        """Each batch once its sample is queued for the check."""
+        for i, parsed in enumerate(batches):
+            first = i == 0
+            self.pending.append(
+                self.pool.submit(verify_engine, self.tok, self.engine, _sample(parsed, first), probes=first)
+            )
+            self.passed(wait=False)  # stop early on a disagreement
+            yield parsed
+
+    def passed(self, wait: bool) -> None:
+        """Raise `_EngineDisagrees` for the first finished check (with `wait`: any) that disagrees."""
+        while self.pending and (wait or self.pending[0].done()):
+            if problem := self.pending.popleft().result():
+                raise _EngineDisagrees(problem, self.tok.reference().name)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+class _Encoder:
+    """One batch to checked ids, BOS/EOS-wrapped for text (a conversation's markers are added when
+    it is written). Runs on a pool thread: numpy and the engines release the GIL, so the main
+    thread only writes."""
+
+    def __init__(self, job: _Job, engine: Engine) -> None:
+        self.engine, self.tok, self.keys = engine, job.tok, job.keys
+        self.bos, self.eos, self.dtype = job.bos, job.eos, job.dtype
+
+    def __call__(self, parsed: Parsed) -> _Encoded:
+        if parsed.chats is not None:
+            if not parsed.chats:
+                return {}
+            texts = [p.text for c in parsed.chats for p in c if p.text is not None]
+            empty = (np.zeros(0, np.uint32), np.zeros(0, np.int64))
+            flat, lengths = self.engine.encode(texts) if texts else empty
+            self.tok.check_no_special(flat)
+            return {"chat": (flat, lengths)}
+        encoded = {}
+        for k in self.keys:
+            if parsed.texts[k]:
+                flat, lengths = self.engine.encode(parsed.texts[k])
+                self.tok.check_no_special(flat)
+                encoded[k] = _wrap(flat, lengths, self.bos, self.eos, self.dtype)
+        return encoded
+
+
+def _in_order(
+    batches: Iterable[Parsed], encode: Callable[[Parsed], _Encoded], pool: ThreadPoolExecutor, ahead: int
+) -> Iterator[tuple[Parsed, _Encoded]]:
+    """Each batch with its encoding, in input order. `ahead` batches encode at once and one more
+    waits, so no encoding thread idles while the caller writes."""
+    pending: deque[tuple[Parsed, Future]] = deque()
+    for parsed in batches:
+        pending.append((parsed, pool.submit(encode, parsed)))
+        if len(pending) > ahead:
+            done, fut = pending.popleft()
+            yield done, fut.result()
+    while pending:
+        done, fut = pending.popleft()
+        yield done, fut.result()
+
+
+class _Shards:
+    """The output's shards: one per key, and for conversations `chat.roles` beside them (a role
+    code per token); batches are appended in input order, the sums computed while writing."""
+
+    def __init__(
+        self, w: ArtifactWriter, keys: list[str], dtype: str, bos: int | None, eos: int | None, chat: bool
+    ) -> None:
+        self.w, self.keys, self.bos, self.eos = w, keys, bos, eos
+        self.writers = {k: IndexedWriter(w.path(f"shards/{_safe_name(k)}"), dtype) for k in keys}
+        self.roles = IndexedWriter(w.path("shards/chat.roles"), "uint8") if chat else None
+        self.every = [*self.writers.values(), *([self.roles] if self.roles is not None else [])]
+
+    def write(self, parsed: Parsed, encoded: _Encoded) -> tuple[int, int]:
+        """Append one batch; (documents, tokens) it added."""
+        ndocs = ntok = 0
+        for k, (flat, lengths) in encoded.items():
+            if parsed.chats is not None:
+                ndocs, ntok = _assemble_chats(
+                    parsed.chats, flat, lengths, self.bos, self.eos, self.writers[k], self.roles
+                )
+            else:
+                self.writers[k].add(flat, lengths)
+                ndocs, ntok = len(lengths), ntok + len(flat)
+        return ndocs, ntok
+
+    def close(self) -> None:
+        """Finish every file and record its sums with the artifact (commit need not reread them)."""
+        for wr in self.every:
+            wr.close()
+            self.w.record(f"shards/{wr.prefix.name}.bin", wr.bin_sha256)
+            self.w.record(f"shards/{wr.prefix.name}.idx", wr.idx_sha256)
+
+    def abort(self) -> None:
+        for wr in self.every:
+            wr.abort()
+
+    @property
+    def documents(self) -> int:
+        return self.writers[self.keys[0]].documents
+
+    def entries(self) -> list[mf.Shard]:
+        """The manifest's shard entries."""
+        sidecars = {"roles": "shards/chat.roles"} if self.roles is not None else {}
+        return [
+            mf.Shard(
+                prefix=f"shards/{_safe_name(k)}",
+                json_key=k,
+                documents=self.writers[k].documents,
+                tokens=self.writers[k].tokens,
+                sidecars=sidecars,
+            )
+            for k in self.keys
+        ]
 
 
 def _manifest(job: _Job, tok_files: list[str], shards: list[mf.Shard], engine: Engine) -> mf.TokensManifest:

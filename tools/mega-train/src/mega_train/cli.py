@@ -20,57 +20,67 @@ from megacore.progress import plural
 app = make_app("3D-parallel pretraining and fine-tuning from a run manifest, under torchrun.")
 
 
+# The options with long help, declared apart so that `train` reads as what it does.
+DRY_RUN = typer.Option(
+    False,
+    "--dry-run",
+    help="Check the manifest and its artifacts, print the plan and each rank's memory, train nothing.",
+)
+WORLD_SIZE = typer.Option(
+    None,
+    "--world-size",
+    show_default=False,
+    help="Processes to plan for  [default: $WORLD_SIZE (set by torchrun), else 1]",
+)
+PEAK_TFLOPS = typer.Option(
+    None,
+    "--peak-tflops",
+    show_default=False,
+    help="Peak TFLOP/s of one device, for MFU  [default: a table of known GPUs; none on CPU]",
+)
+GPUS = typer.Option(
+    None,
+    "--gpus",
+    min=1,
+    show_default=False,
+    help="With --dry-run: plan for this many GPUs (the world size) and rank every tp x pp x dp "
+    "layout of them that fits --gpu-memory by expected throughput.",
+)
+GPU_MEMORY = typer.Option(
+    None,
+    "--gpu-memory",
+    metavar="<size>",
+    show_default=False,
+    help="With --dry-run: the memory of one GPU, e.g. 80GB (binary units: 80GB = 80 GiB, what "
+    "nvidia-smi shows as 81920MiB); says whether each rank fits.",
+)
+AS_JSON = typer.Option(
+    False,
+    "--json",
+    help="Print a machine-readable summary on stdout: the plan (with --dry-run), else the run's "
+    "newest checkpoint (`out`), step, losses; the console lines go to stderr.",
+)
+NPROC_PER_NODE = typer.Option(
+    None,
+    "--nproc-per-node",
+    min=1,
+    show_default=False,
+    help="Launch the workers of this node itself, as torchrun would, with clean stops: SIGTERM, "
+    "Ctrl-C or SIGUSR1 save a checkpoint and exit 0 (see README, Stopping a run).",
+)
+
+
 @app.command()
 def train(
     manifest: Path = typer.Option(..., "--manifest", "-m", help="The run manifest (run.json)."),
-    dry_run: bool = typer.Option(
-        False,
-        "--dry-run",
-        help="Check the manifest and its artifacts, print the plan and each rank's memory, train nothing.",
-    ),
-    world_size: int | None = typer.Option(
-        None,
-        "--world-size",
-        show_default=False,
-        help="Processes to plan for  [default: $WORLD_SIZE (set by torchrun), else 1]",
-    ),
-    peak_tflops: float | None = typer.Option(
-        None,
-        "--peak-tflops",
-        show_default=False,
-        help="Peak TFLOP/s of one device, for MFU  [default: a table of known GPUs; none on CPU]",
-    ),
-    gpus: int | None = typer.Option(
-        None,
-        "--gpus",
-        min=1,
-        show_default=False,
-        help="With --dry-run: plan for this many GPUs (the world size) and rank every tp x pp x dp "
-        "layout of them that fits --gpu-memory by expected throughput.",
-    ),
-    gpu_memory: str | None = typer.Option(
-        None,
-        "--gpu-memory",
-        metavar="<size>",
-        show_default=False,
-        help="With --dry-run: the memory of one GPU, e.g. 80GB (binary units: 80GB = 80 GiB, what "
-        "nvidia-smi shows as 81920MiB); says whether each rank fits.",
-    ),
+    dry_run: bool = DRY_RUN,
+    world_size: int | None = WORLD_SIZE,
+    peak_tflops: float | None = PEAK_TFLOPS,
+    gpus: int | None = GPUS,
+    gpu_memory: str | None = GPU_MEMORY,
     verify: Verify = verify_option("the referenced artifacts' files"),
-    as_json: bool = typer.Option(
-        False,
-        "--json",
-        help="Print a machine-readable summary on stdout: the plan (with --dry-run), else the run's "
-        "newest checkpoint (`out`), step, losses; the console lines go to stderr.",
-    ),
-    nproc_per_node: int | None = typer.Option(
-        None,
-        "--nproc-per-node",
-        min=1,
-        show_default=False,
-        help="Launch the workers of this node itself, as torchrun would, with clean stops: SIGTERM, "
-        "Ctrl-C or SIGUSR1 save a checkpoint and exit 0 (see README, Stopping a run).",
-    ),
+    as_json: bool = AS_JSON,
+    nproc_per_node: int | None = NPROC_PER_NODE,
     nnodes: int = typer.Option(1, "--nnodes", min=1, help="With --nproc-per-node: the number of nodes."),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="With --nproc-per-node: this node's rank."),
     master_addr: str | None = typer.Option(

@@ -4,17 +4,18 @@ Read once when a run starts; a run without it never looks again (the trainer hol
 (counted from 1, the step that just ran): `nan-grad` poisons a gradient on rank 0, `nan-loss` the
 loss; `kill` SIGKILLs the job in the middle of the step (after backward, before the update);
 `kill-in-save` in the middle of writing that step's checkpoint (after the shard files, before the
-manifest).
+manifest); `stall-in-save` waits there for a minute (time for a test to interrupt a save).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("nan-grad", "nan-loss", "kill", "kill-in-save")
+KINDS = ("nan-grad", "nan-loss", "kill", "kill-in-save", "stall-in-save")
 ENV = "MEGA_TRAIN_INJECT"
 
 
@@ -54,4 +55,6 @@ class Faults:
 
     def in_save(self, step: int) -> Callable[[], None] | None:
         """What to run once a checkpoint's shard files are written (before its manifest)."""
+        if self.at("stall-in-save", step):
+            return lambda: time.sleep(60)
         return _kill_self if self.at("kill-in-save", step) else None

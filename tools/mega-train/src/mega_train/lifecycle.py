@@ -10,7 +10,8 @@ another host is refused, naming that host, since its process cannot be checked f
 
 **Stop requests.** SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's warning before preemption) set a
 flag that the training loop reads at each step boundary: it saves one checkpoint and stops. A
-second SIGINT aborts at once (exit 130, nothing more written); one that arrives within
+second SIGINT aborts at once (exit 130, nothing more written, a checkpoint being written removed
+by `on_abort`); one that arrives within
 `SECOND_SIGINT_S` of the first counts as the same press, since a terminal's Ctrl-C reaches the
 launcher (which forwards it) and the workers alike.
 
@@ -29,6 +30,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megacore.artifacts.output import pid_alive
@@ -151,12 +153,16 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum = 0
         self._first = 0.0
+        self.on_abort: Callable[[], None] | None = None  # what an abort undoes first (a save's staging)
         self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
         now = time.monotonic()
         if self.signum == signal.SIGINT and signum == signal.SIGINT and now - self._first > SECOND_SIGINT_S:
             os.write(2, b"mega-train: error: interrupted again: stopped without saving\n")
+            if self.on_abort is not None:
+                with contextlib.suppress(Exception):
+                    self.on_abort()
             os._exit(ABORTED)
         if not self.signum:
             self.signum, self._first = signum, now

@@ -77,6 +77,11 @@ class RunPlan:
         return self.init[1].license if self.init is not None else None
 
     @property
+    def parallelism(self) -> Parallelism:
+        """What the engine builds for this run (every rank alike)."""
+        return parallelism(self.run, self.grad_accum)
+
+    @property
     def inputs(self) -> list[Path]:
         """The artifacts this run reads: never written over, nor into."""
         return ([self.init[0]] if self.init else []) + [path for path, _, _ in self.data]
@@ -288,8 +293,12 @@ def _check_layout(
         )
     # One step runs the rank's share of the batch as microbatches of `micro_batch_size`.
     microbatches = b.global_batch_size // (b.micro_batch_size * dp)
-    par = Parallelism(run.parallel, run.precision, microbatches, run.compile, run.recompute)
-    return dp, microbatches, check_parallelism(config, par, "$.parallel")
+    return dp, microbatches, check_parallelism(config, parallelism(run, microbatches), "$.parallel")
+
+
+def parallelism(run: RunManifest, microbatches: int) -> Parallelism:
+    """The engine's layout settings of a run whose step has `microbatches` microbatches per rank."""
+    return Parallelism(run.parallel, run.precision, microbatches, run.compile, run.recompute)
 
 
 RUN_MARK = ".mega-train"  # in a run directory this tool made: a rerun resumes there

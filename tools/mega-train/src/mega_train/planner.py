@@ -5,22 +5,15 @@ from __future__ import annotations
 
 from mega_train.plan import RunPlan
 from megacore.parallel import memory
-from megacore.parallel.layout import Parallelism
 
 COLUMNS = ("weights", "grads", "optimizer", "copies", "activations", "buffers", "total")
 TOP = 5  # layouts printed (the JSON has them all)
 
 
-def run_parallelism(plan: RunPlan) -> Parallelism:
-    """What the engine builds for this run (as trainer.py does)."""
-    run = plan.run
-    return Parallelism(run.parallel, run.precision, plan.grad_accum, run.compile, run.recompute)
-
-
 def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None = None) -> dict:
     """The run's per-rank memory and, with `gpus`, every layout of that many GPUs (best first)."""
     run, config = plan.run, plan.config
-    par = run_parallelism(plan)
+    par = plan.parallelism
     micro, seq = run.batch.micro_batch_size, run.batch.seq_length
     rows = memory.estimate(config, par, plan.dp, micro, seq, run.attention)
     peak = memory.peak(rows)

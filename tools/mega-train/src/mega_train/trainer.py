@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -54,12 +55,12 @@ from mega_train.schedule import LossScale, Schedule
 from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
 from megacore.artifacts.reader import parent_of
+from megacore.artifacts.writer import staging_dir
 from megacore.config import flops_per_token
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
 from megacore.parallel.engine import ParallelModel, clip_grad_norm
-from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, device_type, shutdown
 from megacore.parallel.state import load_checkpoint, load_rank_state, save_checkpoint
 from megacore.progress import Progress
@@ -119,6 +120,7 @@ class Trainer:
         self.resumed: Path | None = None  # the checkpoint this run resumed from
         self.last: Path | None = None  # the run's newest checkpoint
         self.saved_at: int | None = None
+        self._rng: dict[str, torch.Tensor] | None = None  # the resumed checkpoint's RNG state of this rank
 
     # --- set up -------------------------------------------------------------------------------
 
@@ -134,8 +136,7 @@ class Trainer:
         self.stop = StopRequest()
         watch_launcher()
         self._open_data()
-        par = Parallelism(run.parallel, run.precision, self.plan.grad_accum, run.compile, run.recompute)
-        self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
+        self.pm = ParallelModel(self.plan.config, self.plan.parallelism, self.mesh, self.device)
         for part in self.pm.parts:
             part.set_attention(run.attention)
         self.params = list(self.pm.parameters())
@@ -220,7 +221,7 @@ class Trainer:
             except UserError as e:
                 shutdown()
                 raise e if self.rank == 0 else Silent(e.exit_code) from None
-            damage = self._load(path)
+            damage = self._load(path, manifest)
             if damage is None:
                 self._restore(path, manifest)
                 return
@@ -246,12 +247,13 @@ class Trainer:
         moved = set_aside(path)
         say(f"mega-train: warning: {path} is damaged ({why}); set aside as {moved.name}")
 
-    def _load(self, path: Path) -> str | None:
-        """Load a checkpoint's slices on every rank; the damage any rank found (its files are hashed
-        as they are read), else None. Every rank learns the same."""
+    def _load(self, path: Path, manifest: CheckpointManifest) -> str | None:
+        """Load a checkpoint's slices (and this rank's RNG state) on every rank; the damage any rank
+        found (its files are hashed as they are read), else None. Every rank learns the same."""
         damage = ""
         try:
             load_checkpoint(path, self.pm, self.opt)
+            self._rng = load_rank_state(path, manifest)
         except DamagedFile as e:
             damage = str(e)
         flags = torch.tensor([1 if damage else 0], device=self.device)
@@ -268,9 +270,8 @@ class Trainer:
         self.position = Position(t.step, applied, dict(t.metrics))
         self.scaler.scale = t.loss_scale
         self.scaler.counters.update(t.counters)
-        rng = load_rank_state(path, manifest)
-        if rng is not None:
-            torch.set_rng_state(rng["cpu"])
+        if self._rng is not None:
+            torch.set_rng_state(self._rng["cpu"])
         saved = Schedule.restored(run.optimizer, t.scheduler, run.train_steps)
         self.schedule = saved.resized(run.train_steps, t.step)
         self.resumed = self.last = path
@@ -453,6 +454,8 @@ class Trainer:
             run=plan.fingerprint,
             metrics={k: v for k, v in pos.metrics.items() if math.isfinite(v)},
         )
+        if self.rank == 0 and self.stop is not None:  # a second Ctrl-C leaves no half-written step
+            self.stop.on_abort = lambda: shutil.rmtree(staging_dir(path), ignore_errors=True)
         try:
             save_checkpoint(
                 path, self.pm, self.opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
@@ -468,6 +471,9 @@ class Trainer:
                 f"cannot save step {pos.step}: {path} is in the way and is not a checkpoint this run can "
                 "resume from; move it elsewhere and rerun to resume"
             ) from None
+        finally:
+            if self.stop is not None:
+                self.stop.on_abort = None
         self.saved_at, self.last = pos.step, path
         if self.rank == 0:
             point_latest(plan.checkpoints, path)

@@ -179,6 +179,9 @@ class Piece(Struct):
     key: str
     offset: list[NonNegative]
     shape: list[NonNegative]
+    # Of the piece's raw bytes (its `data_offsets` range in the file), so a reader hashes only what
+    # it reads; None in checkpoints written before it existed (their readers hash whole files).
+    sha256: str | None = None
 
 
 class TensorEntry(Struct):

@@ -55,11 +55,6 @@ def chunk_split(shape: Sequence[int], dim: int, parts: int) -> list[Box]:
     return boxes
 
 
-def sub_box(box: Box, inner: Box) -> Box:
-    """`inner` is relative to `box`: return it in global coordinates."""
-    return tuple(a + b for a, b in zip(box[0], inner[0], strict=True)), inner[1]
-
-
 def intersect(a: Box, b: Box) -> Box | None:
     """The overlap of two boxes, or None when they share no element."""
     off, shp = [], []
@@ -97,6 +92,11 @@ def piece_entry(shape: Sequence[int], dtype: str, pieces: list[Piece]) -> Tensor
 
 def safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file (key -> dtype, shape, offsets): 8 bytes and the JSON."""
+    return safetensors_layout(path)[1]
+
+
+def safetensors_layout(path: Path) -> tuple[int, dict]:
+    """Where a safetensors file's data starts (its `data_offsets` count from there) and its header."""
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -107,7 +107,7 @@ def safetensors_header(path: Path) -> dict:
         raise UserError(f"not a readable safetensors file ({e})", str(path)) from None
     if not isinstance(header, dict):
         raise UserError("not a readable safetensors file (header is not an object)", str(path))
-    return header
+    return 8 + n, header
 
 
 def check_pieces(tensors: dict[str, TensorEntry], root: Path, where: str) -> None:

@@ -30,6 +30,7 @@ from megacore.artifacts.manifest import (
     Kind,
     Manifest,
     Parent,
+    Piece,
     RunManifest,
     TokensManifest,
     decode_manifest,
@@ -222,11 +223,16 @@ def check_file(root: Path, entry: FileEntry, where: str, sha256: bool = True) ->
     return full
 
 
-def check_sha256(entry: FileEntry, digest: str, where: str) -> None:
+def check_sha256(entry: FileEntry, digest: str, where: str, piece: Piece | None = None) -> None:
     """`digest`, the sha256 of `entry`'s file (computed here by `check_file`, or by a reader while it
-    reads the file), is the manifest's; else `DamagedFile` naming the file."""
-    if digest != entry.sha256:
+    reads the file), is the manifest's; else `DamagedFile` naming the file. With `piece`: `digest`
+    is of that piece's bytes in the file, compared with `piece.sha256`; the error names its tensor."""
+    if piece is None and digest != entry.sha256:
         raise DamagedFile(f"{entry.path}: damaged (sha256 differs from the manifest)", where)
+    if piece is not None and digest != piece.sha256:
+        raise DamagedFile(
+            f"{entry.path}: damaged (sha256 of tensor {piece.key!r} differs from the manifest)", where
+        )
 
 
 def check_model_tensors(manifest: CheckpointManifest, where: str) -> None:

@@ -23,22 +23,28 @@ _HASH_BLOCK = 8 << 20
 STAGING_MARK = ".mega-staging"
 
 
-def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+def sha256_file(path: Path, stop: threading.Event | None = None, span: tuple[int, int] | None = None) -> str:
     """The file's sha256, read sequentially in large blocks into one reused buffer (hashlib releases
-    the GIL while it hashes; the kernel reads ahead, told the access is sequential).
+    the GIL while it hashes; the kernel reads ahead, told the access is sequential). `span`: only
+    the bytes [start, end) (a piece's data in a safetensors file); a file shorter than that hashes
+    what there is, which matches no sum written for the whole span.
 
     `stop` (hashing on a helper thread for a caller that may give up): once set, the next block
     returns "" instead, which is no file's sha256, so a stopped sum never passes for a good one."""
     h = hashlib.sha256()
     buf = bytearray(_HASH_BLOCK)
     view = memoryview(buf)
+    start, end = span if span is not None else (0, None)
     with open(path, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while n := f.readinto(buf):
+            os.posix_fadvise(f.fileno(), start, 0 if end is None else end - start, os.POSIX_FADV_SEQUENTIAL)
+        f.seek(start)
+        left = -1 if end is None else end - start  # -1: to the end of the file
+        while left and (n := f.readinto(view if left < 0 else view[: min(left, _HASH_BLOCK)])):
             if stop is not None and stop.is_set():
                 return ""
             h.update(view[:n])
+            left -= 0 if left < 0 else n
     return h.hexdigest()
 
 

@@ -26,7 +26,7 @@ from megacore.data.samples import SplitIndex, split_lengths
 Packing = Literal["pack", "pad"]
 PAD = -1  # a padding slot in a sample's tokens (and its role code is PAD_ROLE)
 PAD_ROLE = 255
-IGNORE = -100  # a target that is not trained on (as megacore.models.loss.IGNORE; no torch here)
+IGNORE = -100  # a target that is not trained on: F.cross_entropy's ignore_index, the fused loss's too
 
 
 class PackedIndex(SplitIndex):

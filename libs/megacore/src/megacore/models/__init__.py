@@ -1,4 +1,4 @@
-"""megacore.models: one decoder with architecture switches, family presets and the HF name maps.
+"""megacore.models: one decoder with architecture switches and the HF name maps of its families.
 
 `Decoder(config)` is a plain nn.Module (no parallel code, no file I/O); see decoder.py for the
 naming contract.
@@ -6,7 +6,7 @@ naming contract.
 
 from megacore.models.attention import causal_attention
 from megacore.models.decoder import Attention, Block, Decoder
-from megacore.models.families import FAMILIES, PRESETS, TensorMap, family_of, preset
+from megacore.models.families import FAMILIES, TensorMap, family_of
 from megacore.models.hf import (
     check_maps,
     config_from_hf,
@@ -21,7 +21,6 @@ from megacore.models.rope import apply_rope, rope_tables
 
 __all__ = [
     "FAMILIES",
-    "PRESETS",
     "Attention",
     "Block",
     "Decoder",
@@ -36,7 +35,6 @@ __all__ = [
     "hf_shapes",
     "hf_state_dict_to_ours",
     "import_tensors",
-    "preset",
     "rope_tables",
     "tensor_maps",
 ]

@@ -7,8 +7,9 @@ counted from the (possibly sharded) projection outputs, a pipeline stage keeps a
 and drops `embed` or `norm`/`lm_head` by setting them to None.
 
 Single-device fast paths are switched by a `fused` attribute on the module that has one (the
-q/k/v and gate/up matmuls, RMSNorm's backward, the loss fused with the output projection); a
-tensor-parallel layout turns them off where its DTensor shards need the plain module code.
+q/k/v and gate/up matmuls, RMSNorm's backward); a tensor-parallel plan turns them off where its
+DTensor shards need the plain module code. The loss fused with the output projection is
+`forward(x, targets)`; a caller whose logits are vocab-parallel asks for logits instead.
 Activation recompute is switched the same way (`set_recompute`), and fresh weights come from
 `initial_value`, a function of the tensor's name and the seed only, so a model initialised in any
 layout holds the same weights.
@@ -178,8 +179,6 @@ class Decoder(nn.Module):
     """Decoder-only transformer. `layers` chooses which global layers this module holds (a pipeline
     stage); `embed=False` / `head=False` leave out the embedding / final norm and output projection."""
 
-    fused = True  # forward(x, targets) fuses the loss with the output projection
-
     def __init__(
         self, config: ModelConfig, layers: Iterable[int] | None = None, embed: bool = True, head: bool = True
     ) -> None:
@@ -205,7 +204,8 @@ class Decoder(nn.Module):
 
         With `targets` [B, S] (last stage only) returns the next-token cross entropy over the
         targets that are not IGNORE instead (their mean, or sum), fused with the output projection
-        (never full fp32 logits). `positions` [B, S] packs several documents in a row: each counts
+        (never full fp32 logits; plain tensors only: tensor-parallel weights give logits, whose loss
+        the caller computes). `positions` [B, S] packs several documents in a row: each counts
         its positions from 0, and attends only within itself (HF's packing convention)."""
         if self.embed is not None:
             x = self.embed(x)
@@ -223,9 +223,6 @@ class Decoder(nn.Module):
             raise RuntimeError("tied embeddings: the stage that computes logits needs `embed`")
         if targets is None:  # through the module: tensor-parallel styles hook lm_head
             return self.lm_head(x) if self.lm_head is not None else F.linear(x, weight)
-        if not self.fused:
-            # Vocab-parallel logits need loss_parallel: megacore.parallel's lm_loss does that.
-            raise RuntimeError("targets with tensor-parallel weights: compute the loss from the logits")
         return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size, reduction)
 
     def compile_blocks(self) -> None:

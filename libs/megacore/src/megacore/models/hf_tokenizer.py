@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 from megacore.tokenizer_files import (
     BPE,
+    CHATML_END,
+    CHATML_START,
     CONTROL,
     NORMAL,
     UNIGRAM,
@@ -137,10 +139,10 @@ def _added(i: int, content: str, special: bool) -> dict:
 
 # mega-tokenize's ChatML rendering (`<|im_start|>role\ncontent<|im_end|>\n` per message), as a template.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    f"{{% for message in messages %}}{{{{ '{CHATML_START}' + message['role'] + '\\n' + message['content'] + "
+    f"'{CHATML_END}' + '\\n' }}}}{{% endfor %}}{{% if add_generation_prompt %}}{{{{ '{CHATML_START}assistant\\n' }}}}"
+    "{% endif %}"
 )
-CHATML_END = "<|im_end|>"
 
 
 def hf_tokenizer_files(

@@ -16,13 +16,11 @@ from typing import Literal
 
 import torch
 
+from megacore.config import LOSS_CHUNK_ELEMENTS
+from megacore.data.packing import IGNORE  # a target that is not predicted (torch-free, beside the data)
 from megacore.models.scratch import scratch
 
-IGNORE = -100  # a target that is not predicted (not an assistant token, a document boundary)
-
-# Tokens per chunk: fp32 logits stay under 64M elements (256 MiB of scratch) whatever the vocab size,
-# while a chunk keeps enough rows for the matmuls to run near full speed.
-_CHUNK_ELEMENTS = 1 << 26
+_CHUNK_ELEMENTS = LOSS_CHUNK_ELEMENTS  # a module global: tests shrink it to force many chunks
 
 
 def fused_linear_cross_entropy(
@@ -39,7 +37,9 @@ def fused_linear_cross_entropy(
     forward+backward 0.75-0.77x the time of `F.cross_entropy(F.linear(h, w).float(), t)` in bf16,
     0.76-0.96x in fp32 (the matmuls both share dominate there). It pays in both, most in bf16."""
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    return _FusedLinearCE.apply(h, weight, t, vocab_size, reduction == "sum")
+    # Without autograd (evaluation) the gradient pieces would be thrown away: the loss alone.
+    grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _FusedLinearCE.apply(h, weight, t, vocab_size, reduction == "sum", grads)
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -47,7 +47,7 @@ class _FusedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab_size: int, summed: bool
+        ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab_size: int, summed: bool, grads: bool
     ) -> torch.Tensor:
         n, v = h.shape[0], w.shape[0]
         chunk = max(1, min(n, _CHUNK_ELEMENTS // v))
@@ -58,16 +58,12 @@ class _FusedLinearCE(torch.autograd.Function):
             t = t.masked_fill(~keep, 0)
         scale = 1.0 if summed else 1.0 / max(counted, 1)
         low_precision = h.dtype != torch.float32
-        grad_h, grad_w = torch.empty_like(h), torch.empty_like(w)
+        grad_h, grad_w = (torch.empty_like(h), torch.empty_like(w)) if grads else (None, None)
         # Over several chunks a low-precision weight gradient is summed in fp32, then rounded once.
-        acc = torch.empty_like(w, dtype=torch.float32) if low_precision and n > chunk else None
+        acc = torch.empty_like(w, dtype=torch.float32) if grads and low_precision and n > chunk else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
-            hc, tc, gh = (
-                h[start : start + chunk],
-                t[start : start + chunk, None],
-                grad_h[start : start + chunk],
-            )
+            hc, tc = h[start : start + chunk], t[start : start + chunk, None]
             logits = scratch("ce.logits", (hc.shape[0], v), torch.float32, h.device)
             if low_precision:  # matmul in the compute dtype, softmax in fp32
                 low = scratch("ce.low", logits.shape, h.dtype, h.device)
@@ -78,6 +74,14 @@ class _FusedLinearCE(torch.autograd.Function):
                 logits[:, vocab_size:] = float("-inf")
             logp = torch.log_softmax(logits, 1, out=logits)
             target_logp = logp.gather(1, tc)
+            if not grads:
+                total -= (
+                    (target_logp * keep[start : start + chunk, None]).sum()
+                    if counted < n
+                    else target_logp.sum()
+                )
+                continue
+            gh = grad_h[start : start + chunk]
             # d loss / d logits = (softmax - onehot) * scale; the scale goes into the matmuls' alpha.
             g = logp.exp_().scatter_(1, tc, target_logp.exp().sub_(1))
             if counted < n:
@@ -95,12 +99,13 @@ class _FusedLinearCE(torch.autograd.Function):
                 acc.copy_(grad_w) if first else acc.add_(grad_w)
         if acc is not None:
             grad_w.copy_(acc)
-        ctx.save_for_backward(grad_h, grad_w)
+        if grads:
+            ctx.save_for_backward(grad_h, grad_w)
         return total if summed else total / max(counted, 1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         if not torch.equal(grad, torch.ones_like(grad)):
             grad_h, grad_w = grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None

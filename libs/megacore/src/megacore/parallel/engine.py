@@ -4,7 +4,7 @@ Only building and running happens here: what to build (stages, layers, schedule,
 decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
 on the meta device from the layer ModuleDict, tensor parallel is applied, then data parallel (FSDP2
 `fully_shard` per block and per stage, or `replicate`; without dp, bf16/fp16 compute copies instead:
-`ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`load_state` / `megacore.parallel.state.load_checkpoint`, or
+`ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.state.load_checkpoint`, or
 `init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
 
 One `forward_backward` takes this rank's whole batch of a step and runs it as `par.microbatches`
@@ -38,13 +38,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from megacore.artifacts.pieces import Box
 from megacore.config import ModelConfig
-from megacore.models.loss import IGNORE
+from megacore.data.packing import IGNORE
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
     Parallelism,
     check_microbatches,
     check_parallelism,
+    compute_copies,
+    fsdp_wrapped,
 )
 from megacore.parallel.tp import apply_tp, lm_loss, loss_context
 
@@ -59,9 +61,6 @@ assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Zero-bubble schedules set weight gradients themselves (no autograd hooks): `ComputeCopies` cannot
-# catch them, so without dp these keep FSDP2's mixed precision.
-ZERO_BUBBLE = ("interleavedzb", "zbv")
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
@@ -147,7 +146,7 @@ class ParallelModel:
         self.parts: list[nn.Module] = []
         self.copies: list[ComputeCopies] = []
         dtype = COMPUTE_DTYPES.get(par.precision)
-        use_copies = dtype is not None and self.dp == 1 and par.spec.schedule not in ZERO_BUBBLE
+        use_copies = compute_copies(par, self.dp)
         for s in self.stage_ids:
             with torch.device("meta"):
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
@@ -156,7 +155,7 @@ class ParallelModel:
             part.set_recompute(par.recompute)
             if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
                 part.compile_blocks()
-            if self.dp > 1 or (dtype is not None and not use_copies):
+            if fsdp_wrapped(par, self.dp):
                 apply_dp(part, mesh["dp"], par)
             part.to_empty(device=self.device)
             if use_copies:
@@ -329,9 +328,10 @@ class ParallelModel:
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """A microbatch's summed loss without a pipeline: fused with the output projection unless
-        the logits are vocab-parallel or wanted (`evaluate`'s `on_logits`)."""
+        the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`evaluate`'s
+        `on_logits`)."""
         model = self.parts[0]
-        if model.fused and self._on_logits is None:
+        if self.tp_mesh is None and self._on_logits is None:
             return model(x, y, positions=positions, reduction="sum")
         logits = model(x, positions=positions)
         if self._on_logits is not None:
@@ -350,14 +350,6 @@ class ParallelModel:
         if self.dp > 1:
             for part in self.parts:
                 part.set_requires_gradient_sync(on)
-
-    @torch.no_grad()
-    def load_state(self, get: Callable[[str, Box], torch.Tensor]) -> None:
-        """Fill every local parameter with its slice: `get(name, (offset, shape))` returns it."""
-        for name, p in self.named_parameters():
-            offset, shape, local = local_piece(p)
-            if local.numel():
-                local.copy_(get(name, (offset, shape)))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
@@ -397,15 +389,6 @@ def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torc
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return tuple(offset), tuple(shape), t.to_local()
     return (0,) * t.ndim, tuple(t.shape), t
-
-
-def state_getter(state: dict[str, torch.Tensor]) -> Callable[[str, Box], torch.Tensor]:
-    """A `load_state` source from full tensors (e.g. a single-process model's state dict)."""
-
-    def get(name: str, box: Box) -> torch.Tensor:
-        return box_slice(state[name], box)
-
-    return get
 
 
 def box_slice(t: torch.Tensor, box: Box) -> torch.Tensor:

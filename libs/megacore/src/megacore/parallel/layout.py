@@ -186,6 +186,9 @@ def check_microbatches(batch_size: int, microbatches: int, where: str = "batch")
 
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")  # several stages per pipeline rank
+# Zero-bubble schedules set weight gradients themselves (no autograd hooks): compute copies cannot
+# catch them, so without dp these keep FSDP2's mixed precision.
+ZERO_BUBBLE = ("interleavedzb", "zbv")
 
 
 PRECISIONS = tuple(FLOAT_DTYPES.values())  # as a run manifest holds them: fp32, bf16, fp16
@@ -247,3 +250,17 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
             f"{par.microbatches} microbatches are fewer than the {spec.pp} pipeline stages", where
         )
     return layers
+
+
+# --- how the engine wraps a stage (engine.py applies them; memory.py counts their bytes) ----------
+
+
+def compute_copies(par: Parallelism, dp: int) -> bool:
+    """Whether the engine keeps bf16/fp16 compute copies of the fp32 parameters (`ComputeCopies`):
+    mixed precision without dp, but for the zero-bubble schedules."""
+    return par.precision != "fp32" and dp == 1 and par.spec.schedule not in ZERO_BUBBLE
+
+
+def fsdp_wrapped(par: Parallelism, dp: int) -> bool:
+    """Whether the engine applies FSDP2 (or replicate): with dp, or mixed precision without copies."""
+    return dp > 1 or (par.precision != "fp32" and not compute_copies(par, dp))

@@ -16,7 +16,8 @@ State (exact: tests/train/test_planner.py sums a live run's tensors on every ran
 - optimizer: AdamW's exp_avg and exp_avg_sq (fp32, the parameters' shapes) and its step counter,
   a 4-byte tensor per parameter. copies: bf16/fp16 compute copies of every parameter
   (`engine.ComputeCopies`), held with mixed precision when dp is 1, except under the zero-bubble
-  schedules (FSDP2 on a one-rank mesh there: `ZERO_BUBBLE`).
+  schedules (FSDP2 on a one-rank mesh there: `layout.ZERO_BUBBLE`); the engine's wrapping rules are
+  layout.py's `compute_copies` and `fsdp_wrapped`, the same functions the engine applies.
 
 Activations (what autograd saves, op by op; the test measures a step on CPU):
 - per layer and microbatch, recompute none: the inputs of the norms (T·h·c each, /tp with sequence
@@ -76,28 +77,26 @@ from dataclasses import dataclass
 
 import msgspec
 
-from megacore.config import ModelConfig, flops_per_token, model_tensors
+from megacore.config import LOSS_CHUNK_ELEMENTS, ModelConfig, flops_per_token, model_tensors
 from megacore.errors import UserError
-from megacore.parallel.layout import RECOMPUTE, Parallelism, check_parallelism, kv_replicated, place, tp_box
+from megacore.parallel.layout import (
+    RECOMPUTE,
+    ZERO_BUBBLE,
+    Parallelism,
+    check_parallelism,
+    compute_copies,
+    fsdp_wrapped,
+    kv_replicated,
+    place,
+    tp_box,
+)
 
 GiB = 1 << 30
 ALLOWANCE = 4 * GiB  # per GPU, for what the model leaves out (module docstring)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-ZERO_BUBBLE = ("interleavedzb", "zbv")  # engine.ZERO_BUBBLE (a test keeps them equal)
-CE_CHUNK_ELEMENTS = 1 << 26  # models/loss.py's chunk of fp32 logits (a test keeps them equal)
 GPUS_PER_NODE = 8
 TP_COST = 0.05  # throughput lost per doubling of tp within a node
 DP_EFFICIENCY = 0.97
-
-
-def compute_copies(par: Parallelism, dp: int) -> bool:
-    """Whether the engine keeps bf16/fp16 compute copies of the parameters (`ComputeCopies`)."""
-    return par.precision != "fp32" and dp == 1 and par.spec.schedule not in ZERO_BUBBLE
-
-
-def fsdp_wrapped(par: Parallelism, dp: int) -> bool:
-    """Whether the engine applies FSDP2 (or replicate): with dp, or mixed precision without copies."""
-    return dp > 1 or (par.precision != "fp32" and not compute_copies(par, dp))
 
 
 def _dp_sharded(par: Parallelism, dp: int) -> bool:
@@ -339,7 +338,7 @@ def _buffers(
     if num_stages - 1 in stages:
         vocab = config.padded_vocab_size
         if fused_loss(par):
-            chunk = max(1, min(tokens, CE_CHUNK_ELEMENTS // vocab))
+            chunk = max(1, min(tokens, LOSS_CHUNK_ELEMENTS // vocab))
             total += chunk * vocab * 4
             if c < 4:
                 total += chunk * vocab * c + (vocab * config.hidden_size * 4 if tokens > chunk else 0)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
 from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
+from megacore.artifacts.reader import check_file
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
 from megacore.config import config_differences
 from megacore.errors import UserError
@@ -175,9 +176,11 @@ def rank_state_file(rank: int) -> str:
 
 
 def load_rank_state(path: Path, manifest: CheckpointManifest) -> dict[str, torch.Tensor] | None:
-    """This rank's `rank_state` from a checkpoint saved by a job of the same world size, else None."""
+    """This rank's `rank_state` from a checkpoint saved by a job of the same world size, else None;
+    its file checked against the manifest first, sha256 included (it is small), like the tensors."""
     training = manifest.training
     rel = rank_state_file(dist.get_rank())
     if training is None or len(training.rng_files) != dist.get_world_size() or rel not in training.rng_files:
         return None
-    return load_file(str(Path(path) / rel))
+    i, entry = next((i, e) for i, e in enumerate(manifest.files) if e.path == rel)
+    return load_file(str(check_file(Path(path), entry, f"{path}: $.files[{i}]")))

@@ -153,17 +153,15 @@ def apply_tp(
         model.register_forward_pre_hook(
             lambda mod, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
         )
-    if model.norm is not None:
-        model.fused = False  # vocab-parallel logits: the loss is `lm_loss` under `loss_parallel`
-        if model.lm_head is None:
-            # Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the
-            # final norm's output must be a replicated DTensor (gathered over the sequence with SP).
-            def replicate_norm_out(mod, args, out):
-                if isinstance(out, DTensor):
-                    return out.redistribute(placements=[Replicate()])
-                return DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+    if model.norm is not None and model.lm_head is None:
+        # Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the
+        # final norm's output must be a replicated DTensor (gathered over the sequence with SP).
+        def replicate_norm_out(mod, args, out):
+            if isinstance(out, DTensor):
+                return out.redistribute(placements=[Replicate()])
+            return DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
 
-            model.norm.register_forward_hook(replicate_norm_out)
+        model.norm.register_forward_hook(replicate_norm_out)
     # Stage outputs are plain: the local vocab shard of the logits, or the local hidden states.
     model.register_forward_hook(_to_local_hook if model.norm is not None else _to_local_copy_hook)
 

@@ -1,4 +1,4 @@
-"""Model families: presets and the Hugging Face config / tensor-name maps, both directions."""
+"""Model families: the Hugging Face config / tensor-name maps, both directions."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from megacore.models.families import falcon, llama, mistral
 from megacore.models.families.common import TensorMap
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "mistral": mistral, "falcon": falcon}
-PRESETS: dict[str, ModelConfig] = {
-    name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()
-}
 
 
 def family_of(config: ModelConfig) -> ModuleType:
@@ -29,10 +26,4 @@ def family_for_model_type(model_type: object, where: str) -> ModuleType:
     )
 
 
-def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise UserError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]
-
-
-__all__ = ["FAMILIES", "PRESETS", "TensorMap", "family_for_model_type", "family_of", "preset"]
+__all__ = ["FAMILIES", "TensorMap", "family_for_model_type", "family_of"]

@@ -27,19 +27,6 @@ ARCHITECTURE = "FalconForCausalLM"
 _ALIASES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_kv_heads": "n_head_kv"}
 
 
-def _falcon(**kw: Any) -> ModelConfig:
-    return ModelConfig(family="falcon", norm="layernorm", norm_bias=True, activation="gelu", tie_embeddings=True,
-                       parallel_attn=True, max_seq_len=2048, **kw)  # fmt: skip
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "falcon-7b": _falcon(vocab_size=65024, hidden_size=4544, num_layers=32, num_heads=71, num_kv_heads=1,
-                         ffn_hidden_size=18176, num_ln_in_parallel_attn=1),
-    "falcon-40b": _falcon(vocab_size=65024, hidden_size=8192, num_layers=60, num_heads=128, num_kv_heads=8,
-                          ffn_hidden_size=32768, num_ln_in_parallel_attn=2),
-}  # fmt: skip
-
-
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     c = HFConfig(hf, where, _ALIASES)
     if c.bool("alibi", False):

@@ -8,44 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacore.config import ModelConfig, RopeScaling
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families.common import HFConfig, TensorMap, build_config, linear, rename, rope_to_hf
 
 MODEL_TYPES = ("llama",)
 ARCHITECTURE = "LlamaForCausalLM"
-
-
-def _llama(**kw: Any) -> ModelConfig:
-    return ModelConfig(family="llama", **kw)
-
-
-_LLAMA3_ROPE = RopeScaling(
-    type="llama3",
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=8192,
-)
-PRESETS: dict[str, ModelConfig] = {
-    "llama-7b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
-                       ffn_hidden_size=11008, max_seq_len=2048, norm_eps=1e-6),
-    "llama2-7b": _llama(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
-                        ffn_hidden_size=11008, norm_eps=1e-5),
-    "llama2-13b": _llama(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40,
-                         ffn_hidden_size=13824, norm_eps=1e-5),
-    "llama2-70b": _llama(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                         ffn_hidden_size=28672, norm_eps=1e-5),
-    "codellama-7b": _llama(vocab_size=32016, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
-                           ffn_hidden_size=11008, max_seq_len=16384, norm_eps=1e-5, rope_theta=1e6),
-    "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                        ffn_hidden_size=14336, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0),
-    "llama3.1-8b": _llama(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                          ffn_hidden_size=14336, max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
-                          rope_scaling=_LLAMA3_ROPE),
-    "llama-125m": _llama(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
-                         ffn_hidden_size=2048, max_seq_len=2048),
-}  # fmt: skip
 
 
 def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> ModelConfig:

@@ -16,12 +16,6 @@ from megacore.models.families.common import TensorMap
 MODEL_TYPES = ("mistral",)
 ARCHITECTURE = "MistralForCausalLM"
 
-PRESETS: dict[str, ModelConfig] = {
-    "mistral-7b": ModelConfig(family="mistral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                              num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=32768, norm_eps=1e-5,
-                              sliding_window=4096),
-}  # fmt: skip
-
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     return llama.config_from_hf(hf, where, family="mistral")
