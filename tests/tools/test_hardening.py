@@ -41,7 +41,7 @@ CHOICES = [
     ("mega-tokenize", [], "--chat-template", ["chatml", "tokenizer"]),
     ("mega-convert", ["hf"], "--dtype", ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
     ("mega-convert", ["verify"], "--dtype", ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
-    ("mega-export", [], "--dtype", ["float32", "bfloat16", "float16"]),
+    ("mega-export", [], "--dtype", ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
     ("mega-shard", [], "--verify", ["sha256", "size", "none"]),
     ("mega-train", [], "--verify", ["sha256", "size", "none"]),
 ]

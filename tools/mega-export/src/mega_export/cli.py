@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Literal
 
 import typer
 
 from mega_export import __version__
+from megacore.artifacts.manifest import FloatName
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.errors import UserError
 from megacore.progress import plural
@@ -23,7 +23,7 @@ def export(
         ..., metavar="CHECKPOINT", help="Checkpoint artifact, in any tp/pp/dp layout."
     ),
     out: Path = typer.Argument(..., metavar="OUT", help="Hugging Face model directory to write."),
-    dtype: Literal["float32", "bfloat16", "float16"] | None = typer.Option(
+    dtype: FloatName | None = typer.Option(
         None, "--dtype", help="Weight dtype of the export (default: the checkpoint's)."
     ),
     force: bool = typer.Option(

@@ -29,6 +29,7 @@ from megacore.artifacts import (
     new_header_fields,
     parent_of,
 )
+from megacore.artifacts.manifest import float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
@@ -84,7 +85,8 @@ def export_hf(
     t0 = time.perf_counter()
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint) as ckpt:
-        config, dtype = ckpt.config, dtype or ckpt.manifest.dtype
+        # Either spelling (bf16 or bfloat16), as mega-convert takes it; the default, the checkpoint's.
+        config, dtype = ckpt.config, float_dtype(dtype) if dtype is not None else ckpt.manifest.dtype
         parent = parent_of(checkpoint)
         recipe = recipe_sha256(
             checkpoint=parent.manifest_sha256, dtype=dtype, max_shard_bytes=max_shard_bytes
