@@ -148,6 +148,9 @@ class Trainer:
         self.schedule = Schedule(run.optimizer, run.train_steps)
         self.dp, self.dp_rank = self.mesh["dp"].size(), self.mesh["dp"].get_local_rank()
         self.pp_group = self.mesh["pp"].get_group() if run.parallel.pp > 1 else None
+        # Once, not per step: the device's peak is a name lookup in a table.
+        self.flops = flops_per_token(self.plan.config, self.S)
+        self.peak_flops = peak_tflops(self.peak, run.precision)
 
     def on_rank0(self, work: Callable[[], T]) -> T:
         """Run `work` on rank 0 and hand every rank its result; a UserError it raises stops every
@@ -364,9 +367,7 @@ class Trainer:
         return self._record(loss, lr, norm, count, dt), bool(stopping)
 
     def _record(self, loss: float, lr: float, norm: float, count: int, dt: float) -> dict:
-        tps = self.G * self.S / dt
-        flops = flops_per_token(self.plan.config, self.S)
-        peak = peak_tflops(self.peak, self.run.precision)
+        tps, flops, peak = self.G * self.S / dt, self.flops, self.peak_flops
         c = self.scaler.counters
         return {
             "step": self.position.step, "kind": "train", "loss": loss, "lr": lr, "grad_norm": norm,
