@@ -12,6 +12,10 @@ caller by a short bounded queue, in two shapes:
 
 The queue is bounded (`depth`), so memory stays at a few items. An exception in the thread is
 re-raised in the caller at its next `put`, iteration or `close`; `cancel` stops the thread early.
+A thread its caller never closed (an exception or a signal between starting it and the `try` that
+would close it) is cancelled at interpreter exit: left running, a thread inside a torch op when
+Python finalizes aborts the process ("terminate called without an active exception", exit 134)
+instead of its exit code.
 
 `Jobs`: independent calls on a few threads, each answered by a future; calls of one `lane` run one
 after another (several files hashed at once while the caller reads them, each file's pieces in
@@ -20,8 +24,10 @@ turn: artifacts/tensors.py's `TensorReader`).
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +36,13 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _END = object()
+_LIVE: weakref.WeakSet[Background] = weakref.WeakSet()  # started and not yet joined
+
+
+@atexit.register  # runs before finalization stops daemon threads where they stand
+def _cancel_live() -> None:
+    for bg in list(_LIVE):
+        bg.cancel()
 
 
 class _Failed:
@@ -51,6 +64,7 @@ class Background:
     def _start(self, target: Callable[[], None]) -> Background:
         self._thread = threading.Thread(target=target, name=self._name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
         return self
 
     # --- sink ------------------------------------------------------------------------------------
@@ -132,6 +146,7 @@ class Background:
         self._q.put(_END)
         self._thread.join()
         self._thread = None
+        _LIVE.discard(self)
         if self._error is not None:
             raise self._error
 
@@ -144,6 +159,7 @@ class Background:
             self._q.put(_END)  # the sink drains without working once stopped
         self._thread.join()
         self._thread = None
+        _LIVE.discard(self)
 
 
 class Jobs:
