@@ -17,9 +17,9 @@ weights + fp32 AdamW moments (10 bytes per parameter, a training checkpoint), Ll
 shapes with one layer (`--quick`: small shapes). Measured, each in a fresh child process:
 - export: `mega_export.export.export_hf` to bf16, of each checkpoint (of a training checkpoint only
   the weights' bytes are hashed: export reads nothing else);
-- load: `megacore.parallel.state.load_checkpoint` of the training checkpoint into a one-process
+- load: `megacore.parallel.checkpoint_io.load_checkpoint` of the training checkpoint into a one-process
   ParallelModel (gloo, fp32) and its AdamW state: what a resuming run does;
-- save: `megacore.parallel.state.save_checkpoint` of that model and AdamW state (fp32 weights and
+- save: `megacore.parallel.checkpoint_io.save_checkpoint` of that model and AdamW state (fp32 weights and
   moments, one process), piece sums recorded or not.
 Rounds are paired and interleaved (on then off, then off then on, ...); the ratio is the median
 over rounds of off / on in the same round (1.0: free; >= 0.91: at most 10% slower, the target), the
@@ -62,7 +62,7 @@ from megacore.artifacts import open_artifact
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
-from megacore.parallel.state import load_checkpoint
+from megacore.parallel.checkpoint_io import load_checkpoint
 config = open_artifact(sys.argv[1], "checkpoint", verify="none").config
 pm = ParallelModel(config, Parallelism(precision="fp32"), build_mesh(), "cpu")
 opt = torch.optim.AdamW(pm.parameters())
@@ -82,7 +82,7 @@ from megacore.artifacts.manifest import TrainingState
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
-from megacore.parallel.state import load_checkpoint, save_checkpoint
+from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
 config = open_artifact(sys.argv[1], "checkpoint", verify="none").config
 pm = ParallelModel(config, Parallelism(precision="fp32"), build_mesh(), "cpu")
 opt = torch.optim.AdamW(pm.parameters())

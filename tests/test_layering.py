@@ -308,9 +308,9 @@ PLANTS = {
     ),
     "tool to tool": (
         "tools/mega-shard/src/mega_shard/reshard.py",
-        "from mega_train.plan import RunPlan",
+        "from mega_train.run_plan import RunPlan",
         "tools",
-        "mega_train.plan",
+        "mega_train.run_plan",
     ),
     "type-only upward": (
         f"{MEGACORE}/data/documents.py",

@@ -11,10 +11,10 @@ import torch
 
 from helpers import TINY
 from megacore.artifacts.manifest import TrainingState
+from megacore.parallel.checkpoint_io import save_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism, ParallelSpec
 from megacore.parallel.mesh import build_mesh, shutdown
-from megacore.parallel.state import save_checkpoint
 
 
 def main(out: Path) -> None:

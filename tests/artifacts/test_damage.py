@@ -35,10 +35,10 @@ from megacore.checkpoint import CheckpointReader, shard_file
 from megacore.cli import run
 from megacore.config import model_tensors
 from megacore.errors import DamagedFile, UserError
+from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
-from megacore.parallel.state import load_checkpoint
 
 DATA = shard_file(0, 0)
 

@@ -207,7 +207,7 @@ def test_record_paths_are_never_opened(kind: str, artifacts, tmp_path: Path):
 def test_run_refs_resolve_against_the_manifest_not_the_working_directory(
     artifacts, tmp_path: Path, monkeypatch
 ):
-    from mega_train.plan import plan_run
+    from mega_train.run_plan import plan_run
 
     runs = tmp_path / "runs" / "exp1"
     runs.mkdir(parents=True)

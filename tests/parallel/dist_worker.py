@@ -24,10 +24,10 @@ from megacore.artifacts.manifest import ParallelSpec, TrainingState
 from megacore.config import ModelConfig
 from megacore.models import Decoder
 from megacore.models.loss import IGNORE
+from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
 from megacore.parallel.engine import ParallelModel, box_slice, clip_grad_norm, local_piece
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, init_distributed, shutdown
-from megacore.parallel.state import load_checkpoint, save_checkpoint
 from megacore.parallel.tp import lm_loss
 
 REL = 1e-5

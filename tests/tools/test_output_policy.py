@@ -152,7 +152,7 @@ def tool(request, inputs, capsys) -> Tool:
 
         return Tool(name, inputs[key], call)
     # mega-train writes checkpoints from a live model (its training loop will call this).
-    from megacore.parallel.state import save_checkpoint
+    from megacore.parallel.checkpoint_io import save_checkpoint
 
     pm = request.getfixturevalue("live_model")
 

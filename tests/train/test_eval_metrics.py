@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import assert_one_line_error, load_decoder
 from mega_train.evaluation import EvalSums
 from mega_train.metrics import perplexity
-from mega_train.plan import plan_run
+from mega_train.run_plan import plan_run
 from megacore.config import ModelConfig
 from megacore.data.dataset import Dataset
 from megacore.models import Decoder

@@ -181,7 +181,7 @@ def test_trainer_phases_in_process(tmp_path: Path, tokens: Path, reference: Path
     and stopping on a stop request: every step's loss, lr and grad norm are the CLI reference's
     (one process, the same manifest), the resumed position is the saved one, and the stop saves
     the step it came at."""
-    from mega_train.plan import plan_run
+    from mega_train.run_plan import plan_run
     from mega_train.trainer import Trainer
     from megacore.parallel.mesh import shutdown
     from runlib import metrics, write_run
@@ -226,7 +226,7 @@ def test_fp16_follows_fp32_and_its_loss_scale_grows(tmp_path: Path, tokens: Path
     rounded, the master weights are not); the scale doubles after every `loss_scale_window` = 4
     applied steps, as worked out here, and the reported grad norm is the unscaled one (near fp32's,
     not 2^k times it)."""
-    from mega_train.plan import plan_run
+    from mega_train.run_plan import plan_run
     from mega_train.trainer import Trainer
     from megacore.parallel.mesh import shutdown
     from runlib import write_run

@@ -85,7 +85,7 @@ def check_resumable(
             "give the run another `out` (or restore the manifest)",
             where,
         )
-    saved = manifest.training.run if manifest.training is not None else {}
+    saved = manifest.training.fingerprint if manifest.training is not None else {}
     for field, value in fingerprint.items():
         if saved.get(field, value) != value:
             raise UserError(

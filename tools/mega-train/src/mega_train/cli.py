@@ -160,7 +160,7 @@ def _planning_flags(
 def _plan(manifest: Path, world_size: int | None, verify: Verify, machine: bool):
     """The checked plan and the start-up checks (the same for a dry run and a run); every rank
     finds the same, and rank 0 says it once."""
-    from mega_train.plan import plan_run, start_checks
+    from mega_train.run_plan import plan_run, start_checks
 
     rank = int(os.environ.get("RANK", "0"))
     ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
@@ -188,7 +188,7 @@ def _report(
     summary = plan.summary()
     report = None
     if dry_run:
-        from mega_train.planner import memory_lines, memory_plan
+        from mega_train.memory_plan import memory_lines, memory_plan
 
         report = memory_plan(plan, memory_bytes, gpus)
         summary |= report

@@ -50,7 +50,7 @@ from mega_train.evaluation import EvalSums
 from mega_train.faults import Faults
 from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher
 from mega_train.metrics import MetricsLog, eval_line, memory_gb, peak_tflops, perplexity, say, train_line
-from mega_train.plan import RUN_MARK, RunPlan
+from mega_train.run_plan import RUN_MARK, RunPlan
 from mega_train.schedule import LossScale, Schedule
 from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
@@ -60,9 +60,9 @@ from megacore.config import flops_per_token
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
+from megacore.parallel.checkpoint_io import load_checkpoint, load_rank_state, save_checkpoint
 from megacore.parallel.engine import ParallelModel, clip_grad_norm
 from megacore.parallel.mesh import build_mesh, device_type, shutdown
-from megacore.parallel.state import load_checkpoint, load_rank_state, save_checkpoint
 from megacore.progress import Progress
 
 T = TypeVar("T")
@@ -452,7 +452,7 @@ class Trainer:
             optimizer_steps=pos.optimizer_steps,
             loss_scale=self.scaler.scale,
             counters=dict(self.scaler.counters),
-            run=plan.fingerprint,
+            fingerprint=plan.fingerprint,
             metrics={k: v for k, v in pos.metrics.items() if math.isfinite(v)},
         )
         if self.rank == 0 and self.stop is not None:  # a second Ctrl-C leaves no half-written step

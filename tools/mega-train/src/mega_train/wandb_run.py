@@ -17,7 +17,7 @@ from megacore.artifacts.writer import write_file_atomic
 from megacore.errors import UserError
 
 if TYPE_CHECKING:
-    from mega_train.plan import RunPlan
+    from mega_train.run_plan import RunPlan
 
 RUN_ID_FILE = "wandb-run-id"
 

@@ -202,8 +202,9 @@ class Layout(Struct):
 class TrainingState(Struct):
     """Resume state beside the weights; readers that want weights only ignore it.
 
-    `run` fingerprints what a resumed run must share with the one that saved (the data sources,
-    split, seed, sequence length, batch size), by field path, so a refusal names the field;
+    `fingerprint` (`run` in the JSON) is what a resumed run must share with the one that saved (the
+    data sources, split, seed, sequence length, batch size, optimizer), by field path, so a refusal
+    names the field;
     `rng_files` hold each rank's RNG states."""
 
     step: NonNegative
@@ -213,7 +214,7 @@ class TrainingState(Struct):
     optimizer_steps: NonNegative | None = None  # updates applied (skipped steps make it < step)
     loss_scale: PositiveFloat | None = None  # fp16's dynamic loss scale
     counters: dict[str, NonNegative] = {}  # skipped steps, non-finite steps
-    run: dict[str, str] = {}
+    fingerprint: dict[str, str] = msgspec.field(default_factory=dict, name="run")
     rng_files: list[FilePath] = []
     metrics: dict[str, float] = {}  # the last train loss and evaluation loss by this step (model cards)
 

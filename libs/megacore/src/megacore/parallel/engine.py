@@ -4,7 +4,7 @@ Only building and running happens here: what to build (stages, layers, schedule,
 decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
 on the meta device from the layer ModuleDict, tensor parallel is applied, then data parallel (FSDP2
 `fully_shard` per block and per stage, or `replicate`; without dp, bf16/fp16 compute copies instead:
-`ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.state.load_checkpoint`, or
+`ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.checkpoint_io.load_checkpoint`, or
 `init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
 
 One `forward_backward` takes this rank's whole batch of a step and runs it as `par.microbatches`
@@ -170,21 +170,25 @@ class ParallelModel:
             ]
             cls = SCHEDULE_CLASSES[par.spec.schedule]
             first = stages if par.spec.schedule in MULTI_STAGE else stages[0]
-            # The loss function divides by the microbatch count (grads are summed): scaling the
-            # gradients afterwards would miss the fp32 parameters behind `ComputeCopies`.
+            # The loss is weighted (the step's scale over the count, not the microbatch count: grads
+            # are summed): scaling the gradients afterwards would miss the fp32 parameters behind
+            # `ComputeCopies`. Each call gives the schedule its own loss (`_scheduled`).
             self.schedule = cls(
-                first, n_microbatches=par.microbatches, loss_fn=self.loss_fn, scale_grads=False
+                first, n_microbatches=par.microbatches, loss_fn=self._microbatch_loss, scale_grads=False
             )
 
-        self._weight = 1.0
-        self._on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The pipeline's loss: a microbatch's summed loss times the step's weight (the scale of fp16
-        loss scaling, dp / count: `forward_backward`)."""
-        if self._on_logits is not None:
-            self._report(logits, targets)
-        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * self._weight
+    def _microbatch_loss(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        weight: float = 1.0,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """The last stage's loss of a pipeline microbatch: its summed loss times `weight` (the scale
+        of fp16 loss scaling, dp / count: `forward_backward`), `on_logits` called first if given."""
+        if on_logits is not None:
+            self._report(logits, targets, on_logits)
+        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * weight
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Checkpoint tensor names (the contract's) and this rank's parameters (DTensor or plain)."""
@@ -237,21 +241,15 @@ class ParallelModel:
             copies.refresh()
         with loss_context(self.tp_mesh):
             if self.schedule is None:
-                total = 0.0
+                losses = []
                 for i, (x, y, p) in enumerate(_chunks(n, tokens, targets, positions)):
                     self._grad_sync(i == n - 1)
                     loss = self._loss(x, y, p)
                     (loss * weight).backward()
-                    total = total + loss.detach().float()
-                return (total / max(counted, 1)).cpu()
-            self._weight = weight
-            args = (tokens,) if self.has_first else ()
-            losses: list[torch.Tensor] = []
-            kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-            self.schedule.step(*args, **kwargs, **_stage_kwargs(positions))
-            if not self.has_last:
-                return None
-            return (torch.stack([x.detach().float() for x in losses]).sum() / weight / max(counted, 1)).cpu()
+                    losses.append(loss.detach())
+                return _mean(losses, counted)
+            losses = self._scheduled(self.schedule.step, tokens, targets, positions, weight=weight)
+            return _mean(losses, counted, weight) if self.has_last else None
 
     def evaluate(
         self,
@@ -269,32 +267,48 @@ class ParallelModel:
         n = self.par.microbatches
         for copies in self.copies:
             copies.refresh()
-        self._on_logits = on_logits
         # Compiled blocks over DTensors fail without autograd (torch 2.13: "'Tensor' object has no
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None
+        with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
+            counted = _counted(targets)
+            if self.schedule is None:
+                chunks = _chunks(n, tokens, targets, positions)
+                return _mean([self._loss(x, y, p, on_logits) for x, y, p in chunks], counted)
+            if self.par.spec.schedule == "zbv":
+                losses = self._forward_stages(tokens, targets, positions, on_logits)
+            else:
+                losses = self._scheduled(self.schedule.eval, tokens, targets, positions, on_logits=on_logits)
+            return _mean(losses, counted) if self.has_last else None
+
+    def _scheduled(
+        self,
+        call: Callable[..., object],
+        tokens: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        **loss_inputs: object,
+    ) -> list[torch.Tensor]:
+        """One call of the pipeline schedule (`step` or `eval`), its loss given `loss_inputs`
+        (`_microbatch_loss`'s weight, on_logits); the last stage's microbatch losses (else empty).
+        torch's schedules take their loss function when built and call it with (output, target)
+        only, so the call's inputs are bound here, for this call alone."""
+        self.schedule._loss_fn = partial(self._microbatch_loss, **loss_inputs)
+        args = (tokens,) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         try:
-            with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
-                counted = max(_counted(targets), 1)
-                if self.schedule is None:
-                    chunks = _chunks(n, tokens, targets, positions)
-                    return (sum(self._loss(x, y, p).detach().float() for x, y, p in chunks) / counted).cpu()
-                self._weight = 1.0
-                losses = []
-                if self.par.spec.schedule == "zbv":
-                    losses = self._forward_stages(tokens, targets, positions)
-                else:
-                    args = (tokens,) if self.has_first else ()
-                    kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-                    self.schedule.eval(*args, **kwargs, **_stage_kwargs(positions))
-                if not self.has_last:
-                    return None
-                return (torch.stack([x.detach().float() for x in losses]).sum() / counted).cpu()
+            call(*args, **kwargs, **_stage_kwargs(positions))
         finally:
-            self._on_logits = None
+            self.schedule._loss_fn = self._microbatch_loss
+        return losses
 
     def _forward_stages(
-        self, tokens: torch.Tensor | None, targets: torch.Tensor | None, positions: torch.Tensor | None
+        self,
+        tokens: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None,
     ) -> list[torch.Tensor]:
         """Forward only through the stages in order, one microbatch at a time, with plain send/recv
         between pipeline ranks: torch's ZBV runtime cannot run without backward (torch 2.13 asserts
@@ -318,7 +332,7 @@ class ParallelModel:
                     dist.recv(x, group=group, group_src=owner[s - 1])
                 x = parts[s](x, **_stage_kwargs(p))
                 if s == self.num_stages - 1:
-                    losses.append(self.loss_fn(x, y))
+                    losses.append(self._microbatch_loss(x, y, on_logits=on_logits))
                 elif owner[s + 1] != me:
                     x = x.contiguous()
                     meta = torch.tensor([*x.shape, _DTYPES.index(x.dtype)], device=self.device)
@@ -326,24 +340,31 @@ class ParallelModel:
                     dist.send(x, group=group, group_dst=owner[s + 1])
         return losses
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def _loss(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        positions: torch.Tensor | None,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """A microbatch's summed loss without a pipeline: fused with the output projection unless
-        the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`evaluate`'s
-        `on_logits`)."""
+        the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`)."""
         model = self.parts[0]
-        if self.tp_mesh is None and self._on_logits is None:
+        if self.tp_mesh is None and on_logits is None:
             return model(x, y, positions=positions, reduction="sum")
-        logits = model(x, positions=positions)
-        if self._on_logits is not None:
-            self._report(logits, y)
-        return lm_loss(logits, y, self.config.vocab_size, self.tp_mesh, "sum")
+        return self._microbatch_loss(model(x, positions=positions), y, on_logits=on_logits)
 
-    def _report(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    def _report(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        on_logits: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
         """`on_logits` with the whole vocab: the tp ranks' shards gathered, padding columns dropped."""
         if self.tp_mesh is not None:
             logits = DTensor.from_local(logits, self.tp_mesh, [Shard(2)], run_check=False).full_tensor()
         if self.reports_logits:
-            self._on_logits(logits[..., : self.config.vocab_size].detach(), targets)
+            on_logits(logits[..., : self.config.vocab_size].detach(), targets)
 
     def _grad_sync(self, on: bool) -> None:
         """Reduce gradients over dp in this backward (the last microbatch's) or not yet."""
@@ -368,6 +389,11 @@ class ParallelModel:
 def _counted(targets: torch.Tensor | None) -> int:
     """The targets that count (not IGNORE); 0 where this rank holds none."""
     return 0 if targets is None else int((targets != IGNORE).sum())
+
+
+def _mean(losses: list[torch.Tensor], counted: int, weight: float = 1.0) -> torch.Tensor:
+    """The mean loss over `counted` targets from microbatches' summed losses (each times `weight`)."""
+    return (torch.stack([x.detach().float() for x in losses]).sum() / weight / max(counted, 1)).cpu()
 
 
 def _stage_kwargs(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:

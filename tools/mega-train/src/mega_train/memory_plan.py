@@ -3,7 +3,7 @@ that fit, as JSON-able data and as text. The arithmetic is `megacore.parallel.me
 
 from __future__ import annotations
 
-from mega_train.plan import RunPlan
+from mega_train.run_plan import RunPlan
 from megacore.parallel import memory
 
 COLUMNS = ("weights", "grads", "optimizer", "copies", "activations", "buffers", "total")
