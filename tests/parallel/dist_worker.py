@@ -59,6 +59,14 @@ FAMILIES = {
                              num_kv_heads=2, ffn_hidden_size=128, norm="layernorm", norm_bias=True,
                              activation="gelu", parallel_attn=True, num_ln_in_parallel_attn=2, attn_bias=True,
                              attn_out_bias=True, mlp_bias=True),
+    # Tied embeddings under pipeline parallel (the last stage's output layer a copy of the first's
+    # embedding): Falcon 40B's architecture as Falcon ties it, and Llama 3.2 style (GQA, tied).
+    "falcon40b-tied": ModelConfig(family="falcon", vocab_size=64, hidden_size=32, num_layers=4, num_heads=8,
+                                  num_kv_heads=2, ffn_hidden_size=128, norm="layernorm", norm_bias=True,
+                                  activation="gelu", parallel_attn=True, num_ln_in_parallel_attn=2,
+                                  tie_embeddings=True),
+    "llama-tied": ModelConfig(family="llama", vocab_size=60, padded_vocab_size=64, hidden_size=32, num_layers=4,
+                              num_heads=4, num_kv_heads=2, ffn_hidden_size=64, tie_embeddings=True),
 }  # fmt: skip
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
@@ -160,7 +168,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
 
     def compare_params(key: str, what: str) -> None:
         limit = max(tol, ADAM_REL)  # every stored reference is after AdamW steps
-        for name, p in pm.named_parameters():
+        for name, p in pm.loaded_parameters():  # a tied output copy against the embedding
             e = rel(full(p.detach()), ref[key][name])
             assert e < limit, (label, what, name, e)
         checks.append(what)
@@ -187,17 +195,17 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
                 assert rel(loss, ref["loss"]) < tol, (label, float(loss), float(ref["loss"]))
                 checks.append("loss")
             names = []
-            for name, p in pm.named_parameters():
+            for name, p in pm.loaded_parameters():  # a tied copy's gradient: the shared one
                 e = rel(full(p.grad), ref["grads"][name])
                 assert e < tol, (label, "grad", name, e)
                 names.append(name)
             checks.append(f"grads({len(names)})")
             with torch.no_grad():
                 unclipped = [p.grad.clone() for p in pm.parameters()]
-            norm = clip_grad_norm(pm.parameters(), ref["max_norm"], pp_group)
+            norm = clip_grad_norm(pm.parameters(), ref["max_norm"], pp_group, pm.tied_copy)
             assert rel(norm, ref["norm"]) < tol, (label, "norm", float(norm), float(ref["norm"]))
             checks.append("grad-norm")
-            for name, p in pm.named_parameters():
+            for name, p in pm.loaded_parameters():
                 e = rel(full(p.grad), ref["clipped"][name])
                 assert e < tol, (label, "clipped grad", name, e)
             checks.append("clipped-grads")
@@ -250,7 +258,7 @@ def main() -> None:
 @torch.no_grad()
 def load_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> None:
     """Fill every local parameter with its slice of a single-process model's tensors."""
-    for name, p in pm.named_parameters():
+    for name, p in pm.loaded_parameters():
         offset, shape, local = local_piece(p)
         if local.numel():
             local.copy_(box_slice(state[name], (offset, shape)))

@@ -7,7 +7,8 @@ max_norm that really clips (against torch's clip_grad_norm_ on the reference), t
 after three AdamW steps, all in fp32 within 1e-5 relative (norm-wise; bf16 mixed precision within
 3e-2, under FSDP2 with dp and through bf16 compute copies without). Llama (GQA, padded vocab; and 8 heads over 2 kv heads, replicated under tp 4), Falcon 7B style
 (parallel attention, multi-query, tied embeddings), Falcon 40B style (two norms, kv groups, biases)
-and Mistral (sliding window); tp, pp, dp and their combinations, sequence parallel on and off, all
+and Mistral (sliding window), and tied embeddings under pp (Falcon 40B's architecture tied, Llama 3.2
+style); tp, pp, dp and their combinations, sequence parallel on and off, all
 five pipeline schedules (1F1B also with more microbatches than stages), FSDP2 and replicate, a
 checkpoint saved by one layout and resumed under another, and packed documents with ignored
 targets (the loss a mean over the counted targets of the whole batch) under dp, tp, pp and tp x pp.
@@ -52,7 +53,7 @@ def launch(tmp_path: Path, nproc: int, scenarios: list[dict]) -> list[str]:
 
 @pytest.mark.dist
 def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt-dp2"
+    ckpt, tied = tmp_path / "ckpt-dp2", tmp_path / "ckpt-tied-pp2"
     launch(
         tmp_path,
         2,
@@ -94,8 +95,20 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
                 "schedule": "interleaved1f1b",
                 "virtual_stages": 2,
             },
+            # Tied embeddings under pp: the last stage's output copy gets the shared gradient and
+            # stays equal to the embedding, in every schedule; saved at pp 2, resumed at pp 1.
+            {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "save": str(tied)},
+            {"family": "llama-tied", "load": str(tied)},
+            {"family": "llama-tied", "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
+            {"family": "llama-tied", "pp": 2, "schedule": "zbv"},  # one rank holds both ends
+            {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "precision": "bf16"},
+            {"family": "falcon40b-tied", "pp": 2, "schedule": "1f1b"},
+            {"family": "falcon40b-tied", "pp": 2, "schedule": "interleavedzb", "virtual_stages": 2},
+            {"family": "falcon40b-tied", "pp": 2, "schedule": "zbv"},
         ],
     )
+    # A tied checkpoint holds the embedding once, whatever layout saved it.
+    assert "lm_head.weight" not in open_artifact(tied, "checkpoint").tensors
     # The live checkpoint (FSDP-sharded weights and AdamW moments) reshards like any other.
     saved = open_artifact(ckpt, "checkpoint")
     assert saved.layout.dp == 2 and saved.training is not None and saved.training.step == 3
@@ -129,6 +142,17 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
             {"family": "llama", "packed": True, "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
             {"family": "llama", "packed": True, "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
             {"family": "llama", "packed": True, "pp": 2, "schedule": "gpipe"},  # pp2 x dp2
+            # Tied embeddings: the shared gradient summed over each (tp, dp) pair of end ranks.
+            {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
+            {
+                "family": "falcon40b-tied",
+                "tp": 2,
+                "pp": 2,
+                "schedule": "interleaved1f1b",
+                "virtual_stages": 2,
+            },
+            {"family": "falcon40b-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
+            {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "packed": True},  # pp2 x dp2, FSDP2
         ],
     )
     saved = open_artifact(tp_dp, "checkpoint")

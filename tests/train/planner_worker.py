@@ -40,7 +40,7 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> memory.State:
     """What the rank holds after a step: parameters, gradients, optimizer state and compute copies."""
-    params = [p for _, p in pm.named_parameters()]
+    params = list(pm.parameters())  # a tied output copy too
     state = [t for p in params for t in opt.state[p].values() if torch.is_tensor(t)]
     copies = [c for cc in pm.copies for _, c in cc.pairs]
     return memory.State(

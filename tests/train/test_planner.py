@@ -52,7 +52,7 @@ def launch(tmp_path: Path, nproc: int, scenarios: list[dict]) -> str:
 def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
     """tp2, pp2, dp2 (FSDP2, an uneven ffn), fp32/bf16/fp16; the bf16 compute copies without dp;
     the zero-bubble schedule's FSDP2 fallback; replicate; the vocab-parallel embedding's whole
-    gradient under tp without FSDP2; tied embeddings under tp."""
+    gradient under tp without FSDP2; tied embeddings under tp and under pp (the last stage's copy)."""
     launch(
         tmp_path,
         2,
@@ -64,6 +64,8 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
             {"pp": 2, "precision": "bf16"},
             {"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
             {"pp": 2, "schedule": "zbv", "precision": "bf16"},
+            {"pp": 2, "config": {"tie_embeddings": True}},  # the last stage's copy of the embedding
+            {"pp": 2, "schedule": "zbv", "config": {"tie_embeddings": True}},
             {},
             {"precision": "bf16", "config": {"ffn_hidden_size": 65}},
             {"precision": "fp16"},
@@ -195,12 +197,12 @@ def preset_config(name: str, **changes) -> dict:
 
 
 # Megatron-LLM's FAQ ("What are the basic hardware requirements?"): full fine-tuning on 80 GB GPUs,
-# world = tp x pp. Falcon 40B untied: Megatron keeps a copy of the tied embedding on the last stage,
-# which is what an untied head costs (this engine refuses tied embeddings with a pipeline).
+# world = tp x pp. Falcon 40B tied, as its config.json leaves it (FalconConfig's default): under pp
+# the last stage holds a copy of the embedding as its output layer, as Megatron does.
 FAQ = {
     "llama2-7b": (preset_config("llama2-7b"), 2, 1),
     "mistral-7b": (preset_config("mistral-7b"), 4, 1),
-    "falcon-40b": (preset_config("falcon-40b", tie_embeddings=False), 8, 2),
+    "falcon-40b": (preset_config("falcon-40b"), 8, 2),
     "llama2-70b": (preset_config("llama2-70b"), 8, 4),
 }
 
@@ -284,7 +286,8 @@ PUBLISHED = {
     # mistralai/Mistral-7B-v0.1 config.json
     "mistral-7b": Published("Mistral 7B", 4096, 32, 32, 8, 14336, 32000, True, 1),
     # tiiuae/falcon-40b config.json (new_decoder_architecture: ln_attn and ln_mlp, LayerNorms with
-    # bias; bias false elsewhere); no ffn key: FalconConfig's MLP is 4 x hidden. Untied, as FAQ says.
+    # bias; bias false elsewhere); no ffn key: FalconConfig's MLP is 4 x hidden. Tied: under pp 2 the
+    # last stage's copy of the embedding counts as a head would (the closed form's `last * table`).
     "falcon-40b": Published("Falcon 40B", 8192, 60, 128, 8, 4 * 8192, 65024, False, 2),
     # meta-llama/Llama-2-70b-hf config.json
     "llama2-70b": Published("Llama 2 70B", 8192, 80, 64, 8, 28672, 32000, True, 1),

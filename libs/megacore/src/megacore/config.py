@@ -131,7 +131,10 @@ def model_tensors(
     state-dict order (tested), shared by the parallel layout, the converters, mega-shard and the
     checkpoints: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.{q,k,v,o}_proj.
     {weight,bias}", "layers.<i>.mlp_norm.weight", "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}",
-    "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline stage's part."""
+    "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline stage's part.
+    Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
+    stage with the head and not the embedding holds one, a copy of "embed.weight" kept equal to it
+    by the engine (Megatron's shared embedding), never written to a checkpoint."""
     hidden, hd, ffn, vocab = (
         config.hidden_size,
         config.head_dim,
@@ -167,7 +170,7 @@ def model_tensors(
         linear(f"{at}.mlp.down_proj", hidden, ffn, config.mlp_bias)
     if head:
         norm("norm")
-        if not config.tie_embeddings:
+        if not (config.tie_embeddings and embed):
             out["lm_head.weight"] = (vocab, hidden)
     return out
 

@@ -108,7 +108,8 @@ def train(
     if launcher:
         world_size = nproc_per_node * nnodes
     plan = _plan(manifest, world_size, verify, machine=gpus is None)
-    _report(plan, dry_run, as_json, memory_bytes, gpus, verify)
+    if dry_run or not launcher:  # a launcher's rank 0 worker says it
+        _report(plan, dry_run, as_json, memory_bytes, gpus, verify)
     if dry_run:
         return
     if launcher:
@@ -200,7 +201,7 @@ def _report(
         f"{plan.path}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
         f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']} x dp {par['dp']}; "
         f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
-        f"{plural(len(summary['data']), 'data source')}; {plan.run.train_steps} steps",
+        f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",
         err=as_json,
     )
     for note in plan.notes + (plan.resume_notes(verify) if dry_run else []):

@@ -94,14 +94,21 @@ def make_optimizer(params: list[torch.nn.Parameter], opt: OptimizerSpec) -> torc
 
 
 @torch.no_grad()
-def unscale_and_clip(params: list[torch.Tensor], scale: float, clip: float, pp_group=None) -> float:
+def unscale_and_clip(
+    params: list[torch.Tensor],
+    scale: float,
+    clip: float,
+    pp_group=None,
+    uncounted: torch.Tensor | None = None,
+) -> float:
     """Divide the gradients by the loss scale, then clip them to global norm `clip` (0: no clipping);
-    returns the norm before clipping, of the unscaled gradients (what a run reports)."""
+    returns the norm before clipping, of the unscaled gradients (what a run reports). `uncounted`:
+    a tied output copy, clipped but not counted (`clip_grad_norm`)."""
     if scale != 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(1.0 / scale)
-    return float(clip_grad_norm(params, clip or math.inf, pp_group))
+    return float(clip_grad_norm(params, clip or math.inf, pp_group, uncounted))
 
 
 class Trainer:
@@ -358,7 +365,9 @@ class Trainer:
             local = self.faults.after_backward(pos.step, local, self.params, self.rank)
         loss, stopping = self.reduce_loss(local, counted, self.stop.signum if self.stop else 0)
         pos.metrics["train_loss"] = loss
-        norm = unscale_and_clip(self.params, scale, self.run.optimizer.grad_clip, self.pp_group)
+        norm = unscale_and_clip(
+            self.params, scale, self.run.optimizer.grad_clip, self.pp_group, self.pm.tied_copy
+        )
         if self.scaler.judge(loss, norm):
             self.opt.step()
             pos.optimizer_steps += 1

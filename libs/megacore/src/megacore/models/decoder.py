@@ -177,7 +177,9 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """Decoder-only transformer. `layers` chooses which global layers this module holds (a pipeline
-    stage); `embed=False` / `head=False` leave out the embedding / final norm and output projection."""
+    stage); `embed=False` / `head=False` leave out the embedding / final norm and output projection.
+    Tied embeddings: the logits use the embedding's weight, or on a stage without the embedding an
+    `lm_head` of its own that the caller keeps equal to it (`model_tensors`)."""
 
     def __init__(
         self, config: ModelConfig, layers: Iterable[int] | None = None, embed: bool = True, head: bool = True
@@ -190,7 +192,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(config) for i in indices})
         self.norm = make_norm(config) if head else None
         self.lm_head = (
-            nn.Linear(config.hidden_size, vocab, bias=False) if head and not config.tie_embeddings else None
+            nn.Linear(config.hidden_size, vocab, bias=False)
+            if head and not (config.tie_embeddings and embed)
+            else None
         )
 
     def forward(
@@ -218,9 +222,7 @@ class Decoder(nn.Module):
                 raise RuntimeError("targets given to a stage without the output head")
             return x
         x = self.norm(x)
-        weight = self.lm_head.weight if self.lm_head is not None else getattr(self.embed, "weight", None)
-        if weight is None:
-            raise RuntimeError("tied embeddings: the stage that computes logits needs `embed`")
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
         if targets is None:  # through the module: tensor-parallel styles hook lm_head
             return self.lm_head(x) if self.lm_head is not None else F.linear(x, weight)
         return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size, reduction)

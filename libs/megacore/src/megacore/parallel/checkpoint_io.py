@@ -145,7 +145,7 @@ def load_checkpoint(
         step = 0 if training is None else training.step
         if training is not None and training.optimizer_steps is not None:
             step = training.optimizer_steps  # AdamW's bias correction counts applied updates
-        for name, p in pm.named_parameters():
+        for name, p in pm.loaded_parameters():  # a tied output copy from embed.weight
             entry = ckpt.entry(name)
             if list(entry.shape) != list(p.shape):
                 raise UserError(

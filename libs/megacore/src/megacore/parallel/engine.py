@@ -14,6 +14,12 @@ over the counted targets (not IGNORE) of the whole global batch: each microbatch
 weighted by dp / count (dp because data parallel averages the gradients over its ranks).
 `evaluate` runs the same microbatches forward only, and can hand each one's full-vocab logits to a
 callback (evaluation metrics).
+
+Tied embeddings under pipeline parallel, as Megatron shares them: the first stage holds the
+embedding, the last stage a copy of it as its output layer (`tied_copy`, filled from `embed.weight`
+and never saved). After every step's backward their gradients are summed (over a group of the two
+stages' ranks, or in place where one rank holds both: ZBV), so the optimizer keeps them equal;
+clipping counts the shared gradient once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -176,6 +183,46 @@ class ParallelModel:
             self.schedule = cls(
                 first, n_microbatches=par.microbatches, loss_fn=self._microbatch_loss, scale_grads=False
             )
+        named = dict(self._named_all())
+        tied = config.tie_embeddings and self.num_stages > 1
+        self.tied_copy: nn.Parameter | None = named.get("lm_head.weight") if tied else None
+        self._tied_embed: nn.Parameter | None = named.get("embed.weight") if tied else None
+        self._tied_group = self._tied_pair_group() if tied else None
+
+    def _tied_pair_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank and the rank at the other end of its pipeline (first stage's rank
+        and last stage's, same dp and tp coordinates); None where one rank holds both ends. Every
+        rank builds every pair's group (a collective), middle stages included."""
+        pp = self.mesh["pp"].size()
+        owner = {s: r for r in range(pp) for s in self.par.rank_stages(r)}
+        first, last = owner[0], owner[self.num_stages - 1]
+        if first == last:
+            return None
+        grid = self.mesh.mesh  # global ranks by (pp, dp, tp)
+        pairs = [
+            [int(grid[first, d, t]), int(grid[last, d, t])]
+            for d in range(grid.shape[1])
+            for t in range(grid.shape[2])
+        ]
+        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        return group
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """The shared embedding's gradient, the embedding's and its output copy's summed, on both."""
+        embed, copy = self._tied_embed, self.tied_copy
+        for p in (embed, copy):
+            # The vocab-parallel embedding's gradient comes out of DTensor's backward replicated
+            # over tp; the copy's is sharded like its weight. Compare like with like.
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+        if embed is not None and copy is not None:  # one rank holds both ends
+            total = embed.grad + copy.grad
+            embed.grad.copy_(total)
+            copy.grad.copy_(total)
+        elif embed is not None or copy is not None:
+            grad = (embed if embed is not None else copy).grad
+            dist.all_reduce(local_piece(grad)[2], group=self._tied_group)
 
     def _microbatch_loss(
         self,
@@ -190,8 +237,7 @@ class ParallelModel:
             self._report(logits, targets, on_logits)
         return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * weight
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Checkpoint tensor names (the contract's) and this rank's parameters (DTensor or plain)."""
+    def _named_all(self) -> Iterator[tuple[str, nn.Parameter]]:
         if self.copies:
             for copies in self.copies:
                 yield from copies.named
@@ -199,8 +245,23 @@ class ParallelModel:
         for part in self.parts:
             yield from part.named_parameters()
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Checkpoint tensor names (the contract's) and this rank's parameters (DTensor or plain)
+        as a checkpoint holds them: without a tied output copy."""
+        for name, p in self._named_all():
+            if p is not self.tied_copy:
+                yield name, p
+
+    def loaded_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(checkpoint tensor name, parameter) for every parameter filled from a checkpoint (or
+        initialised): `named_parameters`, and a tied output copy from `embed.weight`."""
+        yield from self.named_parameters()
+        if self.tied_copy is not None:
+            yield "embed.weight", self.tied_copy
+
     def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
+        """Every parameter the optimizer updates: a tied output copy included."""
+        for _, p in self._named_all():
             yield p
 
     @property
@@ -249,6 +310,8 @@ class ParallelModel:
                     losses.append(loss.detach())
                 return _mean(losses, counted)
             losses = self._scheduled(self.schedule.step, tokens, targets, positions, weight=weight)
+            if self.config.tie_embeddings:
+                self._sum_tied_grads()
             return _mean(losses, counted, weight) if self.has_last else None
 
     def evaluate(
@@ -313,8 +376,6 @@ class ParallelModel:
         """Forward only through the stages in order, one microbatch at a time, with plain send/recv
         between pipeline ranks: torch's ZBV runtime cannot run without backward (torch 2.13 asserts
         on the hand-over between a rank's two stages). Returns the last stage's losses."""
-        import torch.distributed as dist
-
         pp, n = self.mesh["pp"], self.par.microbatches
         group, me = pp.get_group(), pp.get_local_rank()
         owner = {s: r for r in range(pp.size()) for s in self.par.rank_stages(r)}
@@ -378,7 +439,7 @@ class ParallelModel:
         rank draws a whole tensor and keeps its slice."""
         from megacore.models.decoder import initial_value
 
-        for name, p in self.named_parameters():
+        for name, p in self.loaded_parameters():
             offset, shape, local = local_piece(p)
             if local.numel():
                 local.copy_(
@@ -423,14 +484,18 @@ def box_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor], max_norm: float, pp_group=None, uncounted: torch.Tensor | None = None
+) -> torch.Tensor:
     """Clip the global 2-norm of the gradients; DTensor (any mesh) and plain parameters may be mixed.
+    `uncounted`: a parameter whose gradient is clipped but left out of the norm (a tied output
+    copy: its gradient is the embedding's, counted there).
 
     torch's clip_grad_norm_ cannot mix them, so norms are taken per group of gradients sharing a
     mesh and placements (DTensor reductions make each group's norm global) and combined; with
     pipeline parallel the squares are summed over the stages. Plain parameters are replicated
     (identical on every rank holding them) and counted once."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None and p is not uncounted]
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
@@ -442,12 +507,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group=Non
             n = n.full_tensor()
         total_sq = total_sq + n.float() ** 2
     if pp_group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     coef = float(max_norm / (total + 1e-6))
     if coef < 1.0:
         for gs in groups.values():
             torch._foreach_mul_(gs, coef)
+        if uncounted is not None and uncounted.grad is not None:
+            uncounted.grad.mul_(coef)
     return total

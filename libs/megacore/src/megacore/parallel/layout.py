@@ -240,10 +240,6 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     layers = stage_layers(
         config.num_layers, stages, spec.pp_layers, f"{where}.pp_layers" if spec.pp_layers else f"{where}.pp"
     )
-    if config.tie_embeddings and stages > 1:
-        raise UserError(
-            "tied embeddings with pipeline parallel are not supported yet; use pp 1", f"{where}.pp"
-        )
     _positive(par.microbatches, "microbatches", where)
     if spec.pp > 1 and par.microbatches < spec.pp and spec.schedule != "gpipe":
         raise UserError(

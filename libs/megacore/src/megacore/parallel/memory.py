@@ -151,12 +151,14 @@ def _state(
     if (
         tp > 1
         and not fsdp_wrapped(par, dp)
-        and not config.tie_embeddings
         and any(n == "embed.weight" for n, _ in tensors)
+        and not (config.tie_embeddings and any(n == "norm.weight" for n, _ in tensors))
     ):
         # The vocab-parallel embedding's gradient comes out of DTensor's backward replicated: the
-        # whole table on every tp rank (FSDP2 reduces it to the parameter's shard; tied, the
-        # head's sharded gradient is added to it).
+        # whole table on every tp rank (FSDP2 reduces it to the parameter's shard; tied on the
+        # stage with the head, the head's sharded gradient is added to it). Tied under pp, the
+        # engine shards it once the backward is over, to sum it with the last stage's copy: it is
+        # whole until then, through the step's peak, so it is counted whole.
         grads += config.padded_vocab_size * config.hidden_size * (tp - 1) // tp
     return State(
         weights=4 * numel,
