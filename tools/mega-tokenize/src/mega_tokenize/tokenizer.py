@@ -5,6 +5,12 @@ one). Its *reference* encoder defines the ids: sentencepiece itself for a `.mode
 `tokenizers` library for a `tokenizer.json`. Engines are faster encoders of the same tokenizer;
 one is used only when it gives the reference's ids (checked on samples, see `verify_engine`).
 
+A `.model` reaches the `hf` and `gigatoken` engines as the tokenizer.json mega-export writes for it
+(megacore.models.hf_tokenizer): one conversion, so the ids written here are the exported
+tokenizer's. gigatoken cannot read that file for some models (no byte fallback; extra-whitespace
+removal without a character map) and no file exists for others (unigram, user-defined pieces):
+`auto` then encodes with sentencepiece.
+
 Raw text never produces control tokens: a literal "<s>" in a document stays the text "<s>", the way
 sentencepiece treats it. The HF and gigatoken paths would match it as the control token, so they
 are built with the special tokens removed from text matching, and every batch is checked.
@@ -144,19 +150,16 @@ class Tokenizer:
         """tokenizer.json text for the HF-style engines; `strip_special` drops the special tokens
         from text matching (they stay in the vocab), so raw text cannot produce them."""
         if self.type == "sentencepiece":
-            try:
-                from gigatoken._load.sentencepiece import sentencepiece_to_tokenizer_json
-            except ImportError as e:  # the converter ships with the optional gigatoken extra
-                raise RuntimeError("converting a .model for the hf/gigatoken engines needs gigatoken") from e
 
             def convert(raw: bytes) -> str:
-                data = json.loads(sentencepiece_to_tokenizer_json(raw))
-                # Control pieces must never come out of merges either.
-                control = {t["content"] for t in data["added_tokens"] if t["special"]}
-                data["model"]["merges"] = [m for m in data["model"]["merges"] if "".join(m) not in control]
+                # The exported tokenizer's converter (mega-export writes the same file). Imported
+                # here: megacore.models imports torch, paid only when the cache misses.
+                from megacore.models.hf_tokenizer import sentencepiece_tokenizer_json
+
+                data = sentencepiece_tokenizer_json(raw)
                 return _strip(data) if strip_special else json.dumps(data, ensure_ascii=False)
 
-            return _cached(self.path, f"spm-v1-{'strip' if strip_special else 'full'}", convert)
+            return _cached(self.path, f"spm-{'strip' if strip_special else 'full'}", convert)
         text = self.path.read_text(encoding="utf-8")
         return _strip(json.loads(text)) if strip_special else text
 
@@ -199,12 +202,17 @@ def _strip(data: dict) -> str:
 
 
 def _cached(path: Path, kind: str, convert) -> str:
-    """convert(file bytes), cached by content hash: converting a 32k .model takes seconds."""
+    """convert(file bytes), cached by content and converter: converting a 32k .model takes a
+    second, importing the converter (megacore.models: torch) a few more."""
     raw = path.read_bytes()
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mega-tokenize"
-    cached = root / f"{kind}-{hashlib.sha256(raw).hexdigest()[:32]}.json"
     try:
-        return cached.read_text(encoding="utf-8")
+        cached = root / f"{kind}-{hashlib.sha256(raw + _converter_source()).hexdigest()[:32]}.json"
+    except OSError:  # the converter's source unreadable: no cache
+        cached = None
+    try:
+        if cached is not None:
+            return cached.read_text(encoding="utf-8")
     except OSError:
         pass
     try:
@@ -212,13 +220,23 @@ def _cached(path: Path, kind: str, convert) -> str:
     except ValueError as e:  # unigram models etc.: only sentencepiece itself reads them
         raise RuntimeError(f"this .model cannot be converted: {e}") from None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, cached)
+        if cached is not None:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, cached)
     except OSError:
         pass  # a read-only home: convert again next time
     return text
+
+
+def _converter_source() -> bytes:
+    """megacore's converter modules, read without importing them: a changed converter never meets
+    an old cache entry."""
+    import megacore
+
+    root = Path(megacore.__file__).parent
+    return b"".join((root / rel).read_bytes() for rel in ("models/hf_tokenizer.py", "tokenizer_files.py"))
 
 
 class _SentencePieceEngine:

@@ -5,31 +5,36 @@ template the data was rendered with, and `generation_config.json` with every end
 
 A SentencePiece `.model` becomes a `tokenizer.json` that encodes exactly as sentencepiece does,
 read from the model file itself (its protobuf, parsed by megacore.tokenizer_files: no protobuf
-package needed).
+package needed). It is the one conversion: mega-tokenize's `hf` and `gigatoken` engines encode
+with this same file, so the ids written at tokenize time and the exported tokenizer cannot drift.
 
 transformers' own conversion of a `.model` disagrees with sentencepiece on most real documents
 (transformers 5: BPE merges ranked by piece id instead of score, a Metaspace pre-tokenizer that
 splits where sentencepiece does not). What sentencepiece does, and what is written here:
 - normalization: the model's precompiled character map (`Precompiled`), then, when the model says
-  so, leading and trailing spaces dropped and runs of spaces collapsed, a space prepended (the
-  "dummy prefix") and spaces escaped as U+2581;
+  so, leading and trailing spaces dropped and runs of spaces collapsed (`_remove_extra_whitespaces`:
+  in a form gigatoken also reads wherever the map leaves spare characters, as nmt_nfkc and nfkc
+  maps do), a space prepended (the "dummy prefix") and spaces escaped as U+2581;
 - no pre-tokenization: BPE merges over the whole normalized text, a pair merged when the piece it
   makes is in the vocab, the highest-scoring such piece first (so the merges are every split of
   every piece into two pieces, ranked by the merged piece's score), unknown characters as bytes
   with byte fallback;
 - control pieces (`<s>`, `</s>`) and `<unk>` are special added tokens: never produced by text.
 
-Measured on the Mistral 7B tokenizer and on 1k-piece BPE models trained here (nmt_nfkc and identity
-normalization, with and without byte fallback, with user-defined pieces): the same ids as
-sentencepiece on every one of 200-300 Python source files and a set of Unicode edge cases;
-transformers 5's own conversion differed on 193 of 208. Unigram models are refused: `tokenizers`'
-Viterbi breaks ties between equal-scoring segmentations differently (1-2 files in 300 differed).
+Measured on the Mistral 7B tokenizer and on BPE models trained here (nmt_nfkc, nfkc and identity
+normalization, with and without extra-whitespace removal): the same ids as sentencepiece on 200-300
+Python source files and a set of whitespace and Unicode edge cases (tests/tokenize/
+test_one_converter.py); transformers 5's own conversion differed on 193 of 208. Refused, as no
+tokenizer.json encodes exactly like them: unigram models (`tokenizers`' Viterbi breaks ties between
+equal-scoring segmentations differently: 1-2 files in 300 differed) and models with user-defined
+pieces (see `sentencepiece_tokenizer_json`).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,22 +62,86 @@ def _normalizer(m: SentencePieceModel) -> dict | None:
     steps: list[dict] = []
     if m.charsmap:
         steps.append({"type": "Precompiled", "precompiled_charsmap": base64.b64encode(m.charsmap).decode()})
-    if m.remove_extra_whitespaces:  # spaces only (U+0020), after the character map
-        steps += [
-            {"type": "Replace", "pattern": {"Regex": "^ +| +$"}, "content": ""},
-            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
-        ]
+    if m.remove_extra_whitespaces:
+        steps += _remove_extra_whitespaces(m)
     if m.add_dummy_prefix:
         steps.append({"type": "Prepend", "prepend": SPACE})  # not to an empty text, like sentencepiece
     if m.escape_whitespaces:
-        steps.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE})
+        steps.append(_replace(" ", SPACE))
     return {"type": "Sequence", "normalizers": steps} if steps else None
+
+
+# Rust's char::is_whitespace but the space: what a Strip normalizer removes besides it, in tokenizers
+# and gigatoken alike.
+_OTHER_WHITESPACE = (
+    "\t\n\x0b\x0c\r\x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
+_STAND_INS = "".join(map(chr, range(0xFF01, 0xFF5F)))  # fullwidth ASCII: NFKC-based maps rewrite it
+
+
+def _remove_extra_whitespaces(m: SentencePieceModel) -> list[dict]:
+    """Spaces (U+0020 only) dropped at both ends of the mapped text and runs of them collapsed;
+    sentencepiece trims the end after escaping, so a literal U+2581 there goes too.
+
+    gigatoken reads `Strip` and the regex " {2,}" but no other regex, and `Strip` removes every
+    Unicode whitespace: so each other whitespace character the map can output stands in, while
+    `Strip` runs, as a character the map never outputs. A map with no such characters to spare (or
+    no map): anchored regexes, which only `tokenizers` reads."""
+    cmap = _CharsMap(m.charsmap) if m.charsmap else None
+    other = [c for c in _OTHER_WHITESPACE if cmap is None or cmap.can_output(c)]
+    bar = m.escape_whitespaces and (cmap is None or cmap.can_output(SPACE))
+    stand_ins = [c for c in _STAND_INS if not cmap.can_output(c)] if cmap else []
+    collapse = _replace(" {2,}", " ", regex=True)
+    if len(stand_ins) < len(other):  # \A, \z: ^ and $ match at line breaks in Oniguruma
+        return [_replace(f"\\A +|[ {SPACE}]+\\z" if bar else "\\A +| +\\z", "", regex=True), collapse]
+    hide = [_replace(w, s) for w, s in zip(other, stand_ins, strict=False)]
+    show = [_replace(s, w) for w, s in zip(other, stand_ins, strict=False)]
+    strip = [{"type": "Strip", "strip_left": True, "strip_right": not bar}]
+    if bar:  # U+2581 as whitespace for the end's strip only (any U+3000 is hidden by then)
+        strip += [_replace(SPACE, "\u3000"), {"type": "Strip", "strip_left": False, "strip_right": True}]
+        strip += [_replace("\u3000", SPACE)]
+    return hide + strip + [collapse] + show
+
+
+def _replace(pattern: str, content: str, regex: bool = False) -> dict:
+    return {"type": "Replace", "pattern": {"Regex" if regex else "String": pattern}, "content": content}
+
+
+class _CharsMap:
+    """Which characters a precompiled character map can output: its replacements' and those that
+    are not a key on their own (a double-array trie over UTF-8 keys, as sentencepiece stores it)."""
+
+    def __init__(self, charsmap: bytes) -> None:
+        (size,) = struct.unpack_from("<I", charsmap)
+        self.units = struct.unpack_from(f"<{size // 4}I", charsmap, 4)
+        self.replaced_by = set(charsmap[4 + size :].decode("utf-8", errors="replace"))
+
+    def can_output(self, c: str) -> bool:
+        return c in self.replaced_by or not self._is_key(c)
+
+    def _is_key(self, c: str) -> bool:
+        def offset(unit: int) -> int:
+            return (unit >> 10) << ((unit & (1 << 9)) >> 6)
+
+        unit = self.units[0]
+        pos = offset(unit)
+        for b in c.encode():
+            pos ^= b
+            if pos >= len(self.units):
+                return False
+            unit = self.units[pos]
+            if unit & ((1 << 31) | 0xFF) != b:  # the unit's label
+                return False
+            pos ^= offset(unit)
+        return bool(unit & (1 << 8))  # has a leaf: a key ends here
 
 
 def _bpe_merges(m: SentencePieceModel) -> list[list[str]]:
     """Every split of every mergeable piece into two pieces that can occur, the highest-scoring
     merged piece first (ties: the lower id, sentencepiece's order)."""
-    symbols = {p for p, _, t in m.pieces if t in (NORMAL, USER_DEFINED)}
+    symbols = {p for p, _, t in m.pieces if t == NORMAL}
     ranked = sorted(
         ((-score, i, p) for i, (p, score, t) in enumerate(m.pieces) if t == NORMAL and len(p) > 1),
     )
@@ -96,6 +165,12 @@ def sentencepiece_tokenizer_json(raw: bytes, added: dict[str, int] | None = None
         raise ValueError(
             f"{kind} SentencePiece model has no tokenizer.json that encodes exactly like it (BPE only)"
         )
+    if any(t == USER_DEFINED for _, _, t in m.pieces):
+        # sentencepiece matches them anywhere in the normalized text; tokenizers normalizes an added
+        # token's text too, dummy prefix included, so it would match "foo" only as "▁foo".
+        raise ValueError(
+            "a SentencePiece model with user-defined pieces has no tokenizer.json that encodes exactly like it"
+        )
     unk = m.pieces[m.unk_id][0] if 0 <= m.unk_id < len(m.pieces) else None
     model = {
         "type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
@@ -105,8 +180,6 @@ def sentencepiece_tokenizer_json(raw: bytes, added: dict[str, int] | None = None
     }  # fmt: skip
     special = [(i, p) for i, (p, _, t) in enumerate(m.pieces) if t in (CONTROL, UNKNOWN)]
     added_tokens = [_added(i, p, special=True) for i, p in special]
-    # User-defined pieces are matched whole in the normalized text, before the model.
-    added_tokens += [_added(i, p, special=False) for i, (p, _, t) in enumerate(m.pieces) if t == USER_DEFINED]
     added_tokens += [_added(i, p, special=True) for p, i in sorted((added or {}).items(), key=lambda x: x[1])]
     strip_prefix = 1 if m.add_dummy_prefix else 0
     return {
