@@ -7,7 +7,14 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, FalconConfig, LlamaConfig, MistralConfig
+from transformers import (
+    AutoModelForCausalLM,
+    FalconConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
 _LLAMA = {**_SMALL, "intermediate_size": 96, "vocab_size": 101, "max_position_embeddings": 64}
@@ -66,6 +73,40 @@ CASES: dict[str, tuple[type, dict, int]] = {
         FalconConfig,
         {**_SMALL, "vocab_size": 90, "multi_query": False, "parallel_attn": False, "bias": True,
          "tie_word_embeddings": False},
+        24,
+    ),
+    # Qwen 2 / 2.5: biases on q, k, v only (Qwen2Config has no switch for them), GQA, untied.
+    "qwen2": (
+        Qwen2Config,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "rope_theta": 1e6, "tie_word_embeddings": False},
+        24,
+    ),
+    # Qwen 2.5 0.5B style: tied embeddings, few kv heads (here one).
+    "qwen2.5-tied": (
+        Qwen2Config,
+        {**_LLAMA, "num_key_value_heads": 1, "vocab_size": 120, "rope_theta": 1e6, "tie_word_embeddings": True,
+         "bos_token_id": 118, "eos_token_id": 119},
+        24,
+    ),
+    # The sliding-window switches set for every layer (max_window_layers 0), a window shorter than
+    # the sequence.
+    "qwen2-window": (
+        Qwen2Config,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "use_sliding_window": True, "sliding_window": 8,
+         "max_window_layers": 0},
+        24,
+    ),
+    # Qwen 3: RMSNorm on each q and k head before RoPE, no biases, head_dim 32 (not 64 / 4 heads).
+    "qwen3": (
+        Qwen3Config,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32, "rope_theta": 1e6},
+        24,
+    ),
+    # Llama 3.2 1B/3B style: tied embeddings and llama3 RoPE scaling.
+    "llama3.2": (
+        LlamaConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "rope_theta": 500000.0, "tie_word_embeddings": True,
+         "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}},
         24,
     ),
 }  # fmt: skip

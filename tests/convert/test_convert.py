@@ -57,14 +57,19 @@ def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> N
         assert_bitwise_equal(a[k], b[k], k)
     assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     # The exported config.json (classic rope form) gives transformers the same model, every weight
-    # in its place.
+    # in its place: the source's architecture (Qwen2ForCausalLM stays one, not a Llama).
     exported, info = AutoModelForCausalLM.from_pretrained(
         back, attn_implementation="sdpa", output_loading_info=True
     )
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    ids = tokens(load_hf(src).config.vocab_size, 16)
+    original = load_hf(src)
+    assert type(exported) is type(original), (type(exported), type(original))
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == original.config.model_type
+    assert config["architectures"] == [type(original).__name__]
+    ids = tokens(original.config.vocab_size, 16)
     with torch.no_grad():
-        assert torch.equal(exported.eval()(ids).logits, load_hf(src)(ids).logits)
+        assert torch.equal(exported.eval()(ids).logits, original(ids).logits)
 
 
 def test_bf16_round_trip_and_dtype_option(tmp_path: Path) -> None:
@@ -243,6 +248,16 @@ BAD = {
     ),
     "missing size": ("llama", {"hidden_size": None}, "$.hidden_size"),
     "activation": ("llama", {"hidden_act": "gelu"}, "$.hidden_act"),
+    # One window for every layer or none: Qwen's window on some layers only is refused.
+    "qwen window": (
+        "qwen2",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
+        "a sliding window on 1 of 2 layers cannot be expressed",
+    ),
 }
 
 

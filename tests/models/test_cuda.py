@@ -27,7 +27,7 @@ def _ours(path: Path) -> Decoder:
     return model
 
 
-@pytest.mark.parametrize("case", ["llama2-70b-gqa", "mistral-window", "falcon-40b"])
+@pytest.mark.parametrize("case", ["llama2-70b-gqa", "mistral-window", "falcon-40b", "qwen2-window", "qwen3"])
 def test_cuda_logits_match_transformers(case: str, tmp_path: Path) -> None:
     path = build(case, tmp_path / case)
     hf = load_hf(path).cuda()

@@ -121,7 +121,7 @@ def _grads_vs_transformers(case: str, tmp_path: Path, fused: bool, compile: bool
 
 
 GRAD_CASES = ["llama", "llama2-70b-gqa", "llama-bias-tied", "mistral-window", "falcon-7b", "falcon-40b",
-              "falcon-sequential-bias"]  # fmt: skip
+              "falcon-sequential-bias", "qwen2", "qwen2.5-tied", "qwen2-window", "qwen3", "llama3.2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", GRAD_CASES)

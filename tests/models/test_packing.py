@@ -1,7 +1,7 @@
 """Packed documents (`positions` restarting at 0 per document): each document's loss and
 gradients equal those of the same document run on its own (fp32, within REL), for every attention
 path that runs on CPU (SDPA with a block-causal mask, a sliding window shorter than the documents,
-selective and full recompute)."""
+selective and full recompute, Qwen 3's per-head q/k norms)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,14 @@ def packed_rows(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[li
 
 @pytest.mark.parametrize(
     "overrides, recompute",
-    [({}, "none"), ({}, "selective"), ({}, "full"), ({"family": "mistral", "sliding_window": 4}, "none")],
-    ids=["llama", "selective", "full", "mistral-window-4"],
+    [
+        ({}, "none"),
+        ({}, "selective"),
+        ({}, "full"),
+        ({"family": "mistral", "sliding_window": 4}, "none"),
+        *[({"family": "qwen3", "qk_norm": True, "head_dim": 16}, mode) for mode in ("selective", "full")],
+    ],
+    ids=["llama", "selective", "full", "mistral-window-4", "qwen3-selective", "qwen3-full"],
 )
 def test_packed_documents_match_each_document_alone(overrides: dict, recompute: str) -> None:
     g = torch.Generator().manual_seed(0)

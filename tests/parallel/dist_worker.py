@@ -67,6 +67,16 @@ FAMILIES = {
                                   tie_embeddings=True),
     "llama-tied": ModelConfig(family="llama", vocab_size=60, padded_vocab_size=64, hidden_size=32, num_layers=4,
                               num_heads=4, num_kv_heads=2, ffn_hidden_size=64, tie_embeddings=True),
+    # Qwen 2.5 small style: biases on q, k, v only, GQA (4 query heads per kv head, as 0.5B's 14 over
+    # 2 would be), tied embeddings. With 4 heads of 8 a k_proj.bias element along a RoPE frequency
+    # too slow to turn in 8 tokens got a pure rounding-noise gradient (6e-6 of its tensor's norm)
+    # that AdamW amplified past ADAM_REL; head_dim 4 leaves none (1e-3).
+    "qwen2": ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_heads=8, num_kv_heads=2,
+                         ffn_hidden_size=64, attn_bias=True, tie_embeddings=True),
+    # Qwen 3: per-head q/k norms, head_dim 16 (not 32 / 4 heads), one kv head: under tp 2 k is
+    # replicated and both ranks' q heads add to k_norm's gradient.
+    "qwen3": ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=1,
+                         ffn_hidden_size=64, head_dim=16, qk_norm=True),
 }  # fmt: skip
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.

@@ -54,7 +54,7 @@ class RopeScaling(Struct):
 class ModelConfig(Struct):
     """Everything needed to build the decoder; every family is a choice of these switches."""
 
-    family: Literal["llama", "mistral", "falcon"]
+    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3"]
     vocab_size: Positive
     hidden_size: Positive
     num_layers: Positive
@@ -76,6 +76,8 @@ class ModelConfig(Struct):
     attn_out_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False
+    # RMSNorm over each q and k head (head_dim wide, its own weight), before RoPE (Qwen 3).
+    qk_norm: bool = False
     tie_embeddings: bool = False
     bos_id: int | None = None
     eos_id: int | None = None
@@ -130,8 +132,9 @@ def model_tensors(
     """The model naming contract: names and global shapes of the model's tensors, in the Decoder's
     state-dict order (tested), shared by the parallel layout, the converters, mega-shard and the
     checkpoints: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.{q,k,v,o}_proj.
-    {weight,bias}", "layers.<i>.mlp_norm.weight", "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}",
-    "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline stage's part.
+    {weight,bias}", "layers.<i>.attn.{q,k}_norm.weight" (qk_norm: shape (head_dim,)),
+    "layers.<i>.mlp_norm.weight", "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}", "norm.weight",
+    "lm_head.weight". `layers`, `embed` and `head` select a pipeline stage's part.
     Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
     stage with the head and not the embedding holds one, a copy of "embed.weight" kept equal to it
     by the engine (Megatron's shared embedding), never written to a checkpoint."""
@@ -162,6 +165,9 @@ def model_tensors(
         linear(f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
         linear(f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
         linear(f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
+        if config.qk_norm:
+            out[f"{at}.attn.q_norm.weight"] = (hd,)
+            out[f"{at}.attn.k_norm.weight"] = (hd,)
         if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
             norm(f"{at}.mlp_norm")
         if config.activation == "swiglu":

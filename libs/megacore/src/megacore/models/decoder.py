@@ -106,6 +106,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=config.attn_out_bias)
+        # qk_norm (Qwen 3): one RMSNorm weight for every q head and one for every k head; acting
+        # per head, it needs no change when a tensor-parallel shard holds only some heads.
+        self.q_norm = RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
@@ -114,6 +118,8 @@ class Attention(nn.Module):
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
         qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
+        if self.q_norm is not None:  # before RoPE, as Qwen 3 normalises
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
             out = checkpoint(causal_attention, q, k, v, self.window, self.impl, segments, use_reentrant=False)

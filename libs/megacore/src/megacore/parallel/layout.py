@@ -28,11 +28,14 @@ OPTIM_PREFIX = "optim."
 ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-# Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; the rest replicated.
+# Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; the rest replicated,
+# the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads).
 _COLWISE = {"attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
 _ROWWISE = {"attn.o_proj", "mlp.down_proj"}
 _KV = {"attn.k_proj", "attn.v_proj"}
-_LAYER_REPLICATED = re.compile(r"^(attn_norm|mlp_norm)\.(weight|bias)$|^(attn\.o_proj|mlp\.down_proj)\.bias$")
+_LAYER_REPLICATED = re.compile(
+    r"^(attn_norm|mlp_norm)\.(weight|bias)$|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
+)
 
 
 def optim_state_name(kind: str, param: str) -> str:

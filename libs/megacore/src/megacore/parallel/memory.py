@@ -25,10 +25,11 @@ Activations (what autograd saves, op by op; the test measures a step on CPU):
   and k, v (with the fused q/k/v matmul at tp 1, v is a view of the whole projection output, which
   stays alive: T·(q+2kv)·c), the attention output and the o_proj input (a copy of it), the
   log-sum-exp (fp32), the MLP's gate, up, silu and product (4·T·f/tp·c; GELU: 2), and at tp 1 the
-  concatenated q/k/v and gate/up weights the fused matmuls save. A sliding window shorter than the
-  sequence adds the S x S mask SDPA saves (not with flash-attn). selective: without the attention
-  kernel's output and log-sum-exp (its kernels keep no S x S matrix to drop). full: the block's
-  input only, plus one layer's recompute at the peak of the backward.
+  concatenated q/k/v and gate/up weights the fused matmuls save; per-head q/k norms (qk_norm) their
+  fp32 statistics, and at tp > 1 their inputs. A sliding window shorter than the sequence adds the
+  S x S mask SDPA saves (not with flash-attn). selective: without the attention kernel's output and
+  log-sum-exp (its kernels keep no S x S matrix to drop). full: the block's input only, plus one
+  layer's recompute at the peak of the backward.
 - per stage: token ids (first), the final norm and the loss (last: the fused loss saves the
   hidden-state and weight gradients; vocab-parallel logits keep their fp32 log-softmax, and a
   pipeline's last stage keeps its logits too), a pipeline stage's output (kept until its backward).
@@ -215,6 +216,10 @@ def layer_activations(
     if sp > 1:  # measured: nn.RMSNorm on a sequence shard saves its normalised input too, and a
         # block one more shard besides
         norms += ((norm_in if config.norm == "rmsnorm" else 0) + 1) * residual
+    if config.qk_norm:  # per-head q/k norms: their fp32 rstd per head, and at tp > 1 their inputs
+        # (the unfused projections' outputs, otherwise freed by RoPE; at tp 1 views of the kept q/k/v)
+        total_heads = heads + kv // hd
+        norms += tokens * total_heads * 4 + (tokens * (q + kv) * c if tp > 1 else 0)
     o_proj_in = tokens * q * c
     kernel = tokens * q * c + micro * heads * seq * 4  # the kernel's output and log-sum-exp
     window = config.sliding_window

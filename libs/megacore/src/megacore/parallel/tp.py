@@ -9,7 +9,8 @@ sequence shard (SequenceParallel) and each attention / MLP input is all-gathered
 
 Fewer kv heads than tp (multi-query Falcon 7B, or GQA with tp a multiple of the kv heads): k/v are
 replicated, each rank keeps the kv head its query heads use, and the k/v output gradients are summed
-over tp so the replicated weights get the full gradient.
+over tp so the replicated weights get the full gradient. Per-head q/k norms (qk_norm) act on each
+rank's own heads with a replicated weight whose gradient DTensor sums over tp (`HeadNorm`).
 
 A stage's boundaries are always plain tensors: hidden states in and out ([B, S/tp, H] with sequence
 parallel, [B, S, H] without) and the local vocab shard of the logits, so pipeline stages send plain
@@ -87,6 +88,31 @@ class ReplicatedKV(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
+class HeadNorm(ParallelStyle):
+    """A per-head norm inside attention (qk_norm's q_norm / k_norm) on this rank's heads.
+
+    Its input is a plain [B, S, local heads, head_dim] tensor and each rank normalises its own heads
+    with the whole (replicated) weight, so the forward needs nothing; but each rank's heads give
+    only part of the weight's gradient. So the weight is a replicated DTensor and the input is
+    viewed as sharded on the heads dim for the norm alone: DTensor's backward then leaves the
+    weight a partial (summed over tp) gradient, as it does a sequence-parallel norm's, which
+    the optimizer, clipping and FSDP2 already reduce. Where k/v are replicated (fewer kv heads than
+    tp) several ranks hold the same k head; their parts are still what sums to the gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def inputs(mod, args, mesh):
+            return (DTensor.from_local(args[0], mesh, [Shard(2)], run_check=False), *args[1:])
+
+        def outputs(mod, out, mesh):
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
 def _to_local_hook(module, args, out):
     return out.to_local() if isinstance(out, DTensor) else out
 
@@ -120,6 +146,8 @@ def apply_tp(
             return RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp)
         if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
             return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
+        if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard
+            return HeadNorm()
         if isinstance(module, nn.LayerNorm | nn.RMSNorm) and dim is None:
             return SequenceParallel() if sp else None
         raise NotImplementedError(f"no tensor-parallel style for {name} placed on dim {dim}")
@@ -130,7 +158,7 @@ def apply_tp(
         s = style(name, module)
         if s is not None:
             parallelize_module(module, tp_mesh, s)
-            if isinstance(s, SequenceParallel):
+            if isinstance(s, SequenceParallel | HeadNorm):
                 module.fused = False  # its hand-written backward takes plain tensors only
     for block in model.layers.values():
         # Each rank holds a slice of every projection: one matmul per projection, not fused.

@@ -6,10 +6,16 @@ from types import ModuleType
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families import falcon, llama, mistral
+from megacore.models.families import falcon, llama, mistral, qwen2, qwen3
 from megacore.models.families.common import TensorMap
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "mistral": mistral, "falcon": falcon}
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "mistral": mistral,
+    "falcon": falcon,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+}
 
 
 def family_of(config: ModelConfig) -> ModuleType:

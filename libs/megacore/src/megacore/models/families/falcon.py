@@ -86,8 +86,8 @@ def _new_arch(config: ModelConfig) -> bool:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.norm != "layernorm" or not config.norm_bias or config.activation != "gelu":
-        raise UserError("Falcon needs layernorm with bias and a gelu MLP", "config")
+    if config.norm != "layernorm" or not config.norm_bias or config.activation != "gelu" or config.qk_norm:
+        raise UserError("Falcon needs layernorm with bias and a gelu MLP, and has no q/k norms", "config")
     if not config.attn_bias == config.attn_out_bias == config.mlp_bias:
         raise UserError("Falcon has one `bias` switch; this config's bias switches differ", "config")
     if config.sliding_window is not None or config.head_dim * config.num_heads != config.hidden_size:

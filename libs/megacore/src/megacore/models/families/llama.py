@@ -1,7 +1,9 @@
-"""Llama 1/2/3/3.1 and Code Llama: RMSNorm, SwiGLU, GQA, RoPE (theta, linear/dynamic/llama3 scaling).
+"""Llama 1/2/3/3.1/3.2 and Code Llama: RMSNorm, SwiGLU, GQA, RoPE (theta, linear/dynamic/llama3
+scaling), tied embeddings where the config says so (Llama 3.2 1B/3B).
 
 HF layout (LlamaForCausalLM): model.embed_tokens, model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
-post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head.
+post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head. Mistral and Qwen 2/3 use the
+same names (`tensor_maps`); Qwen 3 adds self_attn.{q,k}_norm (qk_norm).
 """
 
 from __future__ import annotations
@@ -57,8 +59,14 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if config.attn_bias != config.attn_out_bias or config.norm != "rmsnorm" or config.activation != "swiglu":
         raise UserError("this config has switches a Llama config.json cannot express", "config")
-    if config.parallel_attn or (config.sliding_window is not None and config.family != "mistral"):
-        raise UserError("parallel attention / sliding window cannot be expressed as a Llama config", "config")
+    if (
+        config.parallel_attn
+        or config.qk_norm
+        or (config.sliding_window is not None and config.family != "mistral")
+    ):
+        raise UserError(
+            "parallel attention / q-k norms / sliding window cannot be expressed as a Llama config", "config"
+        )
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -89,6 +97,9 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         for p in ("q_proj", "k_proj", "v_proj"):
             linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", config.attn_bias)
         linear(maps, f"{hf}.self_attn.o_proj", f"{ours}.attn.o_proj", config.attn_out_bias)
+        if config.qk_norm:  # Qwen 3, which keeps Llama's names otherwise
+            maps.append(rename(f"{hf}.self_attn.q_norm.weight", f"{ours}.attn.q_norm.weight"))
+            maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
         for p in ("gate_proj", "up_proj", "down_proj"):
             linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", config.mlp_bias)

@@ -1,0 +1,138 @@
+"""Qwen 2 / 2.5: the Llama layout (RMSNorm, SwiGLU, GQA, RoPE) with biases on q, k and v only,
+tied embeddings in the small sizes, and a sliding window as the config's switches set it.
+
+HF layout (Qwen2ForCausalLM): Llama's tensor names (`llama.tensor_maps`). Qwen2Config has no bias
+switch: q/k/v always have one, o_proj and the MLP never; its `head_dim`, when a config.json carries
+one, is what the attention uses (else hidden_size / heads).
+
+The sliding window, as transformers' Qwen2Config and Qwen3Config read it: a layer attends through
+the `sliding_window` most recent tokens when `use_sliding_window` is true and its `layer_types`
+entry is "sliding_attention"; without `layer_types`, the layers from `max_window_layers` on are the
+sliding ones. The decoder has one window for every layer, so a window on some layers only is
+refused; published Qwen 2 / 2.5 / 3 configs set use_sliding_window false (no window).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megacore.config import ModelConfig
+from megacore.errors import UserError
+from megacore.models.families import llama
+from megacore.models.families.common import HFConfig, TensorMap, build_config, rope_to_hf
+
+MODEL_TYPES = ("qwen2",)
+ARCHITECTURE = "Qwen2ForCausalLM"
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_window(c: HFConfig, num_layers: int) -> int | None:
+    """The window every layer attends through, None for full attention; UserError where the
+    config's layers disagree (transformers' defaults: use_sliding_window false, max_window_layers 28)."""
+    window = c.data.get("sliding_window") if c.bool("use_sliding_window", False) else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise UserError(f"$.sliding_window: expected a positive integer or null, got {window!r}", c.where)
+    types = c.data.get("layer_types")
+    if types is None:
+        first = c.int("max_window_layers", 28, minimum=0)
+        types = [_LAYER_TYPES[window is not None and i >= first] for i in range(num_layers)]
+    elif not (isinstance(types, list) and len(types) == num_layers and set(types) <= set(_LAYER_TYPES)):
+        raise UserError(
+            f"$.layer_types: expected {num_layers} entries, each one of {list(_LAYER_TYPES)}", c.where
+        )
+    sliding = types.count("sliding_attention")
+    if sliding and window is None:  # transformers fails on this one too (no window to build a mask)
+        raise UserError(
+            "$.layer_types: sliding layers but no window (use_sliding_window false or sliding_window null)",
+            c.where,
+        )
+    if 0 < sliding < num_layers:
+        raise UserError(
+            f"$.layer_types: a sliding window on {sliding} of {num_layers} layers cannot be expressed "
+            "(one window for all layers or none)",
+            c.where,
+        )
+    return window if sliding else None
+
+
+def common_fields(c: HFConfig) -> dict[str, Any]:
+    """The ModelConfig fields Qwen 2 and Qwen 3 configs share (defaults as transformers' classes)."""
+    act = c.str("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", c.where)
+    heads, layers = c.int("num_attention_heads"), c.int("num_hidden_layers")
+    # Qwen2Config's own default when the key is absent is 32 kv heads; null means one per head.
+    kv = c.data.get("num_key_value_heads", 32)
+    theta, scaling = c.rope()
+    return {
+        "vocab_size": c.int("vocab_size"),
+        "hidden_size": c.int("hidden_size"),
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": heads if kv is None else c.int("num_key_value_heads", 32),
+        "ffn_hidden_size": c.int("intermediate_size"),
+        "max_seq_len": c.int("max_position_embeddings", 32768),
+        "norm": "rmsnorm",
+        "norm_eps": c.float("rms_norm_eps", 1e-6),
+        "activation": "swiglu",
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "sliding_window": sliding_window(c, layers),
+        "tie_embeddings": c.bool("tie_word_embeddings", False),
+        "bos_id": c.opt_int("bos_token_id"),
+        "eos_id": c.opt_int("eos_token_id"),
+    }
+
+
+def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    c = HFConfig(hf, where)
+    return build_config(
+        where,
+        family="qwen2",
+        **common_fields(c),
+        head_dim=c.int("head_dim") if c.data.get("head_dim") else None,
+        attn_bias=True,
+        attn_out_bias=False,
+        mlp_bias=False,
+    )
+
+
+def common_hf(config: ModelConfig, name: str) -> dict[str, Any]:
+    """The config.json keys Qwen 2 and Qwen 3 share; UserError for what neither can express."""
+    if config.norm != "rmsnorm" or config.activation != "swiglu" or config.parallel_attn or config.mlp_bias:
+        raise UserError(f"this config has switches a {name} config.json cannot express", "config")
+    window = config.sliding_window
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        **rope_to_hf(config),
+        # One window for all layers: every layer from layer 0 on slides.
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0 if window is not None else config.num_layers,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+    }
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    if not config.attn_bias or config.attn_out_bias or config.qk_norm:
+        raise UserError(
+            "Qwen 2 has biases on q, k and v only and no q/k norms; this config differs", "config"
+        )
+    out = {"architectures": [ARCHITECTURE], "model_type": "qwen2", **common_hf(config, "Qwen 2")}
+    if config.head_dim * config.num_heads != config.hidden_size:  # published configs carry none
+        out["head_dim"] = config.head_dim
+    return out
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    return llama.tensor_maps(config)
