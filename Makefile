@@ -62,8 +62,9 @@ test-slow: setup
 test-all: setup airflow-venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# `make demo FAMILY=qwen3`: the same chain on a tiny Qwen 3 (tied embeddings under pp), in demo-out-qwen3.
 demo: setup
-	$(PY) examples/demo.py demo-out
+	$(PY) examples/demo.py demo-out$(if $(FAMILY),-$(FAMILY) --family $(FAMILY))
 
 bench: setup
 	$(PY) bench/run.py $(BENCH_ARGS)
@@ -83,4 +84,4 @@ docs: setup
 	$(PY) docs/gen_help.py
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) demo-out bench-out
+	rm -rf $(VENV) $(AIRFLOW_VENV) demo-out demo-out-* bench-out

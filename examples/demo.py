@@ -3,7 +3,8 @@
     corpus (Python's own documentation, about 0.2 MB) --mega-tokenize--> tokens
     conversations about the same documentation --mega-tokenize --format chat--> chat tokens
         (what examples/instruct.json tunes on)
-    tiny random Llama (transformers) --mega-convert hf--> checkpoint --mega-convert verify
+    tiny random Llama, or `--family qwen3` a tiny Qwen 3 (tied embeddings, q/k norms), from
+        transformers --mega-convert hf--> checkpoint --mega-convert verify
     checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-export--> HF dir --mega-convert verify
     run.json --mega-train --dry-run--> the resolved 3D plan
     run.json --torchrun mega-train (tp 2 x pp 2)--> trained checkpoint
@@ -142,19 +143,27 @@ def chat_tokens(out: Path, tok: Path) -> Path:
     return out / "chat-tokens"
 
 
-def tiny_llama(out: Path, vocab_size: int) -> Path:
-    """A randomly initialised 4-layer Llama with GQA, saved the way the hub ships models (with a
-    model card whose license the chain carries to the export's card)."""
-    path = out / "hf-llama"
+# The demo's model by family: a transformers config class and its sizes beyond the shared ones.
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    # Qwen 3 as its small sizes are: tied embeddings (under pp the last stage holds a copy), q/k norms.
+    "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
+}
+
+
+def tiny_model(out: Path, vocab_size: int, family: str = "llama") -> Path:
+    """A randomly initialised 4-layer model with GQA of `family`, saved the way the hub ships
+    models (with a model card whose license the chain carries to the export's card)."""
+    path = out / f"hf-{family}"
     if (path / "config.json").exists():
         return path
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.logging.disable_progress_bar()  # the demo prints the tools' output, not theirs
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    cls, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls)(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=176,
@@ -162,13 +171,14 @@ def tiny_llama(out: Path, vocab_size: int) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
+        **extra,
     )
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    (path / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A tiny random Llama for the demo\n")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    (path / "README.md").write_text(f"---\nlicense: apache-2.0\n---\n# A tiny random {family} for the demo\n")
     return path
 
 
-def main(out: Path) -> None:
+def main(out: Path, family: str = "llama") -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     text = corpus(out)
@@ -179,7 +189,7 @@ def main(out: Path) -> None:
     import sentencepiece as spm
 
     vocab = spm.SentencePieceProcessor(model_file=str(tok)).vocab_size()
-    hf = tiny_llama(out, vocab)
+    hf = tiny_model(out, vocab, family)
     sh("mega-convert", "hf", hf, out / "ckpt-tp1pp1")
     sh("mega-convert", "verify", out / "ckpt-tp1pp1", hf)
     sh("mega-shard", out / "ckpt-tp1pp1", out / "ckpt-tp2pp2", "--tp", "2", "--pp", "2")
@@ -219,7 +229,7 @@ def main(out: Path) -> None:
         out / "hf-trained",
         "--force",
         "--push-to-hub",
-        "me/tiny-llama-demo",
+        f"me/tiny-{family}-demo",
         "--dry-run",
     )
     sh("mega-convert", "verify", trained, out / "hf-trained")
@@ -248,4 +258,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "demo-out"))
+    args = sys.argv[1:]
+    family = args.pop(args.index("--family") + 1) if "--family" in args else "llama"
+    args = [a for a in args if a != "--family"]
+    main(Path(args[0] if args else "demo-out"), family)

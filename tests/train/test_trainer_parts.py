@@ -107,6 +107,38 @@ def test_weight_decay_skips_norms_and_biases() -> None:
     torch.testing.assert_close(vector.detach(), torch.full((3,), 2.0))
 
 
+MIXED = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+from mega_train.trainer import make_optimizer
+from megacore.artifacts.manifest import OptimizerSpec
+from megacore.parallel.mesh import init_distributed, shutdown
+
+init_distributed()
+mesh = init_device_mesh("cpu", (1,))
+params = [torch.nn.Parameter(torch.ones(4)),  # a norm under tp without sequence parallel: plain
+          torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()])),  # a q/k norm
+          torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Replicate()]))]
+for p in params:
+    p.grad = torch.ones_like(p)
+make_optimizer(params, OptimizerSpec(lr=0.1)).step()
+assert all(float(p.detach().full_tensor().max() if hasattr(p, "full_tensor") else p.detach().max()) < 1
+           for p in params)
+shutdown()
+print("ok")
+"""
+
+
+def test_fused_adamw_takes_dtensor_and_plain_parameters_together() -> None:
+    """Under tp without sequence parallel the norms are plain tensors and Qwen 3's q/k norms
+    DTensors; the fused kernel refuses the two kinds in one group ("got mixed torch.Tensor and
+    DTensor"), so `make_optimizer` gives each kind its groups (found by `make demo FAMILY=qwen3`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", MIXED], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def test_stop_request_takes_the_first_signal() -> None:
     stop = StopRequest()
     try:

@@ -34,6 +34,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from mega_train import __version__
 from mega_train.allocator import configure_allocator
@@ -85,11 +86,15 @@ class Position:
 
 
 def make_optimizer(params: list[torch.nn.Parameter], opt: OptimizerSpec) -> torch.optim.AdamW:
-    """AdamW; norms and biases (1-D) are not decayed. Vocab padding rows get no gradient and so stay zero."""
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    """AdamW; norms and biases (1-D) are not decayed. Vocab padding rows get no gradient and so stay
+    zero. DTensor and plain parameters go in groups of their own: the fused kernel takes one kind
+    per group (under tp without sequence parallel the norms are plain, the q/k norms DTensors)."""
+    groups = []
+    for decayed in (True, False):
+        for dtensor in (True, False):
+            mine = [p for p in params if (p.ndim >= 2) == decayed and isinstance(p, DTensor) == dtensor]
+            if mine:
+                groups.append({"params": mine, "weight_decay": opt.weight_decay if decayed else 0.0})
     return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True)
 
 
