@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     FalconConfig,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -107,6 +108,22 @@ CASES: dict[str, tuple[type, dict, int]] = {
         LlamaConfig,
         {**_LLAMA, "num_key_value_heads": 2, "rope_theta": 500000.0, "tie_word_embeddings": True,
          "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}},
+        24,
+    ),
+    # Gemma 3 (Gemma3ForCausalLM): (1 + w) RMSNorms, four per block and on q/k heads, embeddings
+    # scaled by sqrt(hidden), tanh GeGLU, head_dim 32 (not 64 / 4 heads), scores scaled by
+    # query_pre_attn_scalar ** -0.5 (24, not head_dim), tied; local layers (every 3rd is global:
+    # sliding, sliding, full, sliding) with a window of 8 over 24 tokens and their own RoPE base,
+    # global ones with another base and Gemma 3 4B's linear scaling (bases not transformers'
+    # defaults, so that one lost on the way shows). pad_token_id 0 (Gemma's):
+    # transformers' embedding leaves that row no gradient from the input side (padding_idx), which
+    # ours does not model; the test tokens never include id 0.
+    "gemma3": (
+        Gemma3TextConfig,
+        {**_LLAMA, "num_hidden_layers": 4, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32,
+         "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 3,
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5}}},
         24,
     ),
 }  # fmt: skip

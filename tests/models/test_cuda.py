@@ -27,7 +27,9 @@ def _ours(path: Path) -> Decoder:
     return model
 
 
-@pytest.mark.parametrize("case", ["llama2-70b-gqa", "mistral-window", "falcon-40b", "qwen2-window", "qwen3"])
+@pytest.mark.parametrize(
+    "case", ["llama2-70b-gqa", "mistral-window", "falcon-40b", "qwen2-window", "qwen3", "gemma3"]
+)
 def test_cuda_logits_match_transformers(case: str, tmp_path: Path) -> None:
     path = build(case, tmp_path / case)
     hf = load_hf(path).cuda()
@@ -99,13 +101,15 @@ def test_cuda_packed_documents_match_each_alone() -> None:
             start += len(d)
 
 
+@pytest.mark.parametrize("scale", [None, 0.1], ids=["default-scale", "scale-0.1"])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("impl", ["flash", "auto"])
-def test_cuda_flash_kernels_match_sdpa_in_fp32(impl: str, packed: bool, window: int | None) -> None:
+def test_cuda_flash_kernels_match_sdpa_in_fp32(impl: str, packed: bool, window: int | None, scale) -> None:
     """`flash` (flash-attn, else PyTorch's FlashAttention: SDPA's flash backend, the variable-length
     kernel for windows and packed documents) and `auto` in bf16 against SDPA's masked fp32 result,
-    with GQA: outputs and input gradients within bf16 rounding (2% norm-wise)."""
+    with GQA and with a score scale of its own (Gemma's): outputs and input gradients within bf16
+    rounding (2% norm-wise)."""
     from megacore.models.attention import causal_attention
 
     g = torch.Generator().manual_seed(0)
@@ -115,7 +119,7 @@ def test_cuda_flash_kernels_match_sdpa_in_fp32(impl: str, packed: bool, window: 
     outs, grads = [], []
     for dtype, kind in ((torch.float32, "sdpa"), (torch.bfloat16, impl)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = causal_attention(*leaves, window=window, impl=kind, segments=segments)
+        out = causal_attention(*leaves, window=window, impl=kind, segments=segments, scale=scale)
         out.float().square().sum().backward()
         outs.append(out.float())
         grads.append([t.grad.float() for t in leaves])

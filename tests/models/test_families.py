@@ -1,12 +1,15 @@
-"""The Qwen families' config maps, both directions: the sliding-window switches read as
-transformers reads them (one window on all layers or none; the rest refused in one line), Qwen
-defaults, and configs a family's config.json cannot express refused on export."""
+"""The Qwen and Gemma 3 families' config maps, both directions: the sliding-window switches read
+as transformers reads them (Qwen: one window on all layers or none, the rest refused in one line;
+Gemma 3: local and global layers, a RoPE per layer type, published and transformers 5 forms),
+defaults as transformers', and configs a family's config.json cannot express refused on export."""
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
-from transformers import AutoConfig
+from transformers import AutoConfig, Gemma3TextConfig
 
 from hf_cases import CASES
 from megacore.config import ModelConfig
@@ -114,3 +117,117 @@ def test_qwen2_head_dim_written_only_when_explicit() -> None:
     wide = msgspec.structs.replace(cfg, head_dim=32)
     assert AutoConfig.for_model(**config_to_hf(wide)).head_dim == 32
     assert config_from_hf(config_to_hf(wide)) == wide
+
+
+# --- Gemma 3 ----------------------------------------------------------------------------------------
+
+_GEMMA = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "intermediate_size": 64, "head_dim": 16}  # fmt: skip
+# Gemma 3 1B's config.json, as published (transformers 4.50's form), shrunk: classic RoPE keys, the
+# global layers' scaling in rope_scaling, every 6th layer global by sliding_window_pattern.
+_GEMMA_CLASSIC = {**_GEMMA, "num_hidden_layers": 8, "model_type": "gemma3_text", "rope_theta": 1_000_000.0,
+                  "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                  "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+                  "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+                  "attn_logit_softcapping": None}  # fmt: skip
+
+
+def test_gemma3_maps_both_ways_through_transformers_config() -> None:
+    """The test case's Gemma3TextConfig -> ours -> our config.json -> transformers' own class: the
+    same layers slide, the same RoPE per layer type, score scale, head_dim and tying, and back to
+    the same config."""
+    cls, kwargs, _ = CASES["gemma3"]
+    source = cls(**kwargs)
+    cfg = config_from_hf(source)
+    assert (cfg.family, cfg.norm, cfg.activation) == ("gemma3", "rmsnorm_plus1", "geglu_tanh")
+    assert cfg.qk_norm and cfg.sandwich_norm and cfg.scale_embeddings and cfg.tie_embeddings
+    assert cfg.layer_types == source.layer_types == [_SLIDING, _SLIDING, _FULL, _SLIDING]
+    assert (cfg.sliding_window, cfg.head_dim, cfg.attn_scalar) == (8, 32, 24)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (
+        5e5,
+        20_000.0,
+        "linear",
+        8.0,
+    )
+    exported = config_to_hf(cfg)
+    hf = AutoConfig.for_model(**exported)
+    assert type(hf) is cls and exported["architectures"] == ["Gemma3ForCausalLM"]
+    assert hf.layer_types == source.layer_types and hf.sliding_window == source.sliding_window
+    assert hf.rope_parameters == source.rope_parameters
+    assert (hf.head_dim, hf.query_pre_attn_scalar, hf.tie_word_embeddings) == (32, 24, True)
+    assert config_from_hf(hf) == cfg and config_from_hf(exported) == cfg
+
+
+def test_gemma3_published_config_form_and_defaults() -> None:
+    """A published config.json (classic RoPE keys, sliding_window_pattern) reads as transformers
+    reads it, and keys a config.json leaves out take Gemma3TextConfig's defaults."""
+    cfg = config_from_hf(_GEMMA_CLASSIC)
+    assert cfg == config_from_hf(Gemma3TextConfig(**_GEMMA_CLASSIC))
+    assert cfg.layer_types == [_SLIDING] * 5 + [_FULL] + [_SLIDING] * 2
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    bare = config_from_hf({"model_type": "gemma3_text", **_GEMMA, "num_hidden_layers": 6})
+    assert bare == config_from_hf(Gemma3TextConfig(**{**_GEMMA, "num_hidden_layers": 6}))
+    assert (bare.sliding_window, bare.attn_scalar, bare.rope_scaling, bare.norm_eps) == (
+        4096,
+        256,
+        None,
+        1e-6,
+    )
+    assert (bare.rope_theta, bare.local_rope_theta, bare.bos_id, bare.eos_id) == (1e6, 1e4, 2, 1)
+    assert bare.layer_types == [_SLIDING] * 5 + [_FULL] and bare.tie_embeddings
+
+
+GEMMA_REFUSED = {
+    "attention softcapping": ({"attn_logit_softcapping": 50.0}, "$.attn_logit_softcapping"),
+    "final softcapping": ({"final_logit_softcapping": 30.0}, "$.final_logit_softcapping"),
+    "unknown layer type": (
+        {"layer_types": [_SLIDING, _FULL, _SLIDING, "chunked_attention"]}, "$.layer_types"
+    ),
+    "layer type count": ({"layer_types": [_SLIDING, _FULL]}, "$.layer_types: expected 4 entries"),
+    "sliding without a window": ({"sliding_window": None}, "$.sliding_window: null"),
+    "bidirectional": ({"use_bidirectional_attention": True}, "$.use_bidirectional_attention"),
+    "activation": ({"hidden_activation": "gelu"}, "$.hidden_activation"),
+    "local rope scaling": (
+        {"rope_parameters": {_SLIDING: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+        "$.rope_parameters.sliding_attention.rope_type",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("what", list(GEMMA_REFUSED))
+def test_gemma3_configs_the_decoder_cannot_express_are_refused(what: str) -> None:
+    changes, fragment = GEMMA_REFUSED[what]
+    with pytest.raises(UserError) as e:
+        config_from_hf({"model_type": "gemma3_text", **_GEMMA, **changes}, where="config.json")
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "fragment"),
+    [
+        ("gemma3", {"norm": "rmsnorm"}, "Gemma 3"),
+        ("gemma3", {"activation": "swiglu"}, "Gemma 3"),
+        ("gemma3", {"sandwich_norm": False}, "Gemma 3"),
+        ("gemma3", {"scale_embeddings": False}, "Gemma 3"),
+        ("gemma3", {"qk_norm": False}, "Gemma 3"),
+        ("gemma3", {"local_rope_theta": None}, "local_rope_theta"),
+        # Gemma's switches on other families: their config.json has no key for them.
+        ("llama3.2", {"attn_scalar": 24.0}, "Llama config.json cannot express attn_scalar"),
+        (
+            "mistral-window",
+            {"layer_types": [_SLIDING, _FULL]},
+            "Mistral config.json cannot express layer_types",
+        ),
+        ("qwen3", {"sandwich_norm": True, "scale_embeddings": True}, "sandwich_norm, scale_embeddings"),
+        ("qwen2", {"local_rope_theta": 1e4}, "Qwen 2 config.json cannot express local_rope_theta"),
+        ("falcon-40b", {"scale_embeddings": True}, "Falcon config.json cannot express scale_embeddings"),
+        ("llama", {"norm": "rmsnorm_plus1"}, "Llama"),
+        ("qwen3", {"activation": "geglu_tanh"}, "Qwen 3"),
+    ],
+)
+def test_gemma3_export_refuses_what_the_config_cannot_express(
+    case: str, changes: dict, fragment: str
+) -> None:
+    cfg = msgspec.structs.replace(_case(case), **changes)
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        config_to_hf(cfg)

@@ -116,12 +116,17 @@ def _grads_vs_transformers(case: str, tmp_path: Path, fused: bool, compile: bool
     for name, g in ref.items():
         assert g is not None and g.abs().max() > 0, f"{name}: transformers computed no gradient"
         assert got[name].shape == g.shape, (name, got[name].shape, g.shape)
+        # fp32 rounding grows with the gradient's size: absolute 1e-5 up to magnitude 1, relative
+        # beyond. Gemma 3's embedding gradient (through its sqrt(hidden) scale: max 2.3) is 1.2e-5
+        # from transformers', less than transformers' own fp32 gradient is from an fp64 one (1.6e-5).
         err = (got[name] - g).abs().max().item()
-        assert err < 1e-5, f"{case}: {name}: max abs gradient error {err:.3g}"
+        bound = 1e-5 * max(1.0, g.abs().max().item())
+        assert err < bound, f"{case}: {name}: max abs gradient error {err:.3g} (bound {bound:.3g})"
 
 
 GRAD_CASES = ["llama", "llama2-70b-gqa", "llama-bias-tied", "mistral-window", "falcon-7b", "falcon-40b",
-              "falcon-sequential-bias", "qwen2", "qwen2.5-tied", "qwen2-window", "qwen3", "llama3.2"]  # fmt: skip
+              "falcon-sequential-bias", "qwen2", "qwen2.5-tied", "qwen2-window", "qwen3", "llama3.2",
+              "gemma3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", GRAD_CASES)

@@ -1,7 +1,7 @@
 """Packed documents (`positions` restarting at 0 per document): each document's loss and
 gradients equal those of the same document run on its own (fp32, within REL), for every attention
 path that runs on CPU (SDPA with a block-causal mask, a sliding window shorter than the documents,
-selective and full recompute, Qwen 3's per-head q/k norms)."""
+selective and full recompute, Qwen 3's per-head q/k norms, Gemma 3's local and global layers)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ from megacore.models.loss import IGNORE
 BASE = dict(
     family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
     ffn_hidden_size=64, max_seq_len=64,
+)  # fmt: skip
+# Gemma 3: a local layer (window 4, shorter than most documents, its own RoPE base) and a global one,
+# (1 + w) norms (four per block, and on q/k heads), scaled embeddings, tanh GeGLU, its score scale.
+GEMMA3 = dict(
+    family="gemma3", norm="rmsnorm_plus1", activation="geglu_tanh", head_dim=16, qk_norm=True,
+    sandwich_norm=True, scale_embeddings=True, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"], local_rope_theta=100.0, attn_scalar=12.0,
+    tie_embeddings=True,
 )  # fmt: skip
 REL = 1e-5  # fp32: the packed and the separate runs round differently (batched, masked kernels)
 LENGTHS = [(7, 12, 5), (24,), (3, 3, 9, 9)]  # documents per row; every row is 24 tokens
@@ -47,9 +55,11 @@ def packed_rows(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[li
         ({}, "full"),
         ({"family": "mistral", "sliding_window": 4}, "none"),
         *[({"family": "qwen3", "qk_norm": True, "head_dim": 16}, mode) for mode in ("selective", "full")],
+        *[(GEMMA3, mode) for mode in ("selective", "full")],
     ],
-    ids=["llama", "selective", "full", "mistral-window-4", "qwen3-selective", "qwen3-full"],
-)
+    ids=["llama", "selective", "full", "mistral-window-4", "qwen3-selective", "qwen3-full",
+         "gemma3-selective", "gemma3-full"],
+)  # fmt: skip
 def test_packed_documents_match_each_document_alone(overrides: dict, recompute: str) -> None:
     g = torch.Generator().manual_seed(0)
     m = model(**overrides)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megacore.artifacts.manifest import ParallelSpec, TrainingState
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, RopeScaling
 from megacore.models import Decoder
 from megacore.models.loss import IGNORE
 from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
@@ -77,6 +77,17 @@ FAMILIES = {
     # replicated and both ranks' q heads add to k_norm's gradient.
     "qwen3": ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=1,
                          ffn_hidden_size=64, head_dim=16, qk_norm=True),
+    # Gemma 3 (1B style: one kv head, tied): (1 + w) norms, four per block and on q/k heads (plain
+    # ops on DTensors under sp and tp), scaled embeddings, tanh GeGLU, head_dim 16 (not 32 / 4),
+    # query_pre_attn_scalar 12; local layers (window 4 < SEQ, RoPE base 100) and a global one (base
+    # 10000, linear scaling): pp 2's first stage holds only local layers, its second both kinds.
+    "gemma3": ModelConfig(family="gemma3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
+                          num_kv_heads=1, ffn_hidden_size=64, head_dim=16, norm="rmsnorm_plus1", norm_eps=1e-6,
+                          activation="geglu_tanh", qk_norm=True, sandwich_norm=True, scale_embeddings=True,
+                          sliding_window=4, layer_types=["sliding_attention"] * 2 + ["full_attention",
+                                                                                     "sliding_attention"],
+                          local_rope_theta=100.0, rope_scaling=RopeScaling(type="linear", factor=4.0),
+                          attn_scalar=12.0, tie_embeddings=True),
 }  # fmt: skip
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.

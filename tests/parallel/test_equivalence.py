@@ -8,7 +8,8 @@ after three AdamW steps, all in fp32 within 1e-5 relative (norm-wise; bf16 mixed
 3e-2, under FSDP2 with dp and through bf16 compute copies without). Llama (GQA, padded vocab; and 8 heads over 2 kv heads, replicated under tp 4), Falcon 7B style
 (parallel attention, multi-query, tied embeddings), Falcon 40B style (two norms, kv groups, biases)
 and Mistral (sliding window), and tied embeddings under pp (Falcon 40B's architecture tied, Llama 3.2
-style), Qwen 2 (q/k/v biases, tied) and Qwen 3 (per-head q/k norms); tp, pp, dp and their
+style), Qwen 2 (q/k/v biases, tied), Qwen 3 (per-head q/k norms) and Gemma 3 (sandwich (1 + w)
+norms, scaled embeddings, local and global layers, tied); tp, pp, dp and their
 combinations, sequence parallel on and off, all five pipeline schedules (1F1B also with more
 microbatches than stages), FSDP2 and replicate, a checkpoint saved by one layout and resumed under
 another, and packed documents with ignored targets (the loss a mean over the counted targets of the
@@ -113,6 +114,10 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
             {"family": "qwen3", "tp": 2},
             {"family": "qwen3", "tp": 2, "sp": True},
             {"family": "qwen3", "pp": 2, "schedule": "1f1b"},
+            # Gemma 3: (1 + w) and sandwich norms as DTensor ops, local / global layers per stage.
+            {"family": "gemma3", "tp": 2},
+            {"family": "gemma3", "tp": 2, "sp": True},
+            {"family": "gemma3", "pp": 2, "schedule": "1f1b"},
         ],
     )
     # A tied checkpoint holds the embedding once, whatever layout saved it.
@@ -164,6 +169,7 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
             {"family": "qwen2", "tp": 2, "pp": 2, "schedule": "1f1b"},
             {"family": "qwen3", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
             {"family": "qwen3", "tp": 2},  # tp2 x dp2: FSDP2 over the q/k norms' summed gradients
+            {"family": "gemma3", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
         ],
     )
     saved = open_artifact(tp_dp, "checkpoint")

@@ -51,10 +51,16 @@ class RopeScaling(Struct):
             )
 
 
+# A layer's attention: over every earlier token, or through the `sliding_window` most recent ones.
+LayerType = Literal["full_attention", "sliding_attention"]
+# MLPs with a gate (gate, up, down projections): SwiGLU and GeGLU with GELU's tanh approximation.
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")
+
+
 class ModelConfig(Struct):
     """Everything needed to build the decoder; every family is a choice of these switches."""
 
-    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3"]
+    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3"]
     vocab_size: Positive
     hidden_size: Positive
     num_layers: Positive
@@ -63,21 +69,39 @@ class ModelConfig(Struct):
     ffn_hidden_size: Positive
     max_seq_len: Positive = 4096
     padded_vocab_size: Positive | None = None  # None: vocab_size (resolved on construction)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    # rmsnorm_plus1 (Gemma): x / rms(x) · (1 + weight), all in fp32 and rounded once; its weights are
+    # stored as Gemma stores them (0 is the identity scale). It is the q/k norms' kind too (qk_norm).
+    norm: Literal["rmsnorm", "layernorm", "rmsnorm_plus1"] = "rmsnorm"
     norm_eps: PositiveFloat = 1e-5
-    activation: Literal["swiglu", "gelu"] = "swiglu"
+    # swiglu: down(silu(gate) · up); geglu_tanh: down(gelu_tanh(gate) · up) (Gemma's
+    # gelu_pytorch_tanh); gelu: down(gelu(up)) (Falcon).
+    activation: Literal["swiglu", "gelu", "geglu_tanh"] = "swiglu"
     head_dim: Positive | None = None  # None: hidden_size // num_heads (resolved on construction)
     rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
     sliding_window: Positive | None = None
+    # Per layer, full or sliding-window attention (Gemma 3's local / global layers); None: every layer
+    # alike, through `sliding_window` when it is set. `attention_window` reads it.
+    layer_types: list[LayerType] | None = None
+    # The sliding layers' own RoPE base, unscaled (Gemma 3's local RoPE: rope_theta and rope_scaling
+    # then apply to the full-attention layers only); None: every layer rope_theta and rope_scaling.
+    local_rope_theta: PositiveFloat | None = None
+    # Attention scores scaled by attn_scalar ** -0.5 (Gemma's query_pre_attn_scalar); None: head_dim.
+    attn_scalar: PositiveFloat | None = None
     parallel_attn: bool = False
     num_ln_in_parallel_attn: Literal[1, 2] = 1
     attn_bias: bool = False
     attn_out_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False
-    # RMSNorm over each q and k head (head_dim wide, its own weight), before RoPE (Qwen 3).
+    # RMSNorm over each q and k head (head_dim wide, its own weight), before RoPE (Qwen 3, Gemma 3).
     qk_norm: bool = False
+    # A norm on the attention's and the MLP's outputs too, before each joins the residual stream
+    # (Gemma 2/3: four norms per block; `attn_post_norm`, `mlp_post_norm`).
+    sandwich_norm: bool = False
+    # The embedding's output times sqrt(hidden_size), that factor rounded to the activations' dtype
+    # (Gemma).
+    scale_embeddings: bool = False
     tie_embeddings: bool = False
     bos_id: int | None = None
     eos_id: int | None = None
@@ -102,6 +126,15 @@ class ModelConfig(Struct):
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+                )
+            if self.sliding_window is None and "sliding_attention" in self.layer_types:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        if self.sandwich_norm and self.parallel_attn:
+            raise ValueError("sandwich_norm needs sequential blocks (parallel_attn false)")
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -109,6 +142,18 @@ def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
     if multiple < 1:
         raise ValueError(f"the vocab pad multiple must be at least 1, got {multiple}")
     return math.ceil(vocab_size / multiple) * multiple
+
+
+def attention_window(config: ModelConfig, layer: int) -> int | None:
+    """The window layer `layer` attends through (None: full causal attention)."""
+    if config.layer_types is not None and config.layer_types[layer] != "sliding_attention":
+        return None
+    return config.sliding_window
+
+
+def local_rope(config: ModelConfig, layer: int) -> bool:
+    """Layer `layer` rotates by the local RoPE (`local_rope_theta`, unscaled), not the global one."""
+    return config.local_rope_theta is not None and attention_window(config, layer) is not None
 
 
 # Fields that name tokens, not shapes: two configs that differ only there build the same model.
@@ -133,8 +178,10 @@ def model_tensors(
     state-dict order (tested), shared by the parallel layout, the converters, mega-shard and the
     checkpoints: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.{q,k,v,o}_proj.
     {weight,bias}", "layers.<i>.attn.{q,k}_norm.weight" (qk_norm: shape (head_dim,)),
-    "layers.<i>.mlp_norm.weight", "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}", "norm.weight",
-    "lm_head.weight". `layers`, `embed` and `head` select a pipeline stage's part.
+    "layers.<i>.attn_post_norm.weight" (sandwich_norm), "layers.<i>.mlp_norm.weight",
+    "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}", "layers.<i>.mlp_post_norm.weight"
+    (sandwich_norm), "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline
+    stage's part.
     Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
     stage with the head and not the embedding holds one, a copy of "embed.weight" kept equal to it
     by the engine (Megatron's shared embedding), never written to a checkpoint."""
@@ -168,12 +215,16 @@ def model_tensors(
         if config.qk_norm:
             out[f"{at}.attn.q_norm.weight"] = (hd,)
             out[f"{at}.attn.k_norm.weight"] = (hd,)
+        if config.sandwich_norm:
+            norm(f"{at}.attn_post_norm")
         if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
             norm(f"{at}.mlp_norm")
-        if config.activation == "swiglu":
+        if config.activation in GATED_ACTIVATIONS:
             linear(f"{at}.mlp.gate_proj", ffn, hidden, config.mlp_bias)
         linear(f"{at}.mlp.up_proj", ffn, hidden, config.mlp_bias)
         linear(f"{at}.mlp.down_proj", hidden, ffn, config.mlp_bias)
+        if config.sandwich_norm:
+            norm(f"{at}.mlp_post_norm")
     if head:
         norm("norm")
         if not (config.tie_embeddings and embed):

@@ -8,8 +8,9 @@ rather than an S x S mask.
 
 Inputs are [B, S, heads, head_dim] (FlashAttention's native layout); k/v may have fewer heads than q
 (GQA/MQA), the group size is read from the shapes so a tensor-parallel shard works unchanged.
-A sliding window (Mistral) limits each query to the `window` most recent keys, itself included; it
-changes the result only when the sequence is longer than the window, and only then is a mask built.
+A sliding window (Mistral; Gemma 3's local layers) limits each query to the `window` most recent
+keys, itself included; it changes the result only when the sequence is longer than the window, and
+only then is a mask built. Every kernel takes the score scale (`scale`, Gemma's not 1 / sqrt(D)).
 Packed documents (`segments` [B, S], a document id per token) see only their own document: a
 block-causal mask for SDPA, a variable-length kernel (one ragged batch, no mask) on a GPU.
 """
@@ -61,7 +62,9 @@ def _cu_seqlens(segments: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _varlen(q, k, v, segments: torch.Tensor, window_size: tuple[int, int]) -> torch.Tensor:
+def _varlen(
+    q, k, v, segments: torch.Tensor, window_size: tuple[int, int], scale: float | None
+) -> torch.Tensor:
     """FlashAttention over the documents of every row as one ragged batch (no mask, no padding):
     flash-attn's kernel when installed, else PyTorch's."""
     b, s, hq, d = q.shape
@@ -70,7 +73,9 @@ def _varlen(q, k, v, segments: torch.Tensor, window_size: tuple[int, int]) -> to
     if _flash_attn_func() is not None:
         from flash_attn import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, window_size=window_size)
+        out = flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True, window_size=window_size
+        )
     elif _torch_varlen() is None:
         raise RuntimeError(
             "attention 'flash' with packed documents or a sliding window needs flash-attn "
@@ -78,7 +83,7 @@ def _varlen(q, k, v, segments: torch.Tensor, window_size: tuple[int, int]) -> to
         )
     else:
         varlen_attn, takes_gqa = _torch_varlen()
-        extra = {}
+        extra = {} if scale is None else {"scale": scale}
         if k.shape[1] != hq:
             if takes_gqa:
                 extra["enable_gqa"] = True
@@ -88,24 +93,26 @@ def _varlen(q, k, v, segments: torch.Tensor, window_size: tuple[int, int]) -> to
     return out.view(b, s, hq, d)
 
 
-def _flash(q, k, v, window_size: tuple[int, int], segments: torch.Tensor | None) -> torch.Tensor:
+def _flash(
+    q, k, v, window_size: tuple[int, int], segments: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
     """A FlashAttention kernel: flash-attn's when installed, else PyTorch's own (SDPA held to its
     flash backend, which takes no window; the variable-length kernel for windows and documents)."""
     if not _half_on_gpu(q):
         raise RuntimeError(f"attention 'flash' needs fp16 or bf16 on a GPU, got {q.dtype} on {q.device.type}")
     fn = _flash_attn_func()
     if segments is None and fn is not None:
-        return fn(q, k, v, causal=True, window_size=window_size)
+        return fn(q, k, v, softmax_scale=scale, causal=True, window_size=window_size)
     if segments is None and window_size == (-1, -1):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # flash or an error, never another kernel
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
                 enable_gqa=k.shape[2] != q.shape[2],
             )  # fmt: skip
         return out.transpose(1, 2)
     if segments is None:  # a window: every row is one document
         segments = torch.arange(q.shape[0], device=q.device)[:, None].expand(q.shape[:2])
-    return _varlen(q, k, v, segments, window_size)
+    return _varlen(q, k, v, segments, window_size, scale)
 
 
 def document_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -140,25 +147,27 @@ def causal_attention(
     window: int | None = None,
     impl: Impl = "auto",
     segments: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal [+ window] [+ documents]) v for q [B,S,Hq,D], k/v [B,S,Hkv,D];
-    returns [B,S,Hq,D]. `segments` [B, S]: each token's document id (packed documents)."""
+    """softmax(q k^T · scale + causal [+ window] [+ documents]) v for q [B,S,Hq,D], k/v [B,S,Hkv,D];
+    returns [B,S,Hq,D]. `segments` [B, S]: each token's document id (packed documents). `scale`:
+    None for 1 / sqrt(D) (every kernel's default; Gemma's is query_pre_attn_scalar ** -0.5)."""
     seq_len = q.shape[1]
     windowed = window is not None and seq_len > window
     window_size = (window - 1, 0) if windowed else (-1, -1)
     if impl == "flash" or (impl == "auto" and flash_usable(q)):
-        return _flash(q, k, v, window_size, segments)
+        return _flash(q, k, v, window_size, segments, scale)
     if segments is not None and impl == "auto" and _half_on_gpu(q) and _torch_varlen() is not None:
-        return _varlen(q, k, v, segments, window_size)  # no S x S mask, and no slow masked kernel
+        return _varlen(q, k, v, segments, window_size, scale)  # no S x S mask, no slow masked kernel
     # SDPA wants [B, heads, S, D]; transposed views avoid copies (the kernels take strided inputs).
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = qt.shape[1] != kt.shape[1]
     if segments is not None:
         mask = document_mask(segments, window if windowed else None)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     elif windowed:
         mask = _window_mask(seq_len, window, q.device)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megacore.config import ModelConfig
+from megacore.config import GATED_ACTIVATIONS, ModelConfig, attention_window, local_rope
 from megacore.models.attention import Impl, causal_attention
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.rope import apply_rope, rope_tables
@@ -43,6 +43,7 @@ class RMSNorm(nn.RMSNorm):
     composite. It pays in fp32, barely in bf16 (within the machine's noise)."""
 
     fused = True
+    offset = 0.0  # the scale is offset + weight (`PlusOneRMSNorm`: 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps or torch.finfo(x.dtype).eps
@@ -51,27 +52,52 @@ class RMSNorm(nn.RMSNorm):
             return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype) * self.weight
         if not self.fused:
             return super().forward(x)
-        return _RMSNormFn.apply(x, self.weight, eps)
+        return _RMSNormFn.apply(x, self.weight, eps, self.offset)
+
+
+class PlusOneRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (norm "rmsnorm_plus1"): x / rms(x) · (1 + weight), the product taken in fp32
+    and rounded once (transformers' Gemma3RMSNorm; Llama's rounds before the weight). Weights as
+    Gemma stores them: 0 is the identity, and fresh ones are zeros. Its unfused path is plain ops,
+    which DTensors (sequence parallel, per-head norms under tp) and the compiler take as they are."""
+
+    offset = 1.0
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps or torch.finfo(x.dtype).eps
+        if self.fused and not torch.compiler.is_compiling():
+            return _RMSNormFn.apply(x, self.weight, eps, self.offset)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """`RMSNorm`'s fused path (what the benchmark shows it saves: `RMSNorm`'s docstring)."""
+    """`RMSNorm`'s fused path (what the benchmark shows it saves: `RMSNorm`'s docstring); with
+    `offset` 1, `PlusOneRMSNorm`'s (scale 1 + weight, in fp32, rounded once)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         xf = x.float()
         rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        if offset:
+            return (xf * rstd * (offset + weight.float())).to(x.dtype)  # rounding as Gemma3RMSNorm
         return (xf * rstd).to(x.dtype) * weight  # rounding as transformers' LlamaRMSNorm
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, weight, rstd = ctx.saved_tensors
         xhat, g = x.float() * rstd, grad.float()
-        gw = g * weight.float()
+        gw = g * (weight.float() + ctx.offset) if ctx.offset else g * weight.float()
         grad_weight = (g * xhat).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
         dot = (gw * xhat).mean(-1, keepdim=True)
-        return ((gw - xhat * dot) * rstd).to(x.dtype), grad_weight, None
+        return ((gw - xhat * dot) * rstd).to(x.dtype), grad_weight, None, None
 
 
 def project(x: torch.Tensor, *linears: nn.Linear, fused: bool = True) -> tuple[torch.Tensor, ...]:
@@ -86,30 +112,41 @@ def project(x: torch.Tensor, *linears: nn.Linear, fused: bool = True) -> tuple[t
     return out.split([w.shape[0] for w in weights], dim=-1)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+def make_norm(config: ModelConfig, head_dim: int | None = None) -> nn.Module:
+    """The config's norm over the hidden size, or with `head_dim` a per-head q/k norm: an RMSNorm
+    (Qwen 3's), of Gemma's kind (`PlusOneRMSNorm`) with rmsnorm_plus1."""
+    dim = config.hidden_size if head_dim is None else head_dim
+    if config.norm == "rmsnorm_plus1":
+        return PlusOneRMSNorm(dim, eps=config.norm_eps)
+    if config.norm == "rmsnorm" or head_dim is not None:
+        return RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
 
 
 class Attention(nn.Module):
+    """Causal self-attention of layer `layer`: its window (`attention_window`: Gemma 3's local
+    layers slide, its global ones do not), its RoPE tables (`local_rope`: the caller passes them)
+    and the score scale (head_dim ** -0.5, or `attn_scalar` ** -0.5)."""
+
     fused = True  # q/k/v as one matmul
     recompute = False  # recompute the attention core in backward (selective recompute)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         hd, hidden = config.head_dim, config.hidden_size
         self.head_dim = hd
-        self.window = config.sliding_window
+        self.window = attention_window(config, layer)
+        self.local_rope = local_rope(config, layer)
+        self.scale = None if config.attn_scalar is None else config.attn_scalar**-0.5
         self.impl: Impl = "auto"
         self.q_proj = nn.Linear(hidden, config.num_heads * hd, bias=config.attn_bias)
         self.k_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=config.attn_out_bias)
-        # qk_norm (Qwen 3): one RMSNorm weight for every q head and one for every k head; acting
-        # per head, it needs no change when a tensor-parallel shard holds only some heads.
-        self.q_norm = RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
+        # qk_norm (Qwen 3, Gemma 3): one RMSNorm weight for every q head and one for every k head;
+        # acting per head, it needs no change when a tensor-parallel shard holds only some heads.
+        self.q_norm = make_norm(config, hd) if config.qk_norm else None
+        self.k_norm = make_norm(config, hd) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
@@ -118,48 +155,58 @@ class Attention(nn.Module):
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
         qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
-        if self.q_norm is not None:  # before RoPE, as Qwen 3 normalises
+        if self.q_norm is not None:  # before RoPE, as Qwen 3 and Gemma 3 normalise
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        args = (q, k, v, self.window, self.impl, segments, self.scale)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
-            out = checkpoint(causal_attention, q, k, v, self.window, self.impl, segments, use_reentrant=False)
+            out = checkpoint(causal_attention, *args, use_reentrant=False)
         else:
-            out = causal_attention(q, k, v, self.window, self.impl, segments)
+            out = causal_attention(*args)
         return self.o_proj(out.reshape(b, s, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU (gate, up, down) or GELU (up, down, as Falcon)."""
+    """SwiGLU or GeGLU (gate, up, down; `GATED_ACTIVATIONS`) or GELU (up, down, as Falcon)."""
 
     fused = True  # gate/up as one matmul
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, ffn, bias = config.hidden_size, config.ffn_hidden_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if config.activation == "swiglu" else None
+        gated = config.activation in GATED_ACTIVATIONS
+        self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)
+        # GeGLU with GELU's tanh approximation: transformers' gelu_pytorch_tanh (Gemma).
+        self.tanh_gelu = config.activation == "geglu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
             gate, up = project(x, self.gate_proj, self.up_proj, fused=self.fused)
-            return self.down_proj(F.silu(gate) * up)
+            act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+            return self.down_proj(act * up)
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
 class Block(nn.Module):
-    """Pre-norm block; sequential (x + attn, then + mlp) or parallel (x + attn(n1 x) + mlp(n2 x))."""
+    """Pre-norm block; sequential (x + attn, then + mlp) or parallel (x + attn(n1 x) + mlp(n2 x));
+    with `sandwich_norm` (Gemma) the attention's and the MLP's outputs are normed again before
+    each is added."""
 
     recompute = False  # keep only the block's input for backward and run it again there (full)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.parallel = config.parallel_attn
+        # Registered in the naming contract's order (`model_tensors`).
         self.attn_norm = make_norm(config)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer)
+        self.attn_post_norm = make_norm(config) if config.sandwich_norm else None
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
         self.mlp_norm = None if one_norm else make_norm(config)
         self.mlp = MLP(config)
+        self.mlp_post_norm = make_norm(config) if config.sandwich_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
@@ -177,8 +224,13 @@ class Block(nn.Module):
         if self.parallel:
             m = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
             return x + (m + a)
+        if self.attn_post_norm is not None:
+            a = self.attn_post_norm(a)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x))
+        m = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            m = self.mlp_post_norm(m)
+        return x + m
 
 
 class Decoder(nn.Module):
@@ -195,7 +247,7 @@ class Decoder(nn.Module):
         vocab = config.padded_vocab_size
         self.embed = nn.Embedding(vocab, config.hidden_size) if embed else None
         indices = range(config.num_layers) if layers is None else layers
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in indices})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in indices})
         self.norm = make_norm(config) if head else None
         self.lm_head = (
             nn.Linear(config.hidden_size, vocab, bias=False)
@@ -219,10 +271,16 @@ class Decoder(nn.Module):
         its positions from 0, and attends only within itself (HF's packing convention)."""
         if self.embed is not None:
             x = self.embed(x)
-        cos, sin = rope_tables(self.config, x.shape[1], x.device, x.dtype, positions)
+            if self.config.scale_embeddings:
+                x = x * embed_scale(self.config, x.dtype)
+        # The RoPE tables once per forward; Gemma 3's local layers have tables of their own.
+        tables = {
+            local: rope_tables(self.config, x.shape[1], x.device, x.dtype, positions, local=local)
+            for local in {block.attn.local_rope for block in self.layers.values()}
+        }
         segments = None if positions is None else (positions == 0).cumsum(-1)
         for block in self.layers.values():
-            x = block(x, cos, sin, segments)
+            x = block(x, *tables[block.attn.local_rope], segments)
         if self.norm is None:
             if targets is not None:
                 raise RuntimeError("targets given to a stage without the output head")
@@ -259,14 +317,23 @@ class Decoder(nn.Module):
             p.copy_(initial_value(name, tuple(p.shape), self.config, std, seed))
 
 
+def embed_scale(config: ModelConfig, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) as transformers' Gemma scales its embeddings: a float32 tensor cast to the
+    activations' dtype (sqrt(3072) = 55.4256 becomes 55.5 in bf16), returned as the Python float
+    of that value so a multiply rounds as HF's tensor product does (and takes a DTensor)."""
+    return float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype))
+
+
 def initial_value(
     name: str, shape: tuple[int, ...], config: ModelConfig, std: float = 0.02, seed: int = 0
 ) -> torch.Tensor:
     """The fresh fp32 value of parameter `name` (a contract name): normal(0, std) matrices and
-    embeddings, zero biases, unit norm scales, zero padded-vocab rows. Drawn from a generator seeded
-    by `seed` and the name, so every layout (each rank slicing what it holds) gets the same model."""
+    embeddings, zero biases, unit norm scales (weights of 0 for rmsnorm_plus1's 1 + weight), zero
+    padded-vocab rows. Drawn from a generator seeded by `seed` and the name, so every layout (each
+    rank slicing what it holds) gets the same model."""
     if len(shape) == 1:
-        return torch.zeros(shape) if name.endswith(".bias") else torch.ones(shape)
+        zero = name.endswith(".bias") or config.norm == "rmsnorm_plus1"
+        return torch.zeros(shape) if zero else torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     value = torch.empty(shape).normal_(0.0, std, generator=gen)
     if name in ("embed.weight", "lm_head.weight"):

@@ -15,11 +15,14 @@ import torch
 from megacore.config import ModelConfig
 
 
-def inv_freq(config: ModelConfig, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32 for a sequence of `seq_len` positions."""
+def inv_freq(
+    config: ModelConfig, seq_len: int, device: torch.device | str | None = None, local: bool = False
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 for a sequence of `seq_len` positions; `local`:
+    the sliding layers' own RoPE (`local_rope_theta`, unscaled: Gemma 3's local layers)."""
     dim = config.head_dim
-    base = config.rope_theta
-    scaling = config.rope_scaling
+    base = config.local_rope_theta if local else config.rope_theta
+    scaling = None if local else config.rope_scaling
     if scaling is not None and scaling.type == "dynamic":
         # Dynamic NTK: stretch the base only once the sequence outgrows the trained context.
         trained = scaling.original_max_position_embeddings or config.max_seq_len
@@ -57,10 +60,12 @@ def rope_tables(
     device: torch.device | str | None,
     dtype: torch.dtype,
     positions: torch.Tensor | None = None,
+    local: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [seq_len, 1, head_dim] in `dtype`, broadcastable over [B, S, heads, head_dim];
-    with `positions` [B, S] (packed documents, each counted from 0), [B, S, 1, head_dim]."""
-    freqs = inv_freq(config, seq_len, device)
+    with `positions` [B, S] (packed documents, each counted from 0), [B, S, 1, head_dim]. `local`:
+    the sliding layers' tables (`inv_freq`)."""
+    freqs = inv_freq(config, seq_len, device, local)
     pos = torch.arange(seq_len, device=device) if positions is None else positions
     angles = pos.to(torch.float32)[..., None] * freqs  # the outer product, batched
     emb = torch.cat((angles, angles), dim=-1)[..., None, :]

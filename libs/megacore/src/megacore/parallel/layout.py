@@ -29,12 +29,14 @@ ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; the rest replicated,
-# the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads).
+# the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads), and
+# the sandwich norms on the attention's and the MLP's outputs (Gemma: hidden-wide, like the others).
 _COLWISE = {"attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
 _ROWWISE = {"attn.o_proj", "mlp.down_proj"}
 _KV = {"attn.k_proj", "attn.v_proj"}
 _LAYER_REPLICATED = re.compile(
-    r"^(attn_norm|mlp_norm)\.(weight|bias)$|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
+    r"^(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.(weight|bias)$"
+    r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
 )
 
 

@@ -25,12 +25,17 @@ Activations (what autograd saves, op by op; the test measures a step on CPU):
   and k, v (with the fused q/k/v matmul at tp 1, v is a view of the whole projection output, which
   stays alive: T·(q+2kv)·c), the attention output and the o_proj input (a copy of it), the
   log-sum-exp (fp32), the MLP's gate, up, silu and product (4·T·f/tp·c; GELU: 2), and at tp 1 the
-  concatenated q/k/v and gate/up weights the fused matmuls save; per-head q/k norms (qk_norm) their
-  fp32 statistics, and at tp > 1 their inputs. A sliding window shorter than the sequence adds the
-  S x S mask SDPA saves (not with flash-attn). selective: without the attention kernel's output and
-  log-sum-exp (its kernels keep no S x S matrix to drop). full: the block's input only, plus one
-  layer's recompute at the peak of the backward.
-- per stage: token ids (first), the final norm and the loss (last: the fused loss saves the
+  concatenated q/k/v and gate/up weights the fused matmuls save (GeGLU as SwiGLU); per-head q/k
+  norms (qk_norm) their fp32 statistics, and at tp > 1 their inputs; sandwich norms (Gemma) the
+  attention's and the MLP's outputs they normalise, and their statistics. Gemma's (1 + w) RMSNorm
+  saves what the fused RMSNorm does; where it runs as plain ops (on a sequence shard, a q/k norm
+  at tp > 1) its fp32 input and fp32 normalised input. A sliding window shorter than the sequence
+  adds the S x S mask SDPA saves (not with flash-attn), on the layers that slide
+  (`attention_window`). selective: without the attention kernel's output and log-sum-exp (its
+  kernels keep no S x S matrix to drop). full: the block's input only, plus one layer's recompute at
+  the peak of the backward.
+- per stage: token ids (first), the RoPE tables (twice with Gemma 3's local ones), the final norm
+  and the loss (last: the fused loss saves the
   hidden-state and weight gradients; vocab-parallel logits keep their fp32 log-softmax, and a
   pipeline's last stage keeps its logits too), a pipeline stage's output (kept until its backward).
 - in flight (`in_flight`): microbatch-chunks a pipeline rank holds at its peak, from the schedules'
@@ -78,7 +83,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from megacore.config import LOSS_CHUNK_ELEMENTS, ModelConfig, flops_per_token, model_tensors
+from megacore.config import (
+    GATED_ACTIVATIONS,
+    LOSS_CHUNK_ELEMENTS,
+    ModelConfig,
+    attention_window,
+    flops_per_token,
+    local_rope,
+    model_tensors,
+)
 from megacore.errors import UserError
 from megacore.parallel.layout import (
     RECOMPUTE,
@@ -181,6 +194,22 @@ def _seq_shard(par: Parallelism) -> int:
     return par.spec.tp if par.spec.sequence_parallel and par.spec.tp > 1 else 1
 
 
+def _norm_stat(config: ModelConfig) -> int:
+    """Bytes per token of a norm's fp32 statistics: RMSNorm's rstd; LayerNorm's mean and rstd."""
+    return 8 if config.norm == "layernorm" else 4
+
+
+def _plain_norm_extra(config: ModelConfig, saved: int, c: int) -> int:
+    """Bytes a norm running as plain ops (on a sequence shard) saves beyond its input of `saved`
+    bytes: nn.RMSNorm its normalised input (measured); Gemma's (1 + w) RMSNorm its fp32 normalised
+    input and, in a 2-byte dtype, an fp32 copy of the input in the input's place."""
+    if config.norm == "rmsnorm":
+        return saved
+    if config.norm == "rmsnorm_plus1":
+        return saved * 4 // c + saved * (4 - c) // c
+    return 0
+
+
 def layer_activations(
     config: ModelConfig,
     par: Parallelism,
@@ -188,8 +217,9 @@ def layer_activations(
     seq: int,
     recompute: str | None = None,
     attention: str = "sdpa",
+    layer: int = 0,
 ) -> int:
-    """Bytes one transformer layer saves for backward for one microbatch (module docstring)."""
+    """Bytes transformer layer `layer` saves for backward for one microbatch (module docstring)."""
     mode = par.recompute if recompute is None else recompute
     tp, c = par.spec.tp, COMPUTE_BYTES[par.precision]
     tokens, sp = micro * seq, _seq_shard(par)
@@ -202,30 +232,37 @@ def layer_activations(
     if tp == 1:  # fused q/k/v: v is a view of the projection output, which stays alive whole
         kv = config.num_kv_heads * hd
         qkv = tokens * (2 * q + 3 * kv) * c
-        weights = (q + 2 * kv) * h * c + (2 * f * h * c if config.activation == "swiglu" else 0)
+        weights = (q + 2 * kv) * h * c + (2 * f * h * c if config.activation in GATED_ACTIVATIONS else 0)
     else:  # kv heads replicated: this rank's head is a view of the whole v projection output
         kv = hd * (1 if kv_replicated(config, tp) else config.num_kv_heads // tp)
         v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
         qkv = tokens * (q + kv + v) * c
         weights = 0
-    stat = 4 if config.norm == "rmsnorm" else 8  # fp32 rstd; LayerNorm: mean and rstd
+    stat = _norm_stat(config)
     norm_in = 1 if config.parallel_attn else 2  # a parallel block's norms share their input
+    if config.sandwich_norm:  # the attention's and the MLP's outputs, normed before the residual add
+        norm_in += 2
     # Norm outputs the projections read; with sequence parallel each of attention and MLP gathers its own.
     norm_out = 1 if config.parallel_attn and config.num_ln_in_parallel_attn == 1 and sp == 1 else 2
     norms = norm_in * (residual + math.ceil(tokens / sp) * stat) + norm_out * tokens * h * c
     if sp > 1:  # measured: nn.RMSNorm on a sequence shard saves its normalised input too, and a
         # block one more shard besides
-        norms += ((norm_in if config.norm == "rmsnorm" else 0) + 1) * residual
+        norms += norm_in * _plain_norm_extra(config, residual, c) + residual
     if config.qk_norm:  # per-head q/k norms: their fp32 rstd per head, and at tp > 1 their inputs
         # (the unfused projections' outputs, otherwise freed by RoPE; at tp 1 views of the kept q/k/v)
         total_heads = heads + kv // hd
-        norms += tokens * total_heads * 4 + (tokens * (q + kv) * c if tp > 1 else 0)
+        norms += tokens * total_heads * 4
+        if tp > 1:
+            head_in = tokens * (q + kv) * c
+            norms += head_in + (
+                _plain_norm_extra(config, head_in, c) if config.norm == "rmsnorm_plus1" else 0
+            )
     o_proj_in = tokens * q * c
     kernel = tokens * q * c + micro * heads * seq * 4  # the kernel's output and log-sum-exp
-    window = config.sliding_window
+    window = attention_window(config, layer)
     if window is not None and seq > window and attention != "flash":
         kernel += seq * seq * c  # SDPA's additive mask
-    mlp = (4 if config.activation == "swiglu" else 2) * tokens * f * c
+    mlp = (4 if config.activation in GATED_ACTIVATIONS else 2) * tokens * f * c
     total = norms + qkv + o_proj_in + mlp + weights
     return total if mode == "selective" else total + kernel
 
@@ -244,17 +281,20 @@ def stage_activations(
     c, tp, tokens = COMPUTE_BYTES[par.precision], par.spec.tp, micro * seq
     h = config.hidden_size
     residual = math.ceil(tokens / _seq_shard(par)) * h * c
-    total = len(layers[stage]) * layer_activations(config, par, micro, seq, attention=attention)
-    total += 2 * seq * config.head_dim * c  # the RoPE tables
+    total = sum(
+        layer_activations(config, par, micro, seq, attention=attention, layer=i) for i in layers[stage]
+    )
+    tables = len({local_rope(config, i) for i in layers[stage]}) or 1  # Gemma 3: local and global
+    total += tables * 2 * seq * config.head_dim * c  # the RoPE tables
     if first:
         total += tokens * 8  # token ids, for the embedding's backward
     else:
         total -= residual  # the first block's input is a receive buffer (`rank_buffers`)
     if last:
-        stat = 4 if config.norm == "rmsnorm" else 8
+        stat = _norm_stat(config)
         total += residual + math.ceil(tokens / _seq_shard(par)) * stat  # the final norm's input
-        if _seq_shard(par) > 1 and config.norm == "rmsnorm":
-            total += residual  # and its normalised input (nn.RMSNorm on a sequence shard)
+        if _seq_shard(par) > 1:  # and what it saves besides on a sequence shard (plain ops)
+            total += _plain_norm_extra(config, residual, c)
         vocab = config.padded_vocab_size
         if fused_loss(par):
             total += tokens * h * c + vocab * h * c  # the gradients the fused loss computed in forward
@@ -293,8 +333,10 @@ def rank_activations(
     stages = par.rank_stages(pp_rank)
     per_chunk = sum(stage_activations(config, par, s, micro, seq, attention) for s in stages) / len(stages)
     total = round(in_flight(par, pp_rank) * per_chunk)
-    if par.recompute == "full":
-        total += layer_activations(config, par, micro, seq, "none", attention)
+    if par.recompute == "full":  # the largest layer (a sliding one may add its mask)
+        total += max(
+            layer_activations(config, par, micro, seq, "none", attention, i) for i in range(config.num_layers)
+        )
     return total
 
 

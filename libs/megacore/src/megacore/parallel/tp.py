@@ -5,7 +5,9 @@ placement table): split on dim 0 is colwise (q/k/v/gate/up, the lm_head), on dim
 (o/down), the embedding split on its vocab rows is a vocab-parallel embedding, and the loss is a
 vocab-parallel cross entropy (`loss_parallel`). With sequence parallel
 the residual stream is a DTensor sharded on the sequence dim between blocks, norms run on their
-sequence shard (SequenceParallel) and each attention / MLP input is all-gathered once.
+sequence shard (SequenceParallel) and each attention / MLP input is all-gathered once. Every norm
+takes these styles, Gemma's sandwich norms on the attention / MLP outputs and its (1 + w) RMSNorm
+(plain ops, which DTensors take as they are) included.
 
 Fewer kv heads than tp (multi-query Falcon 7B, or GQA with tp a multiple of the kv heads): k/v are
 replicated, each rank keeps the kv head its query heads use, and the k/v output gradients are summed

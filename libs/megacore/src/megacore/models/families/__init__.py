@@ -6,7 +6,7 @@ from types import ModuleType
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families import falcon, llama, mistral, qwen2, qwen3
+from megacore.models.families import falcon, gemma3, llama, mistral, qwen2, qwen3
 from megacore.models.families.common import TensorMap
 
 FAMILIES: dict[str, ModuleType] = {
@@ -15,6 +15,7 @@ FAMILIES: dict[str, ModuleType] = {
     "falcon": falcon,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "gemma3": gemma3,
 }
 
 

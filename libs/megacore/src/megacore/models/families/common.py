@@ -94,15 +94,16 @@ class HFConfig:
             raise UserError(f"$.{key}: expected a string, got {value!r}", self.where)
         return value
 
-    def rope(self) -> tuple[float, RopeScaling | None]:
+    def rope(self, key: str = "rope_parameters") -> tuple[float, RopeScaling | None]:
         """(rope_theta, scaling) from transformers 5's `rope_parameters` or the classic top-level
-        `rope_theta` + `rope_scaling` that published checkpoints carry."""
-        params = self.data.get("rope_parameters")
+        `rope_theta` + `rope_scaling` that published checkpoints carry. `key`: where the
+        rope_parameters object is (Gemma 3 keeps one per layer type: "rope_parameters.full_attention")."""
+        params = self.data.get(key)
         if params is not None and not isinstance(params, dict):
-            raise UserError(f"$.rope_parameters: expected an object, got {params!r}", self.where)
+            raise UserError(f"$.{key}: expected an object, got {params!r}", self.where)
         if params:
             theta = params.get("rope_theta", self.data.get("rope_theta", 10000.0))
-            scaling, at = params, "rope_parameters"
+            scaling, at = params, key
         else:
             theta = self.data.get("rope_theta", 10000.0)
             scaling, at = self.data.get("rope_scaling"), "rope_scaling"
@@ -147,6 +148,25 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
                 original_max_position_embeddings=s.original_max_position_embeddings,
             )
     return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
+
+
+def refuse_gemma_switches(config: ModelConfig, name: str) -> None:
+    """UserError when the config sets a switch only Gemma 3's config.json expresses (per-layer
+    attention types, a local RoPE base, a score scale of its own, sandwich norms, scaled embeddings);
+    Gemma's norm and activation kinds are refused by each family's own norm / activation check."""
+    used = [
+        field
+        for field, on in (
+            ("layer_types", config.layer_types is not None),
+            ("local_rope_theta", config.local_rope_theta is not None),
+            ("attn_scalar", config.attn_scalar is not None),
+            ("sandwich_norm", config.sandwich_norm),
+            ("scale_embeddings", config.scale_embeddings),
+        )
+        if on
+    ]
+    if used:
+        raise UserError(f"a {name} config.json cannot express {', '.join(used)}", "config")
 
 
 def build_config(where: str, **fields: Any) -> ModelConfig:

@@ -19,7 +19,15 @@ import torch
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import HFConfig, TensorMap, build_config, linear, rename, rope_to_hf
+from megacore.models.families.common import (
+    HFConfig,
+    TensorMap,
+    build_config,
+    linear,
+    refuse_gemma_switches,
+    rename,
+    rope_to_hf,
+)
 
 MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 ARCHITECTURE = "FalconForCausalLM"
@@ -88,6 +96,7 @@ def _new_arch(config: ModelConfig) -> bool:
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if config.norm != "layernorm" or not config.norm_bias or config.activation != "gelu" or config.qk_norm:
         raise UserError("Falcon needs layernorm with bias and a gelu MLP, and has no q/k norms", "config")
+    refuse_gemma_switches(config, "Falcon")
     if not config.attn_bias == config.attn_out_bias == config.mlp_bias:
         raise UserError("Falcon has one `bias` switch; this config's bias switches differ", "config")
     if config.sliding_window is not None or config.head_dim * config.num_heads != config.hidden_size:

@@ -12,7 +12,15 @@ from typing import Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import HFConfig, TensorMap, build_config, linear, rename, rope_to_hf
+from megacore.models.families.common import (
+    HFConfig,
+    TensorMap,
+    build_config,
+    linear,
+    refuse_gemma_switches,
+    rename,
+    rope_to_hf,
+)
 
 MODEL_TYPES = ("llama",)
 ARCHITECTURE = "LlamaForCausalLM"
@@ -59,6 +67,7 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if config.attn_bias != config.attn_out_bias or config.norm != "rmsnorm" or config.activation != "swiglu":
         raise UserError("this config has switches a Llama config.json cannot express", "config")
+    refuse_gemma_switches(config, "Mistral" if config.family == "mistral" else "Llama")
     if (
         config.parallel_attn
         or config.qk_norm

@@ -19,7 +19,13 @@ from typing import Any
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import llama
-from megacore.models.families.common import HFConfig, TensorMap, build_config, rope_to_hf
+from megacore.models.families.common import (
+    HFConfig,
+    TensorMap,
+    build_config,
+    refuse_gemma_switches,
+    rope_to_hf,
+)
 
 MODEL_TYPES = ("qwen2",)
 ARCHITECTURE = "Qwen2ForCausalLM"
@@ -101,6 +107,7 @@ def common_hf(config: ModelConfig, name: str) -> dict[str, Any]:
     """The config.json keys Qwen 2 and Qwen 3 share; UserError for what neither can express."""
     if config.norm != "rmsnorm" or config.activation != "swiglu" or config.parallel_attn or config.mlp_bias:
         raise UserError(f"this config has switches a {name} config.json cannot express", "config")
+    refuse_gemma_switches(config, name)
     window = config.sliding_window
     return {
         "vocab_size": config.vocab_size,
