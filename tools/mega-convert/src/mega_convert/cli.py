@@ -13,7 +13,8 @@ from megacore.cli import add_group_options, main_for, make_app
 from megacore.progress import plural
 
 app = make_app(
-    "Hugging Face Llama / Code Llama / Mistral / Falcon weights to a checkpoint artifact, with a "
+    "Hugging Face Llama / Code Llama / Mistral / Falcon / Qwen 2, 2.5, 3 / Gemma 3 weights to a "
+    "checkpoint artifact, with a "
     "logits-parity check.\n\n"
     "Example:\n\n"
     "  mega-convert hf ./Llama-2-7b-hf ckpt/llama2-7b --dtype bfloat16\n\n"
