@@ -8,7 +8,8 @@ tokenizer with its own chat template), mega-train, mega-export, and `AutoTokeniz
 directory gives the tokens artifact's ids for every conversation (`apply_chat_template`) and
 sentencepiece's for text (text that spells out a special token, "<s>", aside: transformers
 matches it as the token), with the markers at their ids and every end-of-turn id in
-generation_config.json.
+generation_config.json. The real families' tokenizers (Qwen 2.5 and 3, Llama 3.2, Gemma 3), rebuilt
+small, go through the same chain in tests/tokenize/test_family_tokenizers.py.
 """
 
 from __future__ import annotations
@@ -138,11 +139,15 @@ def test_exported_tokenizer_encodes_as_the_training_data(
 
     tok = AutoTokenizer.from_pretrained(out)
     info = manifest.tokenizer
-    # Every conversation: the artifact's ids (its EOS appended after each) are the template's
-    # rendering. With ChatML they are the very ids `apply_chat_template` gives. A tokenizer's own
-    # template renders the same text, but mega-tokenize encodes each message's content apart from
-    # the template's text around it (so a user typing a marker gets text), and a byte-level BPE
-    # merges across those edges when it encodes the whole rendering: the decoded text is compared.
+    # Every conversation: the artifact's ids are the template's rendering. With ChatML they are the
+    # very ids `apply_chat_template` gives, then the EOS mega-tokenize appends (ChatML ends a turn
+    # with <|im_end|>, not a stop token of this tokenizer's). This tokenizer's own template ends
+    # the conversation with its EOS itself, and nothing is appended after it. It renders the same
+    # text, but mega-tokenize encodes each message's content apart from the template's text around
+    # it (so a user typing a marker gets text), and this byte-level BPE (no regex split of its
+    # own) merges across those edges when it encodes the whole rendering: the decoded text is
+    # compared. (The real families' regex splits do not merge there: tests/tokenize/
+    # test_family_tokenizers.py compares their ids.)
     docs = documents(tokens)
     assert len(docs) == len(convs)
     for conv, doc in zip(convs, docs, strict=True):
@@ -150,7 +155,7 @@ def test_exported_tokenizer_encodes_as_the_training_data(
         if kind == "sentencepiece":
             assert tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False) == doc[:-1]
         else:
-            assert tok.decode(doc[:-1]) == tok.apply_chat_template(conv["messages"], tokenize=False)
+            assert tok.decode(doc) == tok.apply_chat_template(conv["messages"], tokenize=False)
     # Text: the tokenizer's own ids, and nothing added (the data had no BOS).
     if kind == "sentencepiece":
         import sentencepiece as spm

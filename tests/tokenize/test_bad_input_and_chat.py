@@ -259,9 +259,10 @@ def test_tokenizer_chat_template(tmp_path: Path, hf_dir: Path, capsys):
         msgs = [{"role": r, "content": c} for r, c in _as_messages(conv)]
         rendered = hf.apply_chat_template(msgs, tokenize=False)
         got = ids[i].tolist()
-        # The template's text, its special tokens and the contents, in order; then our EOS.
-        assert got[-1] == eos
-        assert ref.decode(got[:-1], skip_special_tokens=False) == rendered
+        # The template's text, its special tokens and the contents, in order. The template ends
+        # the conversation with EOS itself: no other is appended.
+        assert got[-1] == eos and got[-2] != eos
+        assert ref.decode(got, skip_special_tokens=False) == rendered
         asst = [c for r, c in _as_messages(conv) if r == "assistant"]
         got_asst = ids[i][roles[i] == ROLE_CODES["assistant"]].tolist()
         assert ref.decode(got_asst, skip_special_tokens=False) == "".join(a + "<|endoftext|>" for a in asst)

@@ -7,11 +7,17 @@ A conversation is rendered to *segments*: text to encode, or a token id (a templ
 `<|im_start|>`). Message contents are always encoded as raw text, so a user writing "<|im_end|>"
 or "<s>" gets text tokens, never the marker. Every piece carries a role code; the role sidecar
 holds one code per token so training can put the loss on assistant tokens only.
+
+ChatML (`render_chatml`) or the tokenizer's own jinja template (`TemplateRenderer`: the text
+transformers' `apply_chat_template` renders, split into the template's text and markers and each
+content as the template prints it); `with_ends` then adds BOS and EOS where the rendering has none.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from megacore.tokenizer_files import CHATML_END, CHATML_START  # noqa: F401 (this tool's chat vocabulary)
@@ -97,62 +103,183 @@ _SENTINEL = "\ue000MEGA{}\ue001"
 _SENTINEL_RE = re.compile("\ue000MEGA(\\d+)\ue001")
 
 
-class TemplateRenderer:
-    """The tokenizer's own chat template (jinja), rendered the way transformers does, with every
-    message content replaced by a sentinel so contents are encoded as raw text and the template's
-    own special-token strings become their ids."""
+def _environment():
+    """A jinja environment that renders chat templates as transformers' `apply_chat_template` does:
+    the same options, extensions (`{% generation %}` renders its body), `tojson` (no HTML escaping)
+    and `raise_exception`. `strftime_now` is left out on purpose: a rendering never reads the clock,
+    so the same input gives the same ids on every run (a template that reads the date when it can,
+    as Llama 3.x's does, falls back to its own fixed date: pass that as `date_string` to
+    `apply_chat_template` to match)."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def __init__(self, template: str, specials: dict[str, int], bos: str | None, eos: str | None) -> None:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    class Generation(Extension):  # `{% generation %}` (transformers' assistant masks): its body
+        tags = frozenset({"generation"})
 
-        def raise_exception(msg: str) -> None:
-            raise ChatError(f"chat template: {msg}")
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(msg: str) -> None:
+        raise ChatError(f"chat template: {msg}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
-        env.globals["raise_exception"] = raise_exception
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def _as_rendered(content: str):
+    """What a template may print for a message's content: the content, the content with its
+    whitespace trimmed as templates do (`| trim`, Qwen3's `.lstrip('\\n')`, ...), or as JSON (Llama
+    3's tool results: `| tojson`)."""
+    seen = set()
+    for shown in (
+        content,
+        content.strip(),
+        content.lstrip(),
+        content.rstrip(),
+        content.strip("\n"),
+        content.lstrip("\n"),
+        content.rstrip("\n"),
+        json.dumps(content, ensure_ascii=False),
+    ):
+        if shown not in seen:
+            seen.add(shown)
+            yield shown
+
+
+class TemplateRenderer:
+    """The tokenizer's own chat template (jinja), rendered the way transformers does, as segments:
+    the template's text and its special-token strings (as their ids) around each message's content,
+    which is encoded as raw text, so a user typing a marker gets text.
+
+    A conversation is rendered twice: with a sentinel for every content, which shows where each
+    one goes and what text the template puts around them, and with the contents themselves, the
+    text transformers renders. Each content is then found in that text as printed (templates trim
+    some: Llama 3 and Gemma 3 `| trim` them); a template whose text depends on a content in another
+    way (Qwen3 drops the reasoning before a `</think>` from earlier assistant turns) is a ChatError
+    for that conversation, never ids other than transformers'."""
+
+    def __init__(
+        self, template: str, specials: dict[str, int], bos: str | None, eos: str | None, **names: str | None
+    ) -> None:
+        import jinja2
+
         try:
-            self.template = env.from_string(template)
+            self.template = _environment().from_string(template)
         except jinja2.TemplateError as e:
             raise ValueError(f"the tokenizer's chat template does not compile ({e})") from None
         self.specials = specials
-        self.bos, self.eos = bos or "", eos or ""
-        names = sorted(specials, key=len, reverse=True)
-        self.split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        # The tokenizer's named special tokens, as transformers passes them (unset ones: undefined).
+        self.names = {k: v for k, v in {"bos_token": bos, "eos_token": eos, **names}.items() if v}
+        ordered = sorted(specials, key=len, reverse=True)
+        self.split = re.compile("(" + "|".join(map(re.escape, ordered)) + ")") if ordered else None
 
-    def render(self, msgs: list[tuple[str, str]]) -> list[Segment]:
-        for _, c in msgs:
-            if "\ue000" in c:
-                raise ChatError("content contains U+E000, which this tool reserves")
-        fake = [{"role": r, "content": _SENTINEL.format(i)} for i, (r, _) in enumerate(msgs)]
+    def _render(self, messages: list[dict]) -> str:
         try:
-            text = self.template.render(
-                messages=fake, add_generation_prompt=False, bos_token=self.bos, eos_token=self.eos
+            return self.template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=False, **self.names
             )
         except ChatError:
             raise
         except Exception as e:
             raise ChatError(f"chat template failed: {e}") from None
+
+    def render(self, msgs: list[tuple[str, str]]) -> list[Segment]:
+        for _, c in msgs:
+            if "\ue000" in c:
+                raise ChatError("content contains U+E000, which this tool reserves")
+        fake = self._render([{"role": r, "content": _SENTINEL.format(i)} for i, (r, _) in enumerate(msgs)])
+        real = self._render([{"role": r, "content": c} for r, c in msgs])
+        parts = _SENTINEL_RE.split(fake)
+        texts, order = parts[0::2], [int(i) for i in parts[1::2]]
+        shown = self._contents(real, texts, [(i, msgs[i][1]) for i in order])
         segments: list[Segment] = []
         last_content_role = None
-        for i, part in enumerate(_SENTINEL_RE.split(text)):
-            if i % 2 == 1:  # a message's content
-                role, content = msgs[int(part)]
-                segments.append(Segment(content, None, ROLE_CODES[role]))
-                last_content_role = ROLE_CODES[role]
-                continue
-            for j, sub in enumerate(self.split.split(part) if self.split else [part]):
-                if not sub:
-                    continue
-                if j % 2 == 1:
-                    # The end marker right after a message belongs to it (the model learns to stop).
-                    role = last_content_role if last_content_role is not None else 0
-                    segments.append(Segment(None, self.specials[sub], role))
-                    last_content_role = None
-                else:
-                    segments.append(Segment(sub, None, 0))
-                    if sub.strip():
-                        last_content_role = None
+        for k, text in enumerate(texts):
+            last_content_role = self._template_text(text, segments, last_content_role)
+            if k < len(order):
+                last_content_role = ROLE_CODES[msgs[order[k]][0]]
+                if shown[k]:
+                    segments.append(Segment(shown[k], None, last_content_role))
         return segments
+
+    @staticmethod
+    def _contents(real: str, texts: list[str], contents: list[tuple[int, str]]) -> list[str]:
+        """Each content (message index, content) as the template printed it, so that the
+        template's texts and the contents in turn are exactly `real`; a ChatError when they cannot be."""
+        if not real.startswith(texts[0]):
+            raise ChatError("the chat template's text depends on the message contents; cannot split it")
+        pos, shown = len(texts[0]), []
+        for k, (i, content) in enumerate(contents):
+            after, last = texts[k + 1], k == len(contents) - 1
+            for candidate in _as_rendered(content):
+                end = pos + len(candidate)
+                fits = real.startswith(candidate, pos) and real.startswith(after, end)
+                if fits and (not last or end + len(after) == len(real)):
+                    break
+            else:
+                raise ChatError(
+                    f"messages[{i}]: the chat template prints this content changed in a way this tool "
+                    "cannot follow (not the content, trimmed or as JSON)"
+                )
+            shown.append(candidate)
+            pos = end + len(after)
+        if not contents and real != texts[0]:
+            raise ChatError("the chat template's text depends on the message contents; cannot split it")
+        return shown
+
+    def _template_text(self, text: str, segments: list[Segment], last_content_role: int | None) -> int | None:
+        """The template's own text as segments: its special tokens as ids, the rest as text (role 0).
+        The end marker right after a message belongs to it (the model learns to stop)."""
+        for j, sub in enumerate(self.split.split(text) if self.split else [text]):
+            if not sub:
+                continue
+            if j % 2 == 1:
+                role = last_content_role if last_content_role is not None else 0
+                segments.append(Segment(None, self.specials[sub], role))
+                last_content_role = None
+            else:
+                segments.append(Segment(sub, None, 0))
+                if sub.strip():
+                    last_content_role = None
+        return last_content_role
+
+
+def with_ends(
+    render: Callable[[list[tuple[str, str]]], list[Segment]],
+    bos: int | None,
+    eos: int | None,
+    stop_ids: Iterable[int] = (),
+) -> Callable[[list[tuple[str, str]]], list[Segment]]:
+    """`render` with BOS before and EOS after every conversation (`--prepend-bos`, `--append-eos`),
+    where the rendering has none already: no second BOS after a template's own, and no EOS after a
+    conversation that ends with one of the tokenizer's stop tokens (its EOS, or an id its
+    generation_config.json stops at: `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), whitespace after
+    it aside. Those templates end every turn with the token generation stops at; an EOS after it
+    would teach the model a token it never gets to emit."""
+    stops = {i for i in (eos, *stop_ids) if i is not None}
+
+    def ended(msgs: list[tuple[str, str]]) -> list[Segment]:
+        segments = render(msgs)
+        marks = [s for s in segments if s.text is None or s.text.strip()]
+        if bos is not None and not (marks and marks[0].token == bos and segments[0] is marks[0]):
+            segments.insert(0, Segment(None, bos, 0))
+        if eos is not None and not (marks and marks[-1].token in stops):
+            segments.append(Segment(None, eos, 0))
+        return segments
+
+    return ended

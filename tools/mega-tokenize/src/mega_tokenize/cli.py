@@ -16,7 +16,7 @@ from megacore.progress import plural
 if TYPE_CHECKING:
     from mega_tokenize.pipeline import Result  # imported when run, so --help stays instant
 
-app = make_app("Text corpora (jsonl, .zst, .gz) to Megatron-compatible token shards.")
+app = make_app("Text corpora (jsonl, .zst, .gz, Parquet) to Megatron-compatible token shards.")
 
 
 def _split(values: list[str]) -> list[str]:
@@ -29,20 +29,28 @@ def _split(values: list[str]) -> list[str]:
         "Examples:\n\n"
         "  mega-tokenize 'pile/*.jsonl.zst' out/pile-tokens --tokenizer tokenizer.model --workers 8\n\n"
         "  mega-tokenize chats.jsonl out/sft --tokenizer llama3/ --format chat --chat-template tokenizer\n\n"
+        "  mega-tokenize my-dataset/ out/ds --tokenizer tokenizer.model --json-key content\n\n"
         "  mega-tokenize chats.jsonl out/sft --tokenizer tokenizer.model --format chat "
         "--add-special-tokens '<|im_start|>,<|im_end|>'"
     )
 )
 def run(
     inputs: list[str] = typer.Argument(
-        ..., metavar="INPUTS", help="Input .jsonl / .jsonl.zst / .jsonl.gz files, globs or directories."
+        ...,
+        metavar="INPUTS",
+        help="Input .jsonl / .jsonl.zst / .jsonl.gz / .parquet files, globs or directories.",
     ),
     out: Path = typer.Argument(..., metavar="OUT", help="Output tokens artifact directory."),
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", "-t", help="SentencePiece .model, tokenizer.json, or a tokenizer directory."
     ),
     json_key: list[str] = typer.Option(
-        ["text"], "--json-key", "-k", help="Key of the text in each line; repeat for one output per key."
+        [],
+        "--json-key",
+        "-k",
+        help="Key (Parquet: column) of the text in each line, or of the messages with --format chat; "
+        "repeat for one output per key.",
+        show_default="text; chat: messages",
     ),
     format: Literal["text", "chat"] = typer.Option(
         "text", "--format", help="text (pretraining) or chat (conversations)."

@@ -1,8 +1,18 @@
-"""Input files: globs and directories expanded, `.jsonl`, `.jsonl.zst` and `.jsonl.gz` streamed.
+"""Input files: globs and directories expanded, `.jsonl`, `.jsonl.zst`, `.jsonl.gz` and `.parquet`
+streamed.
 
 Decompression streams in bounded chunks (a 50 GB input never has to fit in memory). Lines come out
 in batches with the 1-based line number of the first one, so every error can say `file:line`.
 A truncated `.zst`/`.gz` is detected at its end and reported at the last line read.
+
+Parquet files (a Hub dataset's `data/train-00000-of-00002.parquet`) are read with pyarrow, one row
+group at a time in record batches of about a megabyte, only the columns read: memory is at most
+about one row group of those columns (a dictionary-encoded column chunk's dictionary is decoded
+whole) plus the batches handed on, whatever the file's size. Their schemas are checked before
+anything is read (`check_parquet`): a file that is not Parquet, a missing column or one of the
+wrong type is one line naming the file. Rows come out as `RowBatch`es of Python values (the same
+`str` the jsonl path decodes), so the same parsers, encoders and writers follow, and the shards are
+the ones the same rows as jsonl give.
 """
 
 from __future__ import annotations
@@ -16,8 +26,13 @@ from pathlib import Path
 
 from megacore.errors import UserError
 
-SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz", ".json.zst", ".json.gz", ".zst", ".gz", ".json")
+SUFFIXES = (
+    ".jsonl", ".jsonl.zst", ".jsonl.gz", ".parquet", ".json.zst", ".json.gz", ".zst", ".gz", ".json",
+)  # fmt: skip
 _READ = 1 << 22  # 4 MiB of compressed or plain bytes per read
+PARQUET_MAGIC = b"PAR1"
+_PARQUET_READ = 1 << 20  # about this many bytes of the columns read per record batch
+_PARQUET_BUFFER = 1 << 20  # column chunks are read through a buffer this size, not whole
 
 
 def _is_input(p: Path) -> bool:
@@ -32,7 +47,9 @@ def expand_inputs(specs: list[str]) -> list[Path]:
         if p.is_dir():
             found = sorted(q for q in p.rglob("*") if _is_input(q))
             if not found:
-                raise UserError(f"no {', '.join(SUFFIXES[:3])} files in this directory", spec)
+                raise UserError(
+                    f"no {', '.join(SUFFIXES[:3])} or {SUFFIXES[3]} files in this directory", spec
+                )
             out += found
         elif p.is_file():
             out.append(p)
@@ -186,3 +203,155 @@ def read_lines(path: Path, batch_bytes: int | Callable[[int], int] = 8 << 20) ->
             yield _batch(path, line_no, data, cut, len(data))
     finally:
         f.close()
+
+
+# --- Parquet --------------------------------------------------------------------------------------
+
+
+def is_parquet(path: Path) -> bool:
+    """By name (`.parquet`) or by content (the magic bytes), as compression is told by content."""
+    if path.name.endswith(".parquet"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == PARQUET_MAGIC
+    except OSError:
+        return False
+
+
+@dataclass
+class RowBatch:
+    """Rows of one Parquet file: per column read, its values as Python objects (None for null)."""
+
+    path: Path
+    first_row: int  # 1-based number of the first row in its file
+    columns: dict[str, list]
+    nrows: int
+    nbytes: int  # Arrow bytes of these columns
+
+    def where(self, row: int) -> str:
+        return f"{self.path}: row {row}"
+
+
+def _open_parquet(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path, pre_buffer=False, buffer_size=_PARQUET_BUFFER)
+    except (pa.ArrowException, OSError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"not a Parquet file, or a damaged one ({why})", str(path)) from None
+
+
+def _is_text(t) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_messages(t) -> bool:
+    """A list of structs with string `role` and `content` (other fields are ignored, as in jsonl)."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return False
+    fields = {f.name: f.type for f in t.value_type}
+    return all(k in fields and _is_text(fields[k]) for k in ("role", "content"))
+
+
+def check_parquet(path: Path, columns: list[str], chat: bool) -> None:
+    """The file is Parquet and has `columns` of the right type: strings, or for `chat` a list of
+    {role, content} structs. Reads the footer only."""
+    with _open_parquet(path) as pf:
+        schema = pf.schema_arrow
+    for c in columns:
+        if c not in schema.names:
+            have = ", ".join(f'"{n}"' for n in schema.names[:12]) + (
+                ", ..." if len(schema.names) > 12 else ""
+            )
+            what = "messages" if chat else "text"
+            raise UserError(
+                f'no column "{c}" (it has {have}; choose the {what} column with --json-key)', str(path)
+            )
+        t = schema.field(c).type
+        if chat and not _is_messages(t):
+            raise UserError(
+                f'column "{c}" is {t}, expected a list of {{role, content}} structs of strings', str(path)
+            )
+        if not chat and not _is_text(t):
+            raise UserError(f'column "{c}" is {t}, expected strings', str(path))
+
+
+def _column_bytes(rg, columns: list[str]) -> int:
+    """Uncompressed bytes of `columns` (and their nested leaves) in one row group."""
+    total = 0
+    for j in range(rg.num_columns):
+        col = rg.column(j)
+        if col.path_in_schema.split(".")[0] in columns or col.path_in_schema in columns:
+            total += col.total_uncompressed_size
+    return total or rg.total_byte_size
+
+
+def _record_batches(pf, path: Path, columns: list[str], sizes: list[int]) -> Iterator:
+    """The file's record batches, a row group at a time, about _PARQUET_READ bytes each: per batch
+    its columns as Python lists, its rows, its Arrow bytes, and its share of the footer's (encoded)
+    size of the columns."""
+    import pyarrow as pa
+
+    meta, pool = pf.metadata, pa.default_memory_pool()
+    ratio = 1.0  # Arrow bytes per encoded byte so far (a dictionary can make it far above 1)
+    for i in range(meta.num_row_groups):
+        rows = meta.row_group(i).num_rows
+        per_read = max(1, min(rows, int(rows * _PARQUET_READ / max(1.0, sizes[i] * ratio))))
+        got = 0
+        try:
+            for rb in pf.iter_batches(per_read, row_groups=[i], columns=columns, use_threads=False):
+                values = {c: rb.column(c).to_pylist() for c in columns}
+                n, size = rb.num_rows, rb.nbytes
+                del rb
+                # Arrow's allocator keeps freed pages for itself; handed back, the Python strings
+                # made next reuse them (measured: ~25 MB less peak RSS on 200 MB, <1% more CPU).
+                pool.release_unused()
+                got += size
+                yield values, n, size, sizes[i] * n / rows
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"row group {i} cannot be read ({why})", str(path)) from None
+        ratio = got / max(1, sizes[i])
+
+
+def read_parquet(
+    path: Path, columns: list[str], batch_bytes: int | Callable[[int], int] = 8 << 20
+) -> Iterator[RowBatch]:
+    """Batches of rows of `columns` from one Parquet file, about `batch_bytes` (of Arrow data) each:
+    a size, or a function of the (estimated) bytes left in the file giving the next batch's size."""
+    with _open_parquet(path) as pf:
+        meta = pf.metadata
+        sizes = [_column_bytes(meta.row_group(i), columns) for i in range(meta.num_row_groups)]
+        encoded = read = 0.0  # of the batches handed on: their share of `sizes`, their Arrow bytes
+
+        def next_size() -> int:
+            if not callable(batch_bytes):
+                return batch_bytes
+            # As for compressed jsonl: the encoded bytes left times the expansion so far.
+            left = sum(sizes) - encoded
+            return batch_bytes(int(left * read / encoded) if encoded else int(left))
+
+        first, target = 1, next_size()
+        pending: dict[str, list] = {c: [] for c in columns}
+        nrows = nbytes = 0
+        share = 0.0
+        for values, n, size, part in _record_batches(pf, path, columns, sizes):
+            for c in columns:
+                pending[c] += values[c]
+            nrows, nbytes, share = nrows + n, nbytes + size, share + part
+            if nbytes >= target:
+                yield RowBatch(path, first, pending, nrows, nbytes)
+                encoded, read = encoded + share, read + nbytes
+                first, target = first + nrows, next_size()
+                pending, nrows, nbytes, share = {c: [] for c in columns}, 0, 0, 0.0
+        if nrows:
+            yield RowBatch(path, first, pending, nrows, nbytes)

@@ -1,6 +1,7 @@
 """Corpus files to a `tokens` artifact: read, parse, encode, write; one pass, bounded memory.
 
-A reader thread streams and parses the input (decompression and JSON parsing in C), encoding
+A reader thread streams and parses the input (decompression and JSON parsing in C; Parquet row
+groups decoded by pyarrow into the same Python strings, see inputs.py), encoding
 threads turn batches into checked, EOS/BOS-wrapped ids (the engine and numpy release the GIL;
 `--workers` batches at once for gigatoken, whose calls each run on their thread), and the main
 thread appends them to the shards, which hash and flush as they grow. Batches are written in input
@@ -34,8 +35,17 @@ from mega_tokenize.chat import (
     TemplateRenderer,
     messages_of,
     render_chatml,
+    with_ends,
 )
-from mega_tokenize.inputs import LineBatch, expand_inputs, read_lines
+from mega_tokenize.inputs import (
+    LineBatch,
+    RowBatch,
+    check_parquet,
+    expand_inputs,
+    is_parquet,
+    read_lines,
+    read_parquet,
+)
 from mega_tokenize.tokenizer import (
     Engine,
     Tokenizer,
@@ -53,6 +63,7 @@ from megacore.errors import UserError
 from megacore.progress import Progress
 
 MAX_EXAMPLES = 10
+DEFAULT_KEYS = {"text": ["text"], "chat": ["messages"]}  # jsonl key / Parquet column read
 
 
 @dataclass
@@ -60,7 +71,7 @@ class Options:
     inputs: list[str]
     out: Path
     tokenizer: Path
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    json_keys: list[str] = field(default_factory=list)  # [] : DEFAULT_KEYS of the format
     format: Literal["text", "chat"] = "text"
     chat_template: Literal["chatml", "tokenizer"] = "chatml"
     append_eos: bool = True
@@ -139,7 +150,9 @@ class TextParser:
         self.decoder = msgspec.json.Decoder(doc)
         self.getters = [(k, f"k{i}") for i, k in enumerate(keys)]
 
-    def __call__(self, b: LineBatch) -> Parsed:
+    def __call__(self, b: LineBatch | RowBatch) -> Parsed:
+        if isinstance(b, RowBatch):
+            return self.rows(b)
         texts: dict[str, list[str]] = {k: [] for k in self.keys}
         try:
             docs = self.decoder.decode_lines(b.data)
@@ -176,12 +189,43 @@ class TextParser:
                 texts[k].append(obj[k])
         return Parsed(texts, None, b.nbytes)
 
+    def rows(self, b: RowBatch) -> Parsed:
+        """Parquet rows: the columns' strings (types were checked with the schema), nulls and empty
+        documents reported as jsonl's bad lines are, by row."""
+        texts = {k: b.columns[k] for k in self.keys}
+        if all(t and not t.isspace() for ts in texts.values() for t in ts):
+            return Parsed(texts, None, b.nbytes)
+        texts = {k: [] for k in self.keys}
+        for i in range(b.nrows):
+            err = None
+            for k in self.keys:
+                v = b.columns[k][i]
+                if v is None:
+                    err = f'column "{k}" is null, expected a string'
+                elif not v or v.isspace():
+                    err = f'column "{k}" is an empty document'
+                if err:
+                    break
+            if err:
+                self.skips(b.where(b.first_row + i), err)
+                continue
+            for k in self.keys:
+                texts[k].append(b.columns[k][i])
+        return Parsed(texts, None, b.nbytes)
+
 
 class ChatParser:
-    def __init__(self, render: Callable[[list[tuple[str, str]]], list[Segment]], skips: _Skips) -> None:
-        self.render, self.skips = render, skips
+    """Conversations: a line's `messages` (or Megatron-LLM's question/answer), or under another key
+    (`--json-key`) just the messages; a Parquet row's messages column."""
 
-    def __call__(self, b: LineBatch) -> Parsed:
+    def __init__(
+        self, render: Callable[[list[tuple[str, str]]], list[Segment]], skips: _Skips, key: str = "messages"
+    ) -> None:
+        self.render, self.skips, self.key = render, skips, key
+
+    def __call__(self, b: LineBatch | RowBatch) -> Parsed:
+        if isinstance(b, RowBatch):
+            return self.rows(b)
         chats = []
         for n, line in enumerate(b.lines(), start=b.first_line):
             if not line.strip():
@@ -189,11 +233,27 @@ class ChatParser:
             obj, err = _line_error(line)
             if err is None:
                 try:
-                    chats.append(self.render(messages_of(obj)))
+                    chats.append(self.render(messages_of(self._messages(obj))))
                     continue
                 except ChatError as e:
                     err = str(e)
             self.skips(f"{b.path}:{n}", err)
+        return Parsed({}, chats, b.nbytes)
+
+    def _messages(self, obj: object) -> object:
+        if self.key == "messages" or not isinstance(obj, dict):
+            return obj
+        if self.key not in obj:
+            raise ChatError(f'missing key "{self.key}" (choose the messages key with --json-key)')
+        return {"messages": obj[self.key]}
+
+    def rows(self, b: RowBatch) -> Parsed:
+        chats = []
+        for i, msgs in enumerate(b.columns[self.key]):
+            try:
+                chats.append(self.render(messages_of({"messages": msgs})))
+            except ChatError as e:
+                self.skips(b.where(b.first_row + i), str(e))
         return Parsed({}, chats, b.nbytes)
 
 
@@ -222,12 +282,17 @@ def _batch_sizes(files: list[Path], max_bytes: int, parallel: int) -> list[Calla
 
 def _batches(
     files: list[Path],
-    parse: Callable[[LineBatch], Parsed],
+    parse: Callable[[LineBatch | RowBatch], Parsed],
     skips: _Skips,
     batch_bytes: int,
     parallel: int,
+    columns: list[str],
 ):
     for path, sizes in zip(files, _batch_sizes(files, batch_bytes, parallel), strict=True):
+        if is_parquet(path):
+            for rows in read_parquet(path, columns, sizes):
+                yield parse(rows)
+            continue
         for b in read_lines(path, sizes):
             yield parse(b)
             if b.truncated:
@@ -267,16 +332,22 @@ def _safe_name(key: str) -> str:
 
 def _settings(opts: Options, tok: Tokenizer) -> dict:
     """What the ids depend on besides the inputs (with them, the artifact's recipe)."""
+    keys = opts.json_keys or DEFAULT_KEYS[opts.format]
+    if opts.format == "chat" and keys == DEFAULT_KEYS["chat"]:
+        keys = []  # the default messages key is not recorded: earlier chat recipes stay the same
     return {
         "tokenizer": tok.fingerprint(),
         "format": opts.format,
-        "json_keys": opts.json_keys if opts.format == "text" else [],
+        "json_keys": keys,
         "chat_template": opts.chat_template if opts.format == "chat" else None,
         "append_eos": opts.append_eos,
         "prepend_bos": opts.prepend_bos,
         "added": tok.added,
         "on_error": opts.on_error,
         **({"stop_ids": tok.stop_ids} if tok.stop_ids else {}),  # recipes without them as before
+        # Conversations rendered as transformers renders them, ends not doubled (since 0.2): an
+        # artifact of the earlier rendering is not reused as if it were this one.
+        **({"chat_rendering": 2} if opts.format == "chat" else {}),
     }
 
 
@@ -321,10 +392,11 @@ class _Job:
     inputs: list[mf.InputFile]
     recipe: str
     keys: list[str]  # one shard per key ("chat" for conversations)
+    columns: list[str]  # what is read from each record: the json keys (Parquet columns)
     dtype: str
     bos: int | None
     eos: int | None
-    parse: Callable[[LineBatch], Parsed]
+    parse: Callable[[LineBatch | RowBatch], Parsed]
     skips: _Skips
     template: str | None
 
@@ -333,12 +405,16 @@ def _prepare(opts: Options) -> _Job:
     """Every option check, the tokenizer, and the recipe that decides whether an output is reused."""
     if opts.workers < 1:
         raise UserError("must be at least 1", "--workers")
-    if opts.format == "text" and not opts.json_keys:
-        raise UserError("at least one key is needed", "--json-key")
+    opts = replace(opts, json_keys=opts.json_keys or DEFAULT_KEYS[opts.format])
     if len(set(opts.json_keys)) != len(opts.json_keys):
         raise UserError("the same key is given twice", "--json-key")
+    if opts.format == "chat" and len(opts.json_keys) > 1:
+        raise UserError("--format chat reads one key, the messages", "--json-key")
     set_threads(opts.workers)
     files = expand_inputs(opts.inputs)
+    for f in files:
+        if is_parquet(f):
+            check_parquet(f, opts.json_keys, chat=opts.format == "chat")
     tok = load_tokenizer(opts.tokenizer, threads=opts.workers)
     if opts.add_special_tokens:
         tok.add_special_tokens(opts.add_special_tokens)
@@ -352,9 +428,13 @@ def _prepare(opts: Options) -> _Job:
         raise UserError(f"keys {keys} would share an output file name; rename them", "--json-key")
     skips = _Skips(opts.on_error)
     template = None
+    bos = tok.bos_id if opts.prepend_bos else None
+    eos = tok.eos_id if opts.append_eos else None
     if opts.format == "chat":
         render, template = _chat_renderer(opts, tok)
-        parse: Callable[[LineBatch], Parsed] = ChatParser(render, skips)
+        # A conversation's BOS and EOS come with its rendering: none where the template put them.
+        render, bos, eos = with_ends(render, bos, eos, tok.stop_ids), None, None
+        parse: Callable[[LineBatch | RowBatch], Parsed] = ChatParser(render, skips, opts.json_keys[0])
     else:
         parse = TextParser(opts.json_keys, skips)
     settings = _settings(opts, tok)
@@ -367,9 +447,10 @@ def _prepare(opts: Options) -> _Job:
         inputs=inputs,
         recipe=recipe_sha256(settings=settings, inputs=[msgspec.structs.asdict(i) for i in inputs]),
         keys=keys,
+        columns=opts.json_keys,
         dtype=token_dtype(tok.vocab_size),
-        bos=tok.bos_id if opts.prepend_bos else None,
-        eos=tok.eos_id if opts.append_eos else None,
+        bos=bos,
+        eos=eos,
         parse=parse,
         skips=skips,
         template=template,
@@ -421,7 +502,7 @@ def _encode_all(
     pool = checks = None
     # Engines run max(2, workers) batches at once (see Engine.concurrency).
     batches = Background.source(
-        _batches(job.files, job.parse, job.skips, opts.batch_bytes, max(2, opts.workers)),
+        _batches(job.files, job.parse, job.skips, opts.batch_bytes, max(2, opts.workers), job.columns),
         name="mega-tokenize-reader",
     )
     try:

@@ -252,42 +252,25 @@ def hf_tokenizer_files(
     def token(i: int | None) -> str | None:
         return names.get(i) if i is not None else None
 
-    bos, eos = token(info.bos_id), token(info.eos_id)
-    # Encoding adds what the training data had: a BOS when it was prepended, else nothing.
-    if tokenizer.prepend_bos and bos is not None:
-        data["post_processor"] = {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [info.bos_id], "tokens": [bos]}},
-        }  # fmt: skip
-    elif (data.get("post_processor") or {}).get("type") != "ByteLevel":  # offsets only: kept
-        data["post_processor"] = None
     chatml = tokenizer.chat_template == "chatml"
-    template = CHATML_TEMPLATE if chatml else tokenizer.chat_template or source_config.get("chat_template")
+    # Data rendered with the tokenizer's own template was encoded as the template says (BOS and all):
+    # plain `tokenizer(text)` stays the source's, its post-processor's BOS included (Llama 3, Gemma 3;
+    # transformers reads `add_bos_token` only without a tokenizer.json).
+    if not (tokenizer.chat_template and not chatml and info.type == "hf"):
+        _post_processor(data, token(info.bos_id) if tokenizer.prepend_bos else None, info.bos_id)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json as written, nothing rebuilt
-        "bos_token": bos,
-        "eos_token": eos,
+        "bos_token": token(info.bos_id),
+        "eos_token": token(info.eos_id),
         "unk_token": token(info.unk_id),
         "pad_token": token(info.pad_id),
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
     }
+    template = CHATML_TEMPLATE if chatml else tokenizer.chat_template or source_config.get("chat_template")
     if template:
         config["chat_template"] = template
-    # Generation stops at the end of a document, at the end of a turn, and at every id the source
-    # tokenizer's generation_config.json named.
-    stops = [info.eos_id] if info.eos_id is not None else []
-    stops += [i for i in info.stop_ids if i not in stops]
-    ends = {CHATML_END: info.added_special_tokens.get(CHATML_END)} if chatml else {}
-    if tokenizer.chat_template and not chatml and source_config.get("eos_token"):
-        ends[source_config["eos_token"]] = None
-    for name, i in ends.items():
-        i = i if i is not None else next((k for k, v in names.items() if v == name), None)
-        if i is not None and i not in stops:
-            stops.append(i)
+    stops = _stop_ids(tokenizer, names, source_config)
     generation = {"bos_token_id": info.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops or None}
     if info.pad_id is not None:
         generation["pad_token_id"] = info.pad_id
@@ -296,6 +279,42 @@ def hf_tokenizer_files(
         "tokenizer_config.json": _pretty({k: v for k, v in config.items() if v is not None}),
         "generation_config.json": _pretty(generation),
     }
+
+
+def _post_processor(data: dict, bos: str | None, bos_id: int | None) -> None:
+    """Encoding adds what the training data had: a BOS when it was prepended, else nothing."""
+    if bos is not None:
+        data["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+        }  # fmt: skip
+    elif (data.get("post_processor") or {}).get("type") != "ByteLevel":  # offsets only: kept
+        data["post_processor"] = None
+
+
+def _stop_ids(tokenizer: TrainedTokenizer, names: dict[int, str], source_config: dict) -> list[int]:
+    """Where generation stops: at every id the source tokenizer's generation_config.json named, in
+    its order (so the export's list is the original's), at EOS, and at the end of a turn."""
+    info = tokenizer.info
+    stops = list(info.stop_ids)
+    if info.eos_id is not None and info.eos_id not in stops:
+        stops.append(info.eos_id)
+    ends: dict[str, int | None] = {}
+    if tokenizer.chat_template == "chatml":
+        ends[CHATML_END] = info.added_special_tokens.get(CHATML_END)
+    elif tokenizer.chat_template:
+        eos = source_config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            ends[eos] = None
+    for name, i in ends.items():
+        i = i if i is not None else next((k for k, v in names.items() if v == name), None)
+        if i is not None and i not in stops:
+            stops.append(i)
+    return stops
 
 
 def _pretty(data: dict) -> str:
