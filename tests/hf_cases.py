@@ -110,6 +110,48 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}},
         24,
     ),
+    # YaRN, beyond the original context of 16 (40 tokens). Llama in transformers 5's rope_parameters
+    # form with transformers' defaults (beta_fast 32, beta_slow 1, truncate, attention factor from
+    # the factor); Qwen 2.5's published form (classic rope_scaling, "type"); Mistral with every
+    # optional field (betas, the mscale pair, no truncation); Qwen 3 with its own attention factor.
+    "llama-yarn": (
+        LlamaConfig,
+        {**_LLAMA, "num_key_value_heads": 2,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16}},
+        40,
+    ),
+    "qwen2.5-yarn": (
+        Qwen2Config,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "rope_theta": 1e6,
+         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+        40,
+    ),
+    "mistral-yarn": (
+        MistralConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 128, "sliding_window": None,
+         "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                          "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                          "truncate": False}},
+        40,
+    ),
+    "qwen3-yarn": (
+        Qwen3Config,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32, "rope_theta": 1e6,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                          "attention_factor": 1.25}},
+        40,
+    ),
+    # Falcon and Gemma 3 carry YaRN too (transformers' rotary embeddings take any rope type; Gemma 3's
+    # on its global layers only).
+    "falcon-yarn": (
+        FalconConfig,
+        {**_SMALL, "vocab_size": 90, "new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True,
+         "max_position_embeddings": 64,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                          "beta_fast": 16.0}},
+        40,
+    ),
     # Gemma 3 (Gemma3ForCausalLM): (1 + w) RMSNorms, four per block and on q/k heads, embeddings
     # scaled by sqrt(hidden), tanh GeGLU, head_dim 32 (not 64 / 4 heads), scores scaled by
     # query_pre_attn_scalar ** -0.5 (24, not head_dim), tied; local layers (every 3rd is global:
@@ -125,6 +167,15 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5}}},
         24,
+    ),
+    "gemma3-yarn": (
+        Gemma3TextConfig,
+        {**_LLAMA, "num_hidden_layers": 4, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32,
+         "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 3,
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+                             "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                "original_max_position_embeddings": 16}}},
+        40,
     ),
 }  # fmt: skip
 

@@ -243,8 +243,14 @@ BAD = {
     "alibi": ("falcon-7b", {"alibi": True}, "ALiBi"),
     "rope type": (
         "llama",
-        {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
-        "'yarn' is not supported",
+        {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+        "'longrope' is not supported",
+    ),
+    # A yarn key transformers' yarn does not read (Ministral 3's) would change the model unseen.
+    "yarn key": (
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "llama_4_scaling_beta": 0.1}},
+        "$.rope_parameters.llama_4_scaling_beta: not supported in yarn rope scaling",
     ),
     "missing size": ("llama", {"hidden_size": None}, "$.hidden_size"),
     "activation": ("llama", {"hidden_act": "gelu"}, "$.hidden_act"),

@@ -1,15 +1,17 @@
-"""RoPE inverse frequencies against transformers' own rope init functions, with real model settings."""
+"""RoPE inverse frequencies (and YaRN's attention factor) against transformers' own rope init functions,
+with real model settings."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from megacore.config import ModelConfig, RopeScaling
-from megacore.models.rope import inv_freq
+from megacore.models.rope import attention_scale, inv_freq, rope_tables
 
 # Llama 3.1 8B: head_dim 128, theta 500000 and its llama3 scaling parameters.
 THETA, FACTOR, LOW, HIGH, CONTEXT = 500000.0, 8.0, 1.0, 4.0, 8192
@@ -55,3 +57,61 @@ def test_llama31_scaling_matches_transformers_in_every_band() -> None:
                 atol=0,
                 msg=lambda m, b=band, n=seq_len: f"{b} band, seq {n}: {m}",
             )
+
+
+# YaRN as published models set it: Qwen 2.5 7B's recommended scaling (head_dim 128, theta 1e6, 32k ->
+# 128k), gpt-oss's (theta 150000, head_dim 64, no truncation), DeepSeek-V3's attention factor from
+# the mscale pair (factor 40 of 4096), one with narrower betas and one with its own attention factor.
+YARN = {
+    "qwen2.5": (128, 1e6, {"factor": 4.0, "original_max_position_embeddings": 32768}),
+    "gpt-oss": (64, 150000.0, {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False}),
+    "mscale": (128, 10000.0, {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                              "mscale_all_dim": 0.707}),
+    "betas": (128, 500000.0, {"factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 16.0,
+                              "beta_slow": 2.0}),
+    "attention-factor": (128, 1e6, {"factor": 4.0, "original_max_position_embeddings": 4096,
+                                    "attention_factor": 1.3}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(YARN))
+def test_yarn_matches_transformers(name: str) -> None:
+    """YaRN's inverse frequencies and attention factor equal transformers' own yarn init: every
+    frequency bit for bit, kept, divided and blended ones all present; the factor on cos and sin
+    exactly, and applied to the tables."""
+    head_dim, theta, params = YARN[name]
+    heads = 8
+    hf_cfg = LlamaConfig(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=params["original_max_position_embeddings"] * 4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": theta, **params},
+    )  # fmt: skip
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, torch.device("cpu"))
+    ours_cfg = ModelConfig(
+        family="llama", vocab_size=100, hidden_size=heads * head_dim, num_layers=1, num_heads=heads,
+        num_kv_heads=heads, ffn_hidden_size=64, max_seq_len=hf_cfg.max_position_embeddings, rope_theta=theta,
+        rope_scaling=RopeScaling(type="yarn", **params),
+    )  # fmt: skip
+    got = inv_freq(ours_cfg, 16)
+    assert got.dtype == torch.float32 and torch.equal(got, ref), (got - ref).abs().max()
+    unscaled = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kept, divided = ref == unscaled, torch.isclose(ref, unscaled / params["factor"], rtol=1e-6, atol=0)
+    assert kept.any() and divided.any() and (~kept & ~divided).any(), name  # all three kinds compared
+    assert attention_scale(ours_cfg) == ref_factor and (ref_factor != 1.0)
+    cos, sin = rope_tables(ours_cfg, 8, "cpu", torch.float32)
+    angles = torch.arange(8, dtype=torch.float32)[:, None] * ref
+    torch.testing.assert_close(cos[:, 0, : head_dim // 2], angles.cos() * ref_factor, rtol=0, atol=0)
+    torch.testing.assert_close(sin[:, 0, : head_dim // 2], angles.sin() * ref_factor, rtol=0, atol=0)
+
+
+def test_rope_scaling_fields_are_checked() -> None:
+    """A field the scaling type does not read is refused, and llama3 / yarn need the original context."""
+    with pytest.raises(ValueError, match="linear rope scaling has no beta_fast"):
+        RopeScaling(type="linear", factor=4.0, beta_fast=32.0)
+    with pytest.raises(ValueError, match="yarn rope scaling has no low_freq_factor"):
+        RopeScaling(type="yarn", factor=4.0, low_freq_factor=1.0)
+    base = {"family": "llama", "vocab_size": 10, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
+            "num_kv_heads": 2, "ffn_hidden_size": 8}  # fmt: skip
+    with pytest.raises(ValueError, match="yarn needs original_max_position_embeddings"):
+        ModelConfig(**base, rope_scaling=RopeScaling(type="yarn", factor=4.0))

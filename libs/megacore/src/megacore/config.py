@@ -32,23 +32,61 @@ class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defa
     """Base of every config and manifest struct: strict (unknown fields are errors), keyword-only."""
 
 
-class RopeScaling(Struct):
-    type: Literal["linear", "dynamic", "llama3"]
+RopeType = Literal["linear", "dynamic", "llama3", "yarn"]
+# The fields each RoPE scaling type reads besides `type` and `factor`; a field of another type is
+# refused, so a config never carries a number that does nothing.
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "dynamic": ("original_max_position_embeddings",),
+    "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": (
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+_ROPE_OPTIONAL = tuple(dict.fromkeys(name for names in ROPE_FIELDS.values() for name in names))
+
+
+class RopeScaling(Struct, omit_defaults=True):
+    """RoPE scaling (its unset fields left out of manifests, as before yarn's were added), each type as transformers' `modeling_rope_utils` computes it (`models/rope.py`):
+    `linear` divides every frequency by `factor`; `dynamic` (NTK) stretches the base once a sequence
+    outgrows `original_max_position_embeddings` (None: the config's max_seq_len); `llama3` (Llama
+    3.1) divides the long wavelengths, keeps the short ones, with a ramp between; `yarn` (YaRN)
+    interpolates by how many turns a frequency makes over the original context (a ramp from
+    `beta_slow` to `beta_fast` turns; `truncate` rounds its ends) and scales cos and sin by
+    `attention_factor`. YaRN's optional fields left None take transformers' defaults: beta_fast 32,
+    beta_slow 1, truncate true, attention_factor 0.1 ln(factor) + 1, or the ratio of that form with
+    `mscale` and with `mscale_all_dim` when both are set. `original_max_position_embeddings`, the
+    context the weights were pretrained for, is needed by llama3 and yarn (`ModelConfig` checks)."""
+
+    type: RopeType
     factor: PositiveFloat
     original_max_position_embeddings: Positive | None = None
     low_freq_factor: PositiveFloat | None = None
     high_freq_factor: PositiveFloat | None = None
+    attention_factor: PositiveFloat | None = None
+    beta_fast: PositiveFloat | None = None
+    beta_slow: PositiveFloat | None = None
+    mscale: PositiveFloat | None = None
+    mscale_all_dim: PositiveFloat | None = None
+    truncate: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.type == "llama3" and None in (
-            self.low_freq_factor,
-            self.high_freq_factor,
-            self.original_max_position_embeddings,
-        ):
-            raise ValueError(
-                "llama3 rope scaling needs low_freq_factor, high_freq_factor and "
-                "original_max_position_embeddings"
-            )
+        if self.type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor):
+            raise ValueError("llama3 rope scaling needs low_freq_factor and high_freq_factor")
+        reads = ROPE_FIELDS[self.type]
+        for name in _ROPE_OPTIONAL:
+            if getattr(self, name) is not None and name not in reads:
+                raise ValueError(
+                    f"{self.type} rope scaling has no {name} (it reads factor"
+                    + "".join(f", {f}" for f in reads)
+                    + ")"
+                )
 
 
 # A layer's attention: over every earlier token, or through the `sliding_window` most recent ones.
@@ -135,6 +173,12 @@ class ModelConfig(Struct):
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
         if self.sandwich_norm and self.parallel_attn:
             raise ValueError("sandwich_norm needs sequential blocks (parallel_attn false)")
+        s = self.rope_scaling
+        if s is not None and s.type in ("llama3", "yarn") and s.original_max_position_embeddings is None:
+            raise ValueError(
+                f"rope_scaling: {s.type} needs original_max_position_embeddings, the context the "
+                "weights were pretrained for"
+            )
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -158,6 +202,32 @@ def local_rope(config: ModelConfig, layer: int) -> bool:
 
 # Fields that name tokens, not shapes: two configs that differ only there build the same model.
 TOKEN_ID_FIELDS = ("bos_id", "eos_id")
+# The context a model trains for: what a run from a checkpoint (`model.init`) may set of its model.
+# Neither changes a tensor, so the checkpoint's weights load as they are.
+CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
+
+
+def with_context(
+    config: ModelConfig, max_seq_len: int | None = None, rope_scaling: RopeScaling | None = None
+) -> ModelConfig:
+    """`config` trained for another context (context extension): `max_seq_len` and `rope_scaling`
+    replaced where given, every other field kept. A scaling that reads
+    original_max_position_embeddings and does not give it gets `config`'s max_seq_len, the context
+    the weights were trained for. ValueError when the result is not a valid config."""
+    if rope_scaling is not None:
+        reads = ROPE_FIELDS[rope_scaling.type]
+        if (
+            "original_max_position_embeddings" in reads
+            and rope_scaling.original_max_position_embeddings is None
+        ):
+            rope_scaling = msgspec.structs.replace(
+                rope_scaling, original_max_position_embeddings=config.max_seq_len
+            )
+    return msgspec.structs.replace(
+        config,
+        max_seq_len=config.max_seq_len if max_seq_len is None else max_seq_len,
+        rope_scaling=config.rope_scaling if rope_scaling is None else rope_scaling,
+    )
 
 
 def config_differences(

@@ -13,9 +13,9 @@ from mega_convert.convert import check_hf_tensors, read_hf_config, weight_files
 from megacore.artifacts import TORCH_DTYPES
 from megacore.artifacts.manifest import float_dtype
 from megacore.checkpoint import CheckpointReader
-from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
 from megacore.models import config_from_hf
+from megacore.models.hf import differences_from_hf
 
 # Defaults: the bar (max abs error 1e-4 in fp32) and the seed document's mean-error bars.
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0, "float16": 1.0}
@@ -50,7 +50,7 @@ def verify(
                 f"the checkpoint's dtype {dtype} is not a float dtype; pass --dtype", str(checkpoint)
             )
         torch_dtype = TORCH_DTYPES[dtype]
-        diff = config_differences(ckpt.config, hf_config, ignore=(*TOKEN_ID_FIELDS, "padded_vocab_size"))
+        diff = differences_from_hf(ckpt.config, hf_config)
         if diff:
             raise UserError(
                 f"the checkpoint's model config differs from {model_dir / 'config.json'} in {', '.join(diff)}",

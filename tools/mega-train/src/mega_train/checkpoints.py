@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, open_artifact
@@ -75,13 +76,20 @@ def set_aside(path: Path) -> Path:
 
 
 def check_resumable(
-    path: Path, manifest: CheckpointManifest, config: ModelConfig, fingerprint: dict[str, str], where: str
+    path: Path,
+    manifest: CheckpointManifest,
+    config: ModelConfig,
+    fingerprint: dict[str, str],
+    where: str,
+    field: Callable[[str], str] = lambda name: f"$.model.config.{name}",
 ) -> None:
-    """A run resumes only from a checkpoint of the same model and data; the refusal names the field."""
+    """A run resumes only from a checkpoint of the same model and data; the refusal names the field,
+    a config field where `field` says the manifest sets it (`RunPlan.config_field`). The context
+    (max_seq_len, rope_scaling) is the model's too: changing it on resume is refused."""
     diff = config_differences(config, manifest.config)
     if diff:
         raise UserError(
-            f"$.model.config.{diff[0]} differs from the checkpoint {path} this run would resume from; "
+            f"{field(diff[0])} differs from the checkpoint {path} this run would resume from; "
             "give the run another `out` (or restore the manifest)",
             where,
         )

@@ -20,7 +20,7 @@ from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manife
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import ModelConfig
+from megacore.config import CONTEXT_FIELDS, ModelConfig, RopeScaling, with_context
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 from megacore.parallel.layout import Parallelism, check_parallelism, check_tp, check_world
@@ -64,6 +64,13 @@ class RunPlan:
             notes.append(f"resumes from {found[0]} (step {step} of {self.run.train_steps})")
         return notes
 
+    def config_field(self, name: str) -> str:
+        """Where the run manifest sets the model config's field `name`: in `config`, or for a run
+        from a checkpoint, the context fields beside `init` and the others in the init itself."""
+        if self.init is None:
+            return f"$.model.config.{name}"
+        return f"$.model.{name}" if name in CONTEXT_FIELDS else f"$.model.init (its config's {name})"
+
     @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
         """The data's tokenizer (every source shares it) and the directory its files are in: what
@@ -96,6 +103,7 @@ class RunPlan:
                 "family": self.config.family,
                 "layers": self.config.num_layers,
                 "hidden": self.config.hidden_size,
+                "max_seq_len": self.config.max_seq_len,
             },
             "init": str(self.init[0]) if self.init is not None else None,
             "out": str(self.out),
@@ -175,11 +183,10 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     if world_size < 1:
         raise UserError(f"must be at least 1, got {world_size}", "--world-size")
     init = _open_init(base, run, verify, where)
-    config = init[1].config if init is not None else run.model.config
-    assert config is not None
+    config, notes = _model_config(run, init, where)
     sources = _open_sources(base, run, config, verify, where)
     _check_init_tokenizer(init, sources, where)
-    _check_schedule(run, config, where)
+    _check_schedule(run, config, init is not None, where)
     dp, microbatches, stages = _check_layout(run, config, world_size, where)
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
@@ -203,6 +210,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         checkpoints=checkpoints,
         fingerprint=fingerprint(run, init, sources),
         eval_metrics=metrics,
+        notes=notes,
     )
 
 
@@ -215,9 +223,52 @@ def _open_init(
         path = resolve_ref(base, run.model.init)
         init = (path, open_artifact(path, "checkpoint", verify=verify))
         check_model_tensors(init[1], f"{where}: $.model.init: {path}")
-    if (init is None) == (run.model.config is None):
+    if init is not None and run.model.config is not None:
+        raise UserError(
+            "$.model.config: give exactly one of `init` (a checkpoint) or `config`; beside `init` only "
+            "max_seq_len and rope_scaling can be set",
+            where,
+        )
+    if init is None and run.model.config is None:
         raise UserError("$.model: give exactly one of `init` (a checkpoint) or `config`", where)
     return init
+
+
+def _model_config(
+    run: RunManifest, init: tuple[Path, CheckpointManifest] | None, where: str
+) -> tuple[ModelConfig, list[str]]:
+    """The model the run trains (the config its checkpoints record) and a note when it is not the
+    init's: `config`, or the init's with the context `max_seq_len` and `rope_scaling` set."""
+    m = run.model
+    if init is None:
+        for name in CONTEXT_FIELDS:
+            if getattr(m, name) is not None:
+                raise UserError(
+                    f"$.model.{name}: a run from `config` sets it in $.model.config (beside `init` it "
+                    "sets the context of a run from a checkpoint)",
+                    where,
+                )
+        assert m.config is not None
+        return m.config, []
+    before = init[1].config
+    try:
+        config = with_context(before, m.max_seq_len, m.rope_scaling)
+    except ValueError as e:  # llama3 / yarn without the original context, and so on
+        raise UserError(f"$.model: {e}", where) from None
+    if config == before:
+        return config, []
+    note = (
+        f"the model's context: {config.max_seq_len:,} positions (the init's {before.max_seq_len:,}), "
+        f"RoPE {_describe_rope(config.rope_scaling)}; the run's checkpoints record this config"
+    )
+    return config, [note]
+
+
+def _describe_rope(scaling: RopeScaling | None) -> str:
+    if scaling is None:
+        return "unscaled"
+    original = scaling.original_max_position_embeddings
+    return f"{scaling.type} x{scaling.factor:g}" + (f" of {original:,}" if original else "")
 
 
 def _open_sources(
@@ -249,14 +300,15 @@ def _open_sources(
     return sources
 
 
-def _check_schedule(run: RunManifest, config: ModelConfig, where: str) -> None:
+def _check_schedule(run: RunManifest, config: ModelConfig, from_init: bool, where: str) -> None:
     """Sequence length, attention kernel, learning rates and evaluation agree with each other."""
     b, opt = run.batch, run.optimizer
     if b.seq_length > config.max_seq_len:
+        at = "$.model" if from_init else "$.model.config"
         raise UserError(
             f"$.batch.seq_length: {b.seq_length} exceeds the model's max_seq_len {config.max_seq_len}, the "
-            "context its positions were trained for; raise max_seq_len (with rope_scaling) in the model "
-            "config to train a longer context",
+            f"context its positions were trained for; to train a longer context set {at}.max_seq_len "
+            f"(with {at}.rope_scaling: docs/mega-train.md, Longer context)",
             where,
         )
     if run.attention == "flash" and run.precision == "fp32":

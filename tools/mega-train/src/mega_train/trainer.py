@@ -57,7 +57,7 @@ from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
 from megacore.artifacts.reader import parent_of
 from megacore.artifacts.writer import staging_dir
-from megacore.config import flops_per_token
+from megacore.config import CONTEXT_FIELDS, TOKEN_ID_FIELDS, flops_per_token
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
@@ -232,7 +232,10 @@ class Trainer:
         while (found := self.on_rank0(self._resume_point)) is not None:
             path, manifest = found
             try:
-                check_resumable(path, manifest, self.plan.config, self.plan.fingerprint, str(self.plan.path))
+                plan = self.plan
+                check_resumable(
+                    path, manifest, plan.config, plan.fingerprint, str(plan.path), plan.config_field
+                )
             except UserError as e:
                 shutdown()
                 raise e if self.rank == 0 else Silent(e.exit_code) from None
@@ -243,7 +246,8 @@ class Trainer:
             self.on_rank0(lambda path=path, damage=damage: self._set_aside(path, damage))
         self.opt.state.clear()  # whatever a damaged checkpoint left there
         if self.plan.init is not None:
-            load_checkpoint(self.plan.init[0], self.pm)  # weights only: fine-tuning starts a new optimizer
+            # Weights only: fine-tuning starts a new optimizer; the run may set another context.
+            load_checkpoint(self.plan.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *CONTEXT_FIELDS))
         else:
             self.pm.init_weights(self.run.model.init_std, self.run.seed)
         self._open_reports(resumed=False)

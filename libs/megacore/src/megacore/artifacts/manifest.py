@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from megacore.config import ModelConfig, Positive, PositiveFloat, Struct
+from megacore.config import ModelConfig, Positive, PositiveFloat, RopeScaling, Struct
 from megacore.errors import UserError
 
 FORMAT_VERSION = 1
@@ -270,10 +270,15 @@ class HFManifest(Header, tag="hf", kw_only=True):
 
 
 class ModelSpec(Struct):
-    """Start from a checkpoint artifact (`init`), or from scratch with a `config`."""
+    """Start from a checkpoint artifact (`init`), or from scratch with a `config`. Beside `init`,
+    `max_seq_len` and `rope_scaling` set the context the run trains for (context extension: a
+    longer max_seq_len with a RoPE scaling), every other field of the model staying the init's; the
+    run's checkpoints record the config that results (`megacore.config.with_context`)."""
 
     init: Ref | None = None
     config: ModelConfig | None = None
+    max_seq_len: Positive | None = None  # None: the init's
+    rope_scaling: RopeScaling | None = None  # None: the init's
     init_std: PositiveFloat = 0.02  # of fresh weights (with `config`), drawn per tensor from the seed
 
 
@@ -450,7 +455,23 @@ def decode_manifest(data: bytes, where: str, kind: Kind | None = None) -> Manife
     try:
         return msgspec.json.decode(data, type=MANIFEST_TYPES[peek.kind])
     except msgspec.ValidationError as e:
-        raise UserError(_validation_message(e), where) from None
+        raise UserError(_model_field(_validation_message(e)), where) from None
+
+
+_UNKNOWN_MODEL_FIELD = re.compile(r"\$\.model: object contains unknown field (\w+)")
+
+
+def _model_field(message: str) -> str:
+    """A run manifest's `model` given a field of the model config (`rope_theta` beside `init`)
+    is refused naming it, with what can be set there instead; other messages are returned as they are."""
+    m = _UNKNOWN_MODEL_FIELD.fullmatch(message)
+    if m is None or m.group(1) not in ModelConfig.__struct_fields__:
+        return message
+    name = m.group(1)
+    return (
+        f"$.model.{name}: a run from `init` keeps the checkpoint's {name}; beside `init` only "
+        "max_seq_len and rope_scaling can be set (a new model's whole config goes in $.model.config)"
+    )
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

@@ -13,9 +13,10 @@ from typing import Any
 import msgspec
 import torch
 
-from megacore.config import ModelConfig, model_tensors, pad_vocab
+from megacore.config import TOKEN_ID_FIELDS, ModelConfig, config_differences, model_tensors, pad_vocab
 from megacore.errors import UserError
 from megacore.models.families import TensorMap, family_for_model_type, family_of
+from megacore.models.families.common import max_positions_to_hf
 
 VOCAB_TENSORS = ("embed.weight", "lm_head.weight")
 
@@ -43,6 +44,18 @@ def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any
     if dtype is not None:
         out["torch_dtype"] = dtype
     return out
+
+
+def differences_from_hf(config: ModelConfig, hf_config: ModelConfig) -> list[str]:
+    """The fields in which a checkpoint's config and one read from a config.json differ, but for what
+    a config.json does not carry: the token ids (generation settings), the vocab padding and, under
+    dynamic RoPE scaling, max_seq_len (its max_position_embeddings is then the original context,
+    what transformers' dynamic NTK measures growth against: `max_positions_to_hf`)."""
+    ignore = (*TOKEN_ID_FIELDS, "padded_vocab_size")
+    s = config.rope_scaling
+    if s is not None and s.type == "dynamic" and hf_config.max_seq_len == max_positions_to_hf(config):
+        ignore = (*ignore, "max_seq_len")
+    return config_differences(config, hf_config, ignore)
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

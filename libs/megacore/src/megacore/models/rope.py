@@ -3,7 +3,10 @@
 The tables are computed in forward from (config, seq_len), never stored as buffers: a model built on
 the meta device or cut into pipeline stages needs no re-initialisation, and dynamic NTK scaling
 (which depends on the sequence length) is a pure function of it.
-The float32 arithmetic mirrors transformers' `modeling_rope_utils` so that fp32 logits agree to ~1e-6.
+The float32 arithmetic mirrors transformers' `modeling_rope_utils` so that fp32 logits agree to ~1e-6:
+every scaling type (`RopeScaling`: linear, dynamic, llama3, yarn) computes its inverse frequencies as
+transformers' rope init function of that type does, and YaRN's attention factor scales cos and sin
+(`attention_scale`), as transformers' rotary embedding does with the factor its init returns.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 
 import torch
 
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, RopeScaling
 
 
 def inv_freq(
@@ -28,6 +31,8 @@ def inv_freq(
         trained = scaling.original_max_position_embeddings or config.max_seq_len
         if seq_len > trained:
             base = base * ((scaling.factor * seq_len / trained) - (scaling.factor - 1)) ** (dim / (dim - 2))
+    if scaling is not None and scaling.type == "yarn":
+        return _yarn(scaling, base, dim, device)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
     freqs = 1.0 / (base**exponents)
     if scaling is None or scaling.type == "dynamic":
@@ -54,6 +59,49 @@ def _llama3(freqs: torch.Tensor, factor: float, low: float, high: float, context
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(scaling: RopeScaling, base: float, dim: int, device: torch.device | str | None) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters`: a frequency that turns
+    more than `beta_fast` times over the original context is kept, one that turns fewer than
+    `beta_slow` times is divided by `factor`, and those between are blended along a linear ramp over
+    the dimensions (its ends rounded outwards unless `truncate` is false)."""
+    fast, slow = scaling.beta_fast or 32, scaling.beta_slow or 1
+    context = scaling.original_max_position_embeddings
+    assert context is not None  # ModelConfig requires it for yarn
+
+    def dimension(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
+        return (dim * math.log(context / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).to(torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
+def attention_scale(config: ModelConfig, local: bool = False) -> float:
+    """The factor on cos and sin (attention scores scale by its square): YaRN's `attention_factor`,
+    given or transformers' default (0.1 ln(factor) + 1, or that form with `mscale` over it with
+    `mscale_all_dim` when both are set); 1 for every other RoPE, and for the local layers'."""
+    scaling = None if local else config.rope_scaling
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim))
+    return mscale(scaling.factor)
+
+
 def rope_tables(
     config: ModelConfig,
     seq_len: int,
@@ -64,12 +112,16 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [seq_len, 1, head_dim] in `dtype`, broadcastable over [B, S, heads, head_dim];
     with `positions` [B, S] (packed documents, each counted from 0), [B, S, 1, head_dim]. `local`:
-    the sliding layers' tables (`inv_freq`)."""
+    the sliding layers' tables (`inv_freq`). Both are scaled by `attention_scale` (YaRN's)."""
     freqs = inv_freq(config, seq_len, device, local)
     pos = torch.arange(seq_len, device=device) if positions is None else positions
     angles = pos.to(torch.float32)[..., None] * freqs  # the outer product, batched
     emb = torch.cat((angles, angles), dim=-1)[..., None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    scale = attention_scale(config, local)
+    if scale != 1.0:  # in float32, before the cast, as transformers
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

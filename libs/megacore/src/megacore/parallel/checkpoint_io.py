@@ -25,7 +25,7 @@ from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_outpu
 from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import check_file
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
-from megacore.config import config_differences
+from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
 from megacore.parallel.engine import ParallelModel, local_piece
 from megacore.parallel.layout import ADAMW_STATE_KINDS, optim_state_name
@@ -131,13 +131,17 @@ def save_checkpoint(
 
 @torch.no_grad()
 def load_checkpoint(
-    path: Path, pm: ParallelModel, optimizer: torch.optim.Optimizer | None = None
+    path: Path,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    ignore: tuple[str, ...] = TOKEN_ID_FIELDS,
 ) -> CheckpointManifest:
     """Fill this rank's parameters (and AdamW moments, when the checkpoint has them) from a
     checkpoint of any layout, reading only the slices this rank holds. `DamagedFile` when a file
-    read is damaged; the parameters and moments may then hold some of its values."""
+    read is damaged; the parameters and moments may then hold some of its values. The checkpoint's
+    config must be the model's, but for the fields in `ignore` (a run's init: its context too)."""
     with CheckpointReader(path) as ckpt:
-        diff = config_differences(pm.config, ckpt.config)
+        diff = config_differences(pm.config, ckpt.config, ignore)
         if diff:
             raise UserError(f"the checkpoint's model config differs from the run's in {diff}", str(path))
         tensors = ckpt.manifest.tensors

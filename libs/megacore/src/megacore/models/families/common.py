@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megacore.config import ModelConfig, RopeScaling
+from megacore.config import ROPE_FIELDS, ModelConfig, RopeScaling
 from megacore.errors import UserError
 
 _MISSING = object()
@@ -94,10 +94,14 @@ class HFConfig:
             raise UserError(f"$.{key}: expected a string, got {value!r}", self.where)
         return value
 
-    def rope(self, key: str = "rope_parameters") -> tuple[float, RopeScaling | None]:
+    def rope(
+        self, key: str = "rope_parameters", trained: int | None = None
+    ) -> tuple[float, RopeScaling | None]:
         """(rope_theta, scaling) from transformers 5's `rope_parameters` or the classic top-level
         `rope_theta` + `rope_scaling` that published checkpoints carry. `key`: where the
-        rope_parameters object is (Gemma 3 keeps one per layer type: "rope_parameters.full_attention")."""
+        rope_parameters object is (Gemma 3 keeps one per layer type: "rope_parameters.full_attention").
+        `trained`: the family's max_position_embeddings (None: the key's value, else 2048), what
+        transformers takes for an original context the config does not give."""
         params = self.data.get(key)
         if params is not None and not isinstance(params, dict):
             raise UserError(f"$.{key}: expected an object, got {params!r}", self.where)
@@ -116,37 +120,68 @@ class HFConfig:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default":
             return float(theta), None
-        if kind not in ("linear", "dynamic", "llama3"):
+        if kind not in ROPE_FIELDS:
             raise UserError(
-                f"$.{at}.rope_type: {kind!r} is not supported (linear, dynamic, llama3)", self.where
+                f"$.{at}.rope_type: {kind!r} is not supported ({', '.join(ROPE_FIELDS)})", self.where
             )
-        sub = HFConfig(scaling, self.where)
+        if trained is None:
+            trained = self.int("max_position_embeddings", 2048)
+        return float(theta), self._scaling(kind, HFConfig(scaling, self.where), at, trained)
+
+    def _scaling(self, kind: str, sub: HFConfig, at: str, trained: int) -> RopeScaling:
+        """The scaling object `sub` (at `$.{at}`) of type `kind`, read as transformers reads it."""
         factor = sub.float("factor")
+        if kind == "linear":
+            return RopeScaling(type="linear", factor=factor)
+        if kind == "dynamic":  # transformers' dynamic NTK measures growth against max_position_embeddings
+            return RopeScaling(type="dynamic", factor=factor, original_max_position_embeddings=trained)
+        # A top-level original_max_position_embeddings wins (transformers' standardize_rope_params),
+        # then the scaling's own, then max_position_embeddings.
+        original = self.int(
+            "original_max_position_embeddings", sub.int("original_max_position_embeddings", trained)
+        )
         if kind == "llama3":
-            return float(theta), RopeScaling(
+            return RopeScaling(
                 type="llama3",
                 factor=factor,
-                original_max_position_embeddings=sub.int("original_max_position_embeddings"),
+                original_max_position_embeddings=original,
                 low_freq_factor=sub.float("low_freq_factor"),
                 high_freq_factor=sub.float("high_freq_factor"),
             )
-        # transformers' dynamic NTK measures growth against max_position_embeddings; record it.
-        trained = self.int("max_position_embeddings", 2048) if kind == "dynamic" else None
-        return float(theta), RopeScaling(type=kind, factor=factor, original_max_position_embeddings=trained)
+        extra = sorted(set(sub.data) - {"rope_type", "type", "rope_theta", "factor", *_YARN_KEYS})
+        if sub.data.get("partial_rotary_factor") in (None, 1, 1.0):  # 1: every dimension rotates
+            extra = [k for k in extra if k != "partial_rotary_factor"]
+        if extra:
+            raise UserError(f"$.{at}.{extra[0]}: not supported in yarn rope scaling", self.where)
+        values: dict[str, Any] = {}
+        for k in _YARN_KEYS[1:]:  # the optional ones: None takes transformers' default
+            if sub.data.get(k) is not None:
+                values[k] = sub.bool(k) if k == "truncate" else sub.float(k)
+        return RopeScaling(type="yarn", factor=factor, original_max_position_embeddings=original, **values)
+
+
+# The keys of a yarn scaling object besides its type, theta and factor, as RopeScaling names them.
+_YARN_KEYS = ROPE_FIELDS["yarn"]
+
+
+def max_positions_to_hf(config: ModelConfig) -> int:
+    """config.json's max_position_embeddings: max_seq_len, but under dynamic scaling the original
+    context, which transformers' dynamic NTK measures a sequence's growth against."""
+    s = config.rope_scaling
+    if s is not None and s.type == "dynamic" and s.original_max_position_embeddings is not None:
+        return s.original_max_position_embeddings
+    return config.max_seq_len
 
 
 def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """Classic form (top-level rope_theta + rope_scaling): what transformers 4.45+ and 5 both load."""
+    """Classic form (top-level rope_theta + rope_scaling): what transformers 4.45+ and 5 both load.
+    Every field the scaling type reads is written, those left None (transformers' defaults) not."""
     s = config.rope_scaling
     scaling = None
     if s is not None:
         scaling = {"rope_type": s.type, "factor": s.factor}
-        if s.type == "llama3":
-            scaling.update(
-                low_freq_factor=s.low_freq_factor,
-                high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_position_embeddings,
-            )
+        if s.type in ("llama3", "yarn"):
+            scaling.update({k: getattr(s, k) for k in ROPE_FIELDS[s.type] if getattr(s, k) is not None})
     return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
 
 

@@ -34,7 +34,15 @@ from typing import Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import HFConfig, TensorMap, build_config, linear, rename, rope_to_hf
+from megacore.models.families.common import (
+    HFConfig,
+    TensorMap,
+    build_config,
+    linear,
+    max_positions_to_hf,
+    rename,
+    rope_to_hf,
+)
 
 MODEL_TYPES = ("gemma3_text",)
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -180,7 +188,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "hidden_activation": _ACTIVATION,
-        "max_position_embeddings": config.max_seq_len,
+        "max_position_embeddings": max_positions_to_hf(config),
         "rms_norm_eps": config.norm_eps,
         **rope_to_hf(config),  # the global layers' (classic form)
         "rope_local_base_freq": config.local_rope_theta,

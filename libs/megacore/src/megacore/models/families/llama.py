@@ -1,4 +1,4 @@
-"""Llama 1/2/3/3.1/3.2 and Code Llama: RMSNorm, SwiGLU, GQA, RoPE (theta, linear/dynamic/llama3
+"""Llama 1/2/3/3.1/3.2 and Code Llama: RMSNorm, SwiGLU, GQA, RoPE (theta, linear/dynamic/llama3/yarn
 scaling), tied embeddings where the config says so (Llama 3.2 1B/3B).
 
 HF layout (LlamaForCausalLM): model.embed_tokens, model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
@@ -17,6 +17,7 @@ from megacore.models.families.common import (
     TensorMap,
     build_config,
     linear,
+    max_positions_to_hf,
     refuse_gemma_switches,
     rename,
     rope_to_hf,
@@ -87,7 +88,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
+        "max_position_embeddings": max_positions_to_hf(config),
         "rms_norm_eps": config.norm_eps,
         **rope_to_hf(config),
         "attention_bias": config.attn_bias,

@@ -23,6 +23,7 @@ from megacore.models.families.common import (
     HFConfig,
     TensorMap,
     build_config,
+    max_positions_to_hf,
     refuse_gemma_switches,
     rope_to_hf,
 )
@@ -69,7 +70,8 @@ def common_fields(c: HFConfig) -> dict[str, Any]:
     heads, layers = c.int("num_attention_heads"), c.int("num_hidden_layers")
     # Qwen2Config's own default when the key is absent is 32 kv heads; null means one per head.
     kv = c.data.get("num_key_value_heads", 32)
-    theta, scaling = c.rope()
+    trained = c.int("max_position_embeddings", 32768)
+    theta, scaling = c.rope(trained=trained)
     return {
         "vocab_size": c.int("vocab_size"),
         "hidden_size": c.int("hidden_size"),
@@ -77,7 +79,7 @@ def common_fields(c: HFConfig) -> dict[str, Any]:
         "num_heads": heads,
         "num_kv_heads": heads if kv is None else c.int("num_key_value_heads", 32),
         "ffn_hidden_size": c.int("intermediate_size"),
-        "max_seq_len": c.int("max_position_embeddings", 32768),
+        "max_seq_len": trained,
         "norm": "rmsnorm",
         "norm_eps": c.float("rms_norm_eps", 1e-6),
         "activation": "swiglu",
@@ -117,7 +119,7 @@ def common_hf(config: ModelConfig, name: str) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
+        "max_position_embeddings": max_positions_to_hf(config),
         "rms_norm_eps": config.norm_eps,
         **rope_to_hf(config),
         # One window for all layers: every layer from layer 0 on slides.
