@@ -192,3 +192,28 @@ def test_bad_manifest_from_the_shell(run_dir: Path):
     assert_one_line_error(p, "$.parallel.tp: expected int, got str")
     p = run_tool("mega-train", "--manifest", run_dir / "run.json", "--dry-run", "--debug")
     assert p.returncode == 2 and "Traceback" in p.stderr
+
+
+def test_a_signal_a_library_reports_as_its_own_error_still_exits_as_a_stop(monkeypatch, capsys):
+    """A signal handler can run inside a library's C code, which then reports the exception it
+    raised as one of its own (torch: "ValueError: could not determine the shape of object type
+    'torch.storage.UntypedStorage'", seen from mega-export on Ctrl-C): the tool still exits 143
+    with its one line, not 1 with the library's message."""
+    import os
+    import signal
+
+    import typer
+
+    app = typer.Typer()
+
+    @app.command()
+    def work() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, as inside the C code
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a call that lets the handler run
+        except BaseException as e:  # what the library does with it
+            raise ValueError("could not determine the shape of object type 'UntypedStorage'") from e
+
+    monkeypatch.setattr("sys.argv", ["mega-x"])  # a console-script run: the tool owns the signals
+    assert run_cli(app, "mega-x") == 143
+    assert capsys.readouterr().err == "mega-x: error: terminated\n"

@@ -104,8 +104,19 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# The signal received, if any: a library whose C code runs the handler may report the exception as
+# its own (torch: "could not determine the shape of object type ..."), so the exit still says it.
+_RECEIVED: list[int] = []
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
+    _RECEIVED.append(signum)
     raise Stopped(signum)
+
+
+def _stopped(prog: str, signum: int) -> int:
+    error(prog, "interrupted" if signum == signal.SIGINT else "terminated")
+    return 128 + signum
 
 
 def _split_debug(args: list[str]) -> tuple[list[str], bool]:
@@ -121,6 +132,7 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
     debug = debug or os.environ.get("MEGA_DEBUG") == "1"
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
     previous = {}
+    _RECEIVED.clear()
     if argv is None:  # a console-script run owns the process and its signals
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -140,15 +152,18 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
         error(prog, message.replace("Value error, ", ""))
         return 2
     except UserError as e:
+        if _RECEIVED:
+            return _stopped(prog, _RECEIVED[0])
         if debug:
             traceback.print_exc()
         if not isinstance(e, Silent):
             error(prog, str(e))
         return e.exit_code
     except Stopped as e:
-        error(prog, "interrupted" if e.signum == signal.SIGINT else "terminated")
-        return 128 + e.signum
+        return _stopped(prog, e.signum)
     except Exception as e:
+        if _RECEIVED:  # the stop, reported by a library as another error
+            return _stopped(prog, _RECEIVED[0])
         if debug:
             traceback.print_exc()
         error(prog, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
