@@ -103,6 +103,35 @@ def added_id(tok_dir: Path, token: str) -> int:
     return next(t["id"] for t in data["added_tokens"] if t["content"] == token)
 
 
+def export_recording(tmp_path: Path, tokens: Path) -> Path:
+    """A tiny Llama checkpoint (random weights) that records `tokens`' tokenizer as a run's
+    checkpoints do (`RunPlan.tokenizer`, `CheckpointWriter.add_tokenizer`), exported by mega-export:
+    the tokenizer an export writes does not depend on the weights, so no training is needed."""
+    import torch
+
+    from megacore.artifacts import write_artifact
+    from megacore.artifacts.manifest import Layout, TrainedTokenizer
+    from megacore.artifacts.pieces import whole
+    from megacore.checkpoint import CheckpointWriter, shard_file
+    from megacore.config import ModelConfig, model_tensors
+
+    config = ModelConfig(**{**TINY_LLAMA, "vocab_size": 512, "max_seq_len": 128})
+    data = open_artifact(tokens, "tokens")
+    g = torch.Generator().manual_seed(0)
+    weights = {n: 0.02 * torch.randn(s, generator=g) for n, s in model_tensors(config).items()}
+    with write_artifact(tmp_path / "ckpt", "checkpoint") as w:
+        cw = CheckpointWriter(w)
+        cw.write_file(shard_file(0, 0), [(n, t.shape, whole(t.shape), t) for n, t in weights.items()])
+        recorded = TrainedTokenizer(data.tokenizer, data.chat_template, data.prepend_bos)
+        cw.commit(
+            config=config, dtype="float32", layout=Layout(stage_layers=[list(range(config.num_layers))]),
+            producer=("tests", "0"), tokenizer=cw.add_tokenizer(tokens, recorded),
+        )  # fmt: skip
+    out = tmp_path / "hf"
+    run_tool("mega-export", tmp_path / "ckpt", out, check=True)
+    return out
+
+
 def export_trained(tmp_path: Path, tokens: Path) -> Path:
     """Two training steps of the tiny Llama on `tokens`, exported with mega-export."""
     run_json = write_run(

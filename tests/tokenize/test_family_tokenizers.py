@@ -758,10 +758,11 @@ def test_chatml_markers(case: Case, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def exported(case: Case, tmp_path_factory) -> Path:
-    """A tiny Llama trained two steps on the family's chat data, exported (one per family)."""
-    from export.test_tokenizer import export_trained
+    """A tiny Llama checkpoint recording the family's chat data's tokenizer, exported (one per
+    family; test_tokenizer.py exports one trained on such data)."""
+    from export.test_tokenizer import export_recording
 
-    return export_trained(tmp_path_factory.mktemp(f"{case.name}-export"), case.chat)
+    return export_recording(tmp_path_factory.mktemp(f"{case.name}-export"), case.chat)
 
 
 def test_export_encodes_as_the_data(case: Case, exported: Path) -> None:
@@ -803,7 +804,7 @@ def test_export_of_chatml_data(tmp_path_factory) -> None:
     at the artifact's ids, and stops at `<|im_end|>` as well as at the original's stop ids."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from export.test_tokenizer import export_trained
+    from export.test_tokenizer import export_recording
 
     family = FAMILIES["llama3.2"]
     tmp = tmp_path_factory.mktemp("llama-chatml")
@@ -812,7 +813,7 @@ def test_export_of_chatml_data(tmp_path_factory) -> None:
     records = [{"messages": as_messages(m)} for m in convs.values()]
     tokens = _tokenize(tmp, records, d, format="chat", add_special_tokens=["<|im_start|>", "<|im_end|>"])
     info = open_artifact(tokens, "tokens").tokenizer
-    out = export_trained(tmp, tokens)
+    out = export_recording(tmp, tokens)
     tok = AutoTokenizer.from_pretrained(out)
     for msgs, doc in zip(convs.values(), documents(tokens), strict=True):
         assert doc[-1] == info.eos_id  # <|eot_id|>: ChatML's turns end with <|im_end|>, no stop of Llama's

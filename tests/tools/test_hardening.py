@@ -95,7 +95,14 @@ BAD_CALLS = {
 }
 
 
-@pytest.mark.parametrize("tool", sorted(BAD_CALLS))
+# The tools that load torch and transformers to fail take 8 s each: make test-slow runs them.
+@pytest.mark.parametrize(
+    "tool",
+    [
+        t if t in ("mega-tokenize", "mega-train") else pytest.param(t, marks=pytest.mark.slow)
+        for t in sorted(BAD_CALLS)
+    ],
+)
 def test_debug_works_in_any_position_and_from_the_environment(tool: str, tmp_path: Path):
     args = BAD_CALLS[tool]
     plain = run_tool(tool, *args, cwd=tmp_path)

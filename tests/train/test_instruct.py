@@ -86,7 +86,7 @@ def test_one_conversation_per_sample_learns_it_too(tmp_path: Path, chat: Path) -
 @pytest.mark.parametrize(
     "nproc,parallel",
     [
-        (2, {"pp": 2, "schedule": "1f1b"}),
+        pytest.param(2, {"pp": 2, "schedule": "1f1b"}, marks=pytest.mark.slow),  # tp2-pp2-zbv covers it
         (4, {"tp": 2, "pp": 2, "sequence_parallel": True, "schedule": "zbv"}),
     ],
     ids=["pp2", "tp2-pp2-zbv"],
@@ -109,6 +109,7 @@ def test_packed_conversations_under_a_pipeline_match_one_process(
     assert_losses_close(*evals)
 
 
+@pytest.mark.slow  # 14 s; in make test: the equivalence tests' packed documents at pp 2 x dp 2
 @pytest.mark.dist
 def test_document_masking_under_pipeline_and_dp_matches_one_process(tmp_path: Path, tokens: Path) -> None:
     """Pretraining text with `doc_mask: true`, pp2 x dp2 (the dp ranks' rows count their own

@@ -86,6 +86,7 @@ def test_parallel_layouts_match_one_process(tmp_path: Path, tokens: Path, refere
     run_tool("mega-convert", "verify", final, dp.parent / "hf", check=True)
 
 
+@pytest.mark.slow  # 20 s; in make test: test_tied_pp.py resumes pp 2 at pp 1, the equivalence tests load across layouts
 def test_resume_in_another_layout(tmp_path: Path, tokens: Path, reference: Path) -> None:
     """Checkpointed at tp1 (step 4 of the reference), resumed at tp2 x pp2: steps 5..12 match."""
     run_json = write_run(tmp_path, tokens, parallel={"tp": 2, "pp": 2}, batch={"micro_batch_size": 1})
@@ -97,6 +98,7 @@ def test_resume_in_another_layout(tmp_path: Path, tokens: Path, reference: Path)
     assert_losses_close(losses(out), losses(reference))
 
 
+@pytest.mark.slow  # 12 s; in make test: test_lifecycle.py stops the launcher and plain torchrun by signal
 def test_sigterm_saves_and_exits_zero(tmp_path: Path, tokens: Path) -> None:
     """SIGTERM (as SLURM sends before preemption) in one process and to every worker under torchrun:
     a checkpoint at the next step boundary, exit 0, and the rerun resumes from it."""
