@@ -164,6 +164,25 @@ class HFConfig:
 _YARN_KEYS = ROPE_FIELDS["yarn"]
 
 
+def llama_style_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json keys the Llama lineage (Llama, Mistral, Qwen, Gemma) spells alike: sizes,
+    positions, the RMSNorm eps, RoPE, the tie and the token ids."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "max_position_embeddings": max_positions_to_hf(config),
+        "rms_norm_eps": config.norm_eps,
+        **rope_to_hf(config),
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+    }
+
+
 def max_positions_to_hf(config: ModelConfig) -> int:
     """config.json's max_position_embeddings: max_seq_len, but under dynamic scaling the original
     context, which transformers' dynamic NTK measures a sequence's growth against."""

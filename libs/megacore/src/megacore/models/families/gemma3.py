@@ -39,9 +39,8 @@ from megacore.models.families.common import (
     TensorMap,
     build_config,
     linear,
-    max_positions_to_hf,
+    llama_style_to_hf,
     rename,
-    rope_to_hf,
 )
 
 MODEL_TYPES = ("gemma3_text",)
@@ -180,17 +179,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     out = {
         "architectures": [ARCHITECTURE],
         "model_type": "gemma3_text",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
+        **llama_style_to_hf(config),  # its RoPE: the global layers' (classic form)
         "head_dim": config.head_dim,
         "hidden_activation": _ACTIVATION,
-        "max_position_embeddings": max_positions_to_hf(config),
-        "rms_norm_eps": config.norm_eps,
-        **rope_to_hf(config),  # the global layers' (classic form)
         "rope_local_base_freq": config.local_rope_theta,
         "attention_bias": config.attn_bias,
         "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
@@ -198,9 +189,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "layer_types": list(types),
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
-        "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
     }
     if (pattern := _pattern(types)) is not None:
         out["sliding_window_pattern"] = pattern

@@ -17,10 +17,9 @@ from megacore.models.families.common import (
     TensorMap,
     build_config,
     linear,
-    max_positions_to_hf,
+    llama_style_to_hf,
     refuse_gemma_switches,
     rename,
-    rope_to_hf,
 )
 
 MODEL_TYPES = ("llama",)
@@ -80,22 +79,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
+        **llama_style_to_hf(config),
         "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": max_positions_to_hf(config),
-        "rms_norm_eps": config.norm_eps,
-        **rope_to_hf(config),
         "attention_bias": config.attn_bias,
         "mlp_bias": config.mlp_bias,
-        "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
     }
 
 

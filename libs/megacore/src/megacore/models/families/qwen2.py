@@ -23,9 +23,8 @@ from megacore.models.families.common import (
     HFConfig,
     TensorMap,
     build_config,
-    max_positions_to_hf,
+    llama_style_to_hf,
     refuse_gemma_switches,
-    rope_to_hf,
 )
 
 MODEL_TYPES = ("qwen2",)
@@ -112,23 +111,12 @@ def common_hf(config: ModelConfig, name: str) -> dict[str, Any]:
     refuse_gemma_switches(config, name)
     window = config.sliding_window
     return {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
+        **llama_style_to_hf(config),
         "hidden_act": "silu",
-        "max_position_embeddings": max_positions_to_hf(config),
-        "rms_norm_eps": config.norm_eps,
-        **rope_to_hf(config),
         # One window for all layers: every layer from layer 0 on slides.
         "use_sliding_window": window is not None,
         "sliding_window": window,
         "max_window_layers": 0 if window is not None else config.num_layers,
-        "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
     }
 
 
