@@ -217,3 +217,24 @@ def test_a_signal_a_library_reports_as_its_own_error_still_exits_as_a_stop(monke
     monkeypatch.setattr("sys.argv", ["mega-x"])  # a console-script run: the tool owns the signals
     assert run_cli(app, "mega-x") == 143
     assert capsys.readouterr().err == "mega-x: error: terminated\n"
+
+
+def test_a_torchrun_worker_but_rank_0_is_stopped_quietly(monkeypatch, capsys):
+    """When one worker fails, torchrun SIGTERMs the others, maybe while they still check the run:
+    rank 0 says why once, the others end with 143 and no line (seen in CI as a second
+    "mega-train: error: terminated")."""
+    import os
+    import signal
+
+    import typer
+
+    app = typer.Typer()
+
+    @app.command()
+    def work() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])  # lets the handler run here
+
+    monkeypatch.setattr("sys.argv", ["mega-x"])
+    assert run_cli(app, "mega-x", quiet_stop=True) == 143
+    assert capsys.readouterr().err == ""

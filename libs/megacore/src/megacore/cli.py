@@ -114,8 +114,9 @@ def _raise_stopped(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
-def _stopped(prog: str, signum: int) -> int:
-    error(prog, "interrupted" if signum == signal.SIGINT else "terminated")
+def _stopped(prog: str, signum: int, quiet: bool = False) -> int:
+    if not quiet:
+        error(prog, "interrupted" if signum == signal.SIGINT else "terminated")
     return 128 + signum
 
 
@@ -126,8 +127,15 @@ def _split_debug(args: list[str]) -> tuple[list[str], bool]:
     return [a for i, a in enumerate(args) if not (a == "--debug" and i < end)], debug
 
 
-def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | None = None) -> int:
-    """Run a typer app with the project's exit-code and error-line conventions; returns the exit code."""
+def run(
+    app: typer.Typer | Callable[..., object],
+    prog: str,
+    argv: list[str] | None = None,
+    quiet_stop: bool = False,
+) -> int:
+    """Run a typer app with the project's exit-code and error-line conventions; returns the exit code.
+    `quiet_stop`: a signal ends the process with its exit code and no line (a torchrun worker but
+    rank 0, which says it once: torchrun stops every worker when one fails)."""
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     debug = debug or os.environ.get("MEGA_DEBUG") == "1"
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
@@ -152,18 +160,18 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
         error(prog, message.replace("Value error, ", ""))
         return 2
     except UserError as e:
-        if _RECEIVED:
-            return _stopped(prog, _RECEIVED[0])
+        if _RECEIVED and not isinstance(e, Silent):
+            return _stopped(prog, _RECEIVED[0], quiet_stop)
         if debug:
             traceback.print_exc()
         if not isinstance(e, Silent):
             error(prog, str(e))
         return e.exit_code
     except Stopped as e:
-        return _stopped(prog, e.signum)
+        return _stopped(prog, e.signum, quiet_stop)
     except Exception as e:
         if _RECEIVED:  # the stop, reported by a library as another error
-            return _stopped(prog, _RECEIVED[0])
+            return _stopped(prog, _RECEIVED[0], quiet_stop)
         if debug:
             traceback.print_exc()
         error(prog, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
@@ -173,10 +181,11 @@ def run(app: typer.Typer | Callable[..., object], prog: str, argv: list[str] | N
             signal.signal(sig, handler)
 
 
-def main_for(app: typer.Typer, prog: str) -> Callable[[], None]:
-    """The console-script entry point: `main = main_for(app, "mega-x")`."""
+def main_for(app: typer.Typer, prog: str, quiet_stop: Callable[[], bool] | None = None) -> Callable[[], None]:
+    """The console-script entry point: `main = main_for(app, "mega-x")`; `quiet_stop` (asked at
+    start) as `run`'s."""
 
     def main() -> None:
-        sys.exit(run(app, prog))
+        sys.exit(run(app, prog, quiet_stop=quiet_stop() if quiet_stop is not None else False))
 
     return main

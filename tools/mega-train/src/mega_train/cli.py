@@ -210,4 +210,5 @@ def _report(
         typer.echo("\n".join(memory_lines(report)))
 
 
-main = main_for(app, "mega-train")
+# Under torchrun, when one worker fails torchrun stops the others: rank 0 says why, once.
+main = main_for(app, "mega-train", quiet_stop=lambda: int(os.environ.get("RANK", "0")) > 0)
