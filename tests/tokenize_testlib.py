@@ -70,3 +70,16 @@ def corpus(n: int = 300) -> list[str]:
             body = "  " + textwrap.indent(body, "    ") + "  "
         docs.append(body)
     return docs
+
+
+def documents(tokens: Path, sidecar: str | None = None) -> list[list[int]]:
+    """A tokens artifact's documents in order (every shard), as id lists; with `sidecar` (e.g.
+    "roles"), that sidecar's rows instead."""
+    from megacore.artifacts import open_artifact
+    from megacore.data.indexed import IndexedReader
+
+    docs = []
+    for shard in open_artifact(tokens, "tokens").shards:
+        reader = IndexedReader(tokens / (shard.sidecars[sidecar] if sidecar else shard.prefix))
+        docs += [reader[i].tolist() for i in range(len(reader))]
+    return docs

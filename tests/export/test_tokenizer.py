@@ -24,10 +24,9 @@ import pytest
 
 from helpers import run_tool
 from megacore.artifacts import open_artifact
-from megacore.data.indexed import IndexedReader
 from megacore.models.hf_tokenizer import hf_tokenizer_files, sentencepiece_tokenizer_json
 from runlib import TINY_LLAMA, ok, train, write_run
-from tokenize_testlib import corpus, write_jsonl
+from tokenize_testlib import corpus, documents, write_jsonl
 
 MISTRAL = Path(__file__).resolve().parents[3] / "shared" / "assets" / "mistral-v1-tokenizer.model"
 CHATML = ["--add-special-tokens", "<|im_start|>,<|im_end|>"]
@@ -86,16 +85,6 @@ def conversations(n: int) -> list[dict]:
         }
         for _ in range(n)
     ]
-
-
-def documents(tokens: Path) -> list[list[int]]:
-    """The tokens artifact's documents in order, as id lists."""
-    manifest = open_artifact(tokens, "tokens")
-    docs = []
-    for shard in manifest.shards:
-        reader = IndexedReader(tokens / shard.prefix)
-        docs += [reader[i].tolist() for i in range(len(reader))]
-    return docs
 
 
 def added_id(tok_dir: Path, token: str) -> int:

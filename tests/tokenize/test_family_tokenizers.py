@@ -31,9 +31,8 @@ import pytest
 from mega_tokenize.chat import ROLE_CODES
 from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts import open_artifact
-from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from tokenize_testlib import corpus, training_text, write_jsonl
+from tokenize_testlib import corpus, documents, training_text, write_jsonl
 
 # --- the published chat templates ----------------------------------------------------------------
 
@@ -621,12 +620,6 @@ def _tokenize(tmp: Path, records: list[dict], tokenizer: Path, **kw) -> Path:
     out = tmp / "tokens"
     tokenize(Options(inputs=[str(src)], out=out, tokenizer=tokenizer, progress=False, **kw))
     return out
-
-
-def documents(tokens: Path, sidecar: str | None = None) -> list[list[int]]:
-    shard = open_artifact(tokens, "tokens").shards[0]
-    reader = IndexedReader(tokens / (shard.sidecars[sidecar] if sidecar else shard.prefix))
-    return [reader[i].tolist() for i in range(len(reader))]
 
 
 @pytest.fixture(scope="session", params=list(FAMILIES))

@@ -22,10 +22,9 @@ from mega_tokenize.pipeline import Options, tokenize
 from mega_tokenize.tokenizer import PROBES, load_tokenizer
 from megacore.artifacts.manifest import TokensManifest, TrainedTokenizer
 from megacore.artifacts.reader import open_artifact
-from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 from megacore.models.hf_tokenizer import hf_tokenizer_files, sentencepiece_tokenizer_json
-from tokenize_testlib import corpus, training_text, write_jsonl
+from tokenize_testlib import corpus, documents, training_text, write_jsonl
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -106,15 +105,6 @@ def model_path(models: dict[str, Path], name: str) -> Path:
 
         return mistral_tokenizer()
     return models[name]
-
-
-def documents(tokens: Path) -> list[list[int]]:
-    manifest = open_artifact(tokens, "tokens")
-    docs = []
-    for shard in manifest.shards:
-        reader = IndexedReader(tokens / shard.prefix)
-        docs += [reader[i].tolist() for i in range(len(reader))]
-    return docs
 
 
 def exported(tokens: Path) -> Tokenizer:
