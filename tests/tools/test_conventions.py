@@ -238,3 +238,34 @@ def test_a_torchrun_worker_but_rank_0_is_stopped_quietly(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["mega-x"])
     assert run_cli(app, "mega-x", quiet_stop=True) == 143
     assert capsys.readouterr().err == ""
+
+
+def test_a_signal_while_a_failure_is_reported_does_not_escape_as_a_traceback(monkeypatch, capsys):
+    """Torchrun SIGTERMs every worker as soon as one exits, maybe while another is reporting its
+    own failure (CI: rank 1 ending on rank 0's refusal printed `raise Stopped(signum)` and exited
+    1): the report ends as it began, with its code and one line."""
+    import os
+    import signal
+
+    import typer
+
+    from megacore.errors import UserError
+
+    sent = []
+
+    class Refused(UserError):
+        def __str__(self) -> str:
+            if not sent:
+                sent.append(os.kill(os.getpid(), signal.SIGTERM))
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the handler runs here, mid-report
+            return "out: in use"
+
+    app = typer.Typer()
+
+    @app.command()
+    def work() -> None:
+        raise Refused("in use")
+
+    monkeypatch.setattr("sys.argv", ["mega-x"])
+    assert run_cli(app, "mega-x") == 2
+    assert capsys.readouterr().err == "mega-x: error: out: in use\n"

@@ -109,9 +109,16 @@ class Stopped(BaseException):
 _RECEIVED: list[int] = []
 
 
+# Whether the handler raises: only while the command runs. Once `run` handles how the command ended,
+# a signal (torchrun SIGTERMs every worker when one exits) is recorded, not raised, or it would
+# escape the handling as a traceback and exit 1.
+_ARMED = [False]
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
     _RECEIVED.append(signum)
-    raise Stopped(signum)
+    if _ARMED[0]:
+        raise Stopped(signum)
 
 
 def _stopped(prog: str, signum: int, quiet: bool = False) -> int:
@@ -143,15 +150,29 @@ def run(
     _RECEIVED.clear()
     if argv is None:  # a console-script run owns the process and its signals
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _ARMED[0] = True
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
+        _ARMED[0] = False
         return int(result) if isinstance(result, int) else 0
-    except typer.Exit as e:
+    except BaseException as e:
+        # First, before any call (where Python runs a pending handler): disarm.
+        _ARMED[0] = False
+        return _exit_code(e, prog, debug, quiet_stop)
+    finally:
+        _ARMED[0] = False
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_code(e: BaseException, prog: str, debug: bool, quiet_stop: bool) -> int:
+    """How a command that raised `e` ends: its line on stderr (if any) and its exit code."""
+    if isinstance(e, typer.Exit):
         return e.exit_code
-    except typer.Abort:
+    if isinstance(e, typer.Abort):
         error(prog, "aborted")
         return 1
-    except TyperException as e:
+    if isinstance(e, TyperException):
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()  # prints the help text
             return 2
@@ -159,26 +180,20 @@ def run(
         message = e.format_message() if hasattr(e, "format_message") else str(e)
         error(prog, message.replace("Value error, ", ""))
         return 2
-    except UserError as e:
-        if _RECEIVED and not isinstance(e, Silent):
-            return _stopped(prog, _RECEIVED[0], quiet_stop)
-        if debug:
-            traceback.print_exc()
+    if isinstance(e, Stopped):
+        return _stopped(prog, e.signum, quiet_stop)
+    if not isinstance(e, Exception):  # SystemExit, KeyboardInterrupt: as Python would
+        raise e
+    if _RECEIVED and not isinstance(e, Silent):  # the stop, reported by a library as another error
+        return _stopped(prog, _RECEIVED[0], quiet_stop)
+    if debug:
+        traceback.print_exception(e)
+    if isinstance(e, UserError):
         if not isinstance(e, Silent):
             error(prog, str(e))
         return e.exit_code
-    except Stopped as e:
-        return _stopped(prog, e.signum, quiet_stop)
-    except Exception as e:
-        if _RECEIVED:  # the stop, reported by a library as another error
-            return _stopped(prog, _RECEIVED[0], quiet_stop)
-        if debug:
-            traceback.print_exc()
-        error(prog, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    error(prog, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
+    return 1
 
 
 def main_for(app: typer.Typer, prog: str, quiet_stop: Callable[[], bool] | None = None) -> Callable[[], None]:

@@ -47,6 +47,11 @@ def _forward(signum: int, frame: object) -> None:
             os.kill(pid, signum)
 
 
+def _stopped(exitcode: int) -> bool:
+    """Whether a worker ended by a signal (killed, or its own exit on SIGTERM)."""
+    return exitcode < 0 or exitcode == 128 + signal.SIGTERM
+
+
 def torchrun_args(
     nproc: int, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None
 ) -> list[str]:
@@ -84,8 +89,9 @@ def launch(options: list[str], worker_args: list[str]) -> int:
         elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
-        # The root cause: the first rank that exited by itself (the agent SIGTERMs the others then).
-        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp))
+        # The root cause: the first rank that exited by itself (the agent SIGTERMs the others then,
+        # which end killed or with 143).
+        rank, failure = min(e.failures.items(), key=lambda kv: (_stopped(kv[1].exitcode), kv[1].timestamp))
         code = failure.exitcode
         if code < 0:  # killed by a signal: report it as a shell would
             error("mega-train", f"rank {rank} was killed by {signal.Signals(-code).name}")
