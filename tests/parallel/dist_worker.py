@@ -150,7 +150,7 @@ def reference(cfg: ModelConfig, tokens, targets, positions=None):
 def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     cfg = FAMILIES[sc["family"]]
     spec = ParallelSpec(
-        tp=sc.get("tp", 1), pp=sc.get("pp", 1), schedule=sc.get("schedule", "1f1b"),
+        tp=sc.get("tp", 1), pp=sc.get("pp", 1), cp=sc.get("cp", 1), schedule=sc.get("schedule", "1f1b"),
         virtual_stages=sc.get("virtual_stages", 1), sequence_parallel=sc.get("sp", False),
         dp_mode=sc.get("dp_mode", "fsdp"),
     )  # fmt: skip
@@ -159,9 +159,9 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         # Without a pipeline, microbatches are gradient accumulation: 1 runs the batch as the
         # reference does (k_proj.bias gets a pure rounding-noise gradient that AdamW amplifies).
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
-        compile=sc.get("compile", False),
+        compile=sc.get("compile", False), recompute=sc.get("recompute", "none"),
     )  # fmt: skip
-    mesh = build_mesh(spec.tp, spec.pp)
+    mesh = build_mesh(spec.tp, spec.pp, spec.cp)
     ref = refs[sc["family"], sc.get("packed", False)]
     tokens, targets, positions = data
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()

@@ -13,7 +13,9 @@ norms, scaled embeddings, local and global layers, tied); tp, pp, dp and their
 combinations, sequence parallel on and off, all five pipeline schedules (1F1B also with more
 microbatches than stages), FSDP2 and replicate, a checkpoint saved by one layout and resumed under
 another, and packed documents with ignored targets (the loss a mean over the counted targets of the
-whole batch) under dp, tp, pp and tp x pp.
+whole batch) under dp, tp, pp and tp x pp. Context parallel alone (cp 2 and 4, one token per chunk)
+and with tp + SP, pp (1F1B, ZBV, interleaved, GPipe; tied embeddings), dp (FSDP2 over dp x cp),
+packed documents, windows and bf16, and a checkpoint saved at cp 2 resumed at cp 1.
 """
 
 from __future__ import annotations
@@ -114,10 +116,16 @@ MORE_TWO = [
     {"family": "qwen2", "tp": 2, "sp": True},
     {"family": "qwen3", "tp": 2},
     {"family": "gemma3", "tp": 2},
+    {"family": "mistral", "cp": 2},
+    {"family": "gemma3", "cp": 2},
+    {"family": "falcon", "cp": 2},
+    {"family": "qwen3", "cp": 2, "precision": "bf16"},  # bf16 through FSDP2 over cp alone
+    {"family": "llama", "cp": 2, "recompute": "selective"},  # the gathers run again in backward
+    {"family": "mistral", "cp": 2, "recompute": "full"},
 ]
 
 
-def four_process_core(ckpt: Path, tp_dp: Path) -> list[dict]:
+def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
     return [
         {"family": "llama", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b", "save": str(ckpt)},
         {"family": "llama", "tp": 2, "sp": True, "load": str(ckpt)},
@@ -129,6 +137,16 @@ def four_process_core(ckpt: Path, tp_dp: Path) -> list[dict]:
         {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
         {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "packed": True},  # pp2 x dp2, FSDP2
         {"family": "falcon40b-tied", "tp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
+        # Context parallel: each row over cp ranks (one token per chunk at cp 4), with tp and SP,
+        # a pipeline (tied: the pair group spans cp too), dp x cp with packed documents and ignored
+        # targets, saved at cp 2 and resumed at cp 1, and Mistral's window.
+        {"family": "llama", "cp": 4},
+        {"family": "llama", "cp": 2, "tp": 2, "sp": True},
+        {"family": "qwen2", "cp": 2, "pp": 2, "schedule": "1f1b"},
+        {"family": "llama-tied", "cp": 2, "pp": 2, "schedule": "zbv"},
+        {"family": "llama", "cp": 2, "packed": True, "save": str(cp_dp)},
+        {"family": "llama", "packed": True, "tp": 2, "load": str(cp_dp)},
+        {"family": "mistral", "cp": 2, "tp": 2},
     ]
 
 
@@ -145,6 +163,11 @@ MORE_FOUR = [
     {"family": "falcon40b-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
     {"family": "qwen2", "tp": 2, "pp": 2, "schedule": "1f1b"},
     {"family": "qwen3", "tp": 2},  # tp2 x dp2: FSDP2 over the q/k norms' summed gradients
+    {"family": "mistral", "cp": 2, "packed": True, "pp": 2, "schedule": "1f1b"},
+    {"family": "gemma3", "cp": 2, "tp": 2, "sp": True},
+    {"family": "llama", "cp": 4, "packed": True},
+    {"family": "llama", "cp": 2, "pp": 2, "schedule": "gpipe"},
+    {"family": "falcon40b-tied", "cp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
 ]
 
 
@@ -168,8 +191,10 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
-    tp_dp = tmp_path / "ckpt-tp2-dp2"
-    launch(tmp_path, 4, four_process_core(tmp_path / "ckpt-tp2pp2", tp_dp))
+    tp_dp, cp_dp = tmp_path / "ckpt-tp2-dp2", tmp_path / "ckpt-cp2-dp2"
+    launch(tmp_path, 4, four_process_core(tmp_path / "ckpt-tp2pp2", tp_dp, cp_dp))
+    # The weights of a cp run: sharded over dp x cp like over dp alone.
+    assert len(open_artifact(cp_dp, "checkpoint").tensors["layers.0.mlp.up_proj.weight"].pieces) == 4
     saved = open_artifact(tp_dp, "checkpoint")
     assert (saved.layout.tp, saved.layout.dp) == (2, 2)
     reshard(tp_dp, tmp_path / "tp1", 1, 1, log=lambda msg: None)

@@ -10,6 +10,7 @@ from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.parallel import (
     Parallelism,
+    check_cp,
     check_microbatches,
     check_parallelism,
     check_tp,
@@ -76,6 +77,16 @@ def test_world_must_be_a_multiple_of_tp_pp() -> None:
         ParallelSpec(pp=2, schedule="interleaved1f1b", virtual_stages=2), microbatches=2
     )
     assert len(check_parallelism(CFG, interleaved)) == 4
+
+
+def test_cp_needs_equal_chunks_and_sequence_parallel_a_split_part() -> None:
+    """cp cuts a sequence into 2 x cp chunks; sequence parallel then cuts each rank's part over tp."""
+    assert check_world(8, 2, 1, cp=2) == 2
+    refused(check_world, 8, 2, 1, cp=3, match="world size 8 is not a multiple of tp\\*pp\\*cp = 2\\*1\\*3")
+    check_cp(4096, 4, 2, True)
+    refused(check_cp, 100, 4, 1, False, match="seq_length 100 is not a multiple of 8")
+    refused(check_cp, 20, 2, 4, True, match="each cp rank's 10 tokens over tp 4")
+    check_cp(20, 2, 4, False)  # without sequence parallel the part stays whole on every tp rank
 
 
 def test_microbatches_must_divide_the_batch() -> None:

@@ -25,7 +25,7 @@ from megacore.artifacts import MANIFEST_NAME, open_artifact
 from megacore.artifacts.manifest import decode_manifest, encode_manifest
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
-from runlib import ok, train, write_run
+from runlib import losses, ok, train, write_run
 
 TRAINED, LONG = 256, 1024  # the init's context and the run's
 SCALINGS = {
@@ -115,13 +115,22 @@ def test_extended_context_exports_what_transformers_reproduces(
 def test_a_run_trains_the_longer_context_and_its_export_matches_transformers(
     init: Path, tmp_path: Path, tokens: Path
 ) -> None:
-    """One process, 2 steps at 1,024 tokens from the 256-position init with linear x4: the plan says
-    so, the checkpoint records the new config, its export reproduces it in transformers; resuming
-    with another context is refused, naming the field."""
+    """2 steps at 1,024 tokens from the 256-position init with linear x4, each sequence over cp 2 x
+    tp 2 with sequence parallel (4 processes): the plan says so, the losses are one process's, the
+    checkpoint records the new config, its export reproduces it in transformers; resuming with
+    another context is refused, naming the field."""
     model = {"init": str(init), "max_seq_len": LONG, "rope_scaling": SCALINGS["linear"]}
-    run_json = context_run(tmp_path, tokens, model)
-    proc = ok(train(run_json))
+    one = context_run(tmp_path / "one", tokens, model)
+    run_json = context_run(tmp_path, tokens, model, parallel={"tp": 2, "cp": 2, "sequence_parallel": True})
+    proc = ok(train(run_json, "--nproc-per-node", "4"))
     assert f"context: 1,024 positions (the init's {TRAINED})" in proc.stdout + proc.stderr
+    assert "world 4 = tp 2 x pp 1 x cp 2 x dp 1" in proc.stdout, proc.stdout
+    ok(train(one))
+    want, got = losses(tmp_path / "one" / "run"), losses(tmp_path / "run")
+    assert len(got) == 2 and all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(got, want, strict=True)), (
+        got,
+        want,
+    )
     last = tmp_path / "run" / "checkpoints" / "latest"
     config = open_artifact(last, "checkpoint").config
     assert (config.max_seq_len, config.rope_scaling.type, config.rope_scaling.factor) == (LONG, "linear", 4.0)

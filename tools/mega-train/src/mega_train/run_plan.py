@@ -23,7 +23,7 @@ from megacore.artifacts.writer import sha256_bytes
 from megacore.config import CONTEXT_FIELDS, ModelConfig, RopeScaling, with_context
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.layout import Parallelism, check_parallelism, check_tp, check_world
+from megacore.parallel.layout import Parallelism, check_cp, check_parallelism, check_tp, check_world
 from megacore.tokenizer_files import first_difference, recorded_vocabulary
 
 
@@ -109,7 +109,7 @@ class RunPlan:
             "out": str(self.out),
             "checkpoints": str(self.checkpoints),
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
-            "parallel": {"world_size": self.world_size, "tp": p.tp, "pp": p.pp, "dp": self.dp},
+            "parallel": {"world_size": self.world_size, "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": self.dp},
             "stage_layers": self.stage_layers,
             "batch": {
                 "micro": self.run.batch.micro_batch_size,
@@ -336,7 +336,9 @@ def _check_layout(
     """dp, the microbatches of a step and each stage's layers, for this world size."""
     b = run.batch
     check_tp(config, run.parallel.tp, "$.parallel.tp")  # before the world: the more basic mistake
-    dp = check_world(world_size, run.parallel.tp, run.parallel.pp, "$.parallel")
+    par = run.parallel
+    dp = check_world(world_size, par.tp, par.pp, "$.parallel", cp=par.cp)
+    check_cp(b.seq_length, par.cp, par.tp, par.sequence_parallel)
     if b.global_batch_size % (b.micro_batch_size * dp):
         raise UserError(
             f"$.batch.global_batch_size: {b.global_batch_size} is not a multiple of "

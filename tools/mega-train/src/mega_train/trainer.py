@@ -140,7 +140,7 @@ class Trainer:
         """Mesh, lock, stop flag, data and model; collective."""
         run = self.run
         configure_allocator(device_type())
-        self.mesh = build_mesh(run.parallel.tp, run.parallel.pp)
+        self.mesh = build_mesh(run.parallel.tp, run.parallel.pp, run.parallel.cp)
         self.rank = dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else "cpu"
         torch.manual_seed(run.seed)
@@ -550,7 +550,12 @@ class Trainer:
             "skipped_steps": self.scaler.counters["skipped"],
             "train_loss": _finite(pos.metrics.get("train_loss")),
             "valid_loss": _finite(pos.metrics.get("valid_loss")),
-            "layout": {"tp": t.tp, "pp": t.pp, "dp": dist.get_world_size() // (t.tp * t.pp)},
+            "layout": {
+                "tp": t.tp,
+                "pp": t.pp,
+                "cp": t.cp,
+                "dp": dist.get_world_size() // (t.tp * t.pp * t.cp),
+            },
             "metrics": str(self.plan.out / "metrics.jsonl"),
         }
 

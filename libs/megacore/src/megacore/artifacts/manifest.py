@@ -191,7 +191,8 @@ class TensorEntry(Struct):
 
 
 class Layout(Struct):
-    """How the tensors were split when written: tp, pp, dp shards and the layers of each stage."""
+    """How the tensors were split when written: tp, pp, dp shards (FSDP2's: dp x cp) and the
+    layers of each stage."""
 
     tp: Positive = 1
     pp: Positive = 1
@@ -306,10 +307,12 @@ class DataSpec(Struct):
 
 
 class ParallelSpec(Struct):
-    """tp and pp are set; dp is what is left: world size / (tp * pp), never set by hand."""
+    """tp, pp and cp are set; dp is what is left: world size / (tp * pp * cp), never set by hand."""
 
     tp: Positive = 1
     pp: Positive = 1
+    # Context parallel: each sequence spread over cp ranks (megacore.parallel.cp).
+    cp: Positive = 1
     pp_layers: list[Positive] | None = None
     schedule: Schedule = "1f1b"
     virtual_stages: Positive = 1

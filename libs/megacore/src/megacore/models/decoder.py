@@ -130,6 +130,8 @@ class Attention(nn.Module):
 
     fused = True  # q/k/v as one matmul
     recompute = False  # recompute the attention core in backward (selective recompute)
+    # The attention core; context parallel (`megacore.parallel.cp`) sets its own.
+    kernel = staticmethod(causal_attention)
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -160,9 +162,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         args = (q, k, v, self.window, self.impl, segments, self.scale)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
-            out = checkpoint(causal_attention, *args, use_reentrant=False)
+            out = checkpoint(self.kernel, *args, use_reentrant=False)
         else:
-            out = causal_attention(*args)
+            out = self.kernel(*args)
         return self.o_proj(out.reshape(b, s, -1))
 
 
@@ -239,6 +241,10 @@ class Decoder(nn.Module):
     Tied embeddings: the logits use the embedding's weight, or on a stage without the embedding an
     `lm_head` of its own that the caller keeps equal to it (`model_tensors`)."""
 
+    # The ranks a sequence is spread over (context parallel: `megacore.parallel.cp` sets it): x
+    # holds 1 / sequence_shards of each row, and RoPE's tables are those of the whole row's length.
+    sequence_shards = 1
+
     def __init__(
         self, config: ModelConfig, layers: Iterable[int] | None = None, embed: bool = True, head: bool = True
     ) -> None:
@@ -261,6 +267,7 @@ class Decoder(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         reduction: Literal["mean", "sum"] = "mean",
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
 
@@ -268,17 +275,22 @@ class Decoder(nn.Module):
         targets that are not IGNORE instead (their mean, or sum), fused with the output projection
         (never full fp32 logits; plain tensors only: tensor-parallel weights give logits, whose loss
         the caller computes). `positions` [B, S] packs several documents in a row: each counts
-        its positions from 0, and attends only within itself (HF's packing convention)."""
+        its positions from 0, and attends only within itself (HF's packing convention). A part of
+        each row (context parallel) comes with its tokens' `positions` and document ids
+        (`segments`, None: one document), which a part cannot work out by itself."""
         if self.embed is not None:
             x = self.embed(x)
             if self.config.scale_embeddings:
                 x = x * embed_scale(self.config, x.dtype)
         # The RoPE tables once per forward; Gemma 3's local layers have tables of their own.
         tables = {
-            local: rope_tables(self.config, x.shape[1], x.device, x.dtype, positions, local=local)
+            local: rope_tables(
+                self.config, x.shape[1] * self.sequence_shards, x.device, x.dtype, positions, local=local
+            )
             for local in {block.attn.local_rope for block in self.layers.values()}
         }
-        segments = None if positions is None else (positions == 0).cumsum(-1)
+        if segments is None and positions is not None and self.sequence_shards == 1:
+            segments = (positions == 0).cumsum(-1)
         for block in self.layers.values():
             x = block(x, *tables[block.attn.local_rope], segments)
         if self.norm is None:

@@ -1,6 +1,7 @@
 """Parallelism on PyTorch's own engine (docs/architecture.md): the layout and its checks
-(`layout`, no torch), the device mesh (`mesh`), tensor/sequence parallel styles (`tp`), the engine
-that builds a rank's stages and runs a step (`engine`), and saving / loading a live model (`state`).
+(`layout`, no torch), the device mesh (`mesh`), tensor/sequence parallel styles (`tp`), context parallel
+(`cp`), the engine that builds a rank's stages and runs a step (`engine`), saving / loading a live
+model (`checkpoint_io`) and the memory planner (`memory`).
 
 Only `layout` is imported here: a dry run uses it without importing torch.
 """
@@ -12,6 +13,7 @@ from megacore.parallel.layout import (
     SCHEDULES,
     Parallelism,
     TensorPlace,
+    check_cp,
     check_microbatches,
     check_parallelism,
     check_tp,
@@ -32,6 +34,7 @@ __all__ = [
     "SCHEDULES",
     "Parallelism",
     "TensorPlace",
+    "check_cp",
     "check_microbatches",
     "check_parallelism",
     "check_tp",

@@ -37,12 +37,12 @@ def _owner(t: torch.Tensor, mesh) -> bool:
         coords = t.device_mesh.get_coordinate()
         if not all(c == 0 for c, p in zip(coords, t.placements, strict=True) if isinstance(p, Replicate)):
             return False
-        # Its mesh may lack tp or dp: FSDP2 shards a tp-replicated weight (a norm) over dp alone,
-        # so it is replicated over the dimension its mesh does not have.
-        names = t.device_mesh.mesh_dim_names or ()
-        return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp") if d not in names)
-    # A plain parameter is the same on every tp and dp rank of its stage.
-    return mesh["tp"].get_local_rank() == 0 and mesh["dp"].get_local_rank() == 0
+        # Its mesh may lack tp, dp or cp: FSDP2 shards a tp-replicated weight (a norm) over dp (or
+        # the flattened dp_cp) alone, so it is replicated over the dimensions its mesh does not have.
+        names = {d for name in t.device_mesh.mesh_dim_names or () for d in name.split("_")}
+        return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp", "cp") if d not in names)
+    # A plain parameter is the same on every tp, dp and cp rank of its stage.
+    return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp", "cp"))
 
 
 def _named_tensors(pm: ParallelModel, optimizer: torch.optim.Optimizer | None):
@@ -90,8 +90,9 @@ def save_checkpoint(
     w = ArtifactWriter(decided[0], "checkpoint")
     try:
         cw = CheckpointWriter(w)
-        coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "dp")}
-        file = shard_file(coords["pp"], coords["tp"], coords["dp"] if pm.dp > 1 else None)
+        coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "dp", "cp")}
+        shard = coords["dp"] * mesh["cp"].size() + coords["cp"]  # of the weights' dp x cp shards
+        file = shard_file(coords["pp"], coords["tp"], shard if pm.replicas > 1 else None)
         mine = []
         for name, t in _named_tensors(pm, optimizer):
             offset, shape, local = local_piece(t.detach())
@@ -116,7 +117,7 @@ def save_checkpoint(
                 tokenizer=cw.add_tokenizer(*tokenizer) if tokenizer is not None else None,
                 parents=parents,
                 dtype=dtype_of(next(pm.parameters())),
-                layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.dp, stage_layers=pm.layers),
+                layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.replicas, stage_layers=pm.layers),
                 producer=producer,
                 training=training,
                 license=license,

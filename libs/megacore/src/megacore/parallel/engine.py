@@ -1,9 +1,10 @@
-"""Builds this rank's part of the model for a (pp, dp, tp) mesh and runs forward/backward.
+"""Builds this rank's part of the model for a (pp, dp, cp, tp) mesh and runs forward/backward.
 
 Only building and running happens here: what to build (stages, layers, schedule, checks) is
 decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
-on the meta device from the layer ModuleDict, tensor parallel is applied, then data parallel (FSDP2
-`fully_shard` per block and per stage, or `replicate`; without dp, bf16/fp16 compute copies instead:
+on the meta device from the layer ModuleDict, tensor parallel is applied, then context parallel
+(`cp.apply_cp`), then data parallel (FSDP2 `fully_shard` per block and per stage over dp, or dp x cp
+with cp, or `replicate`; without either, bf16/fp16 compute copies instead:
 `ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.checkpoint_io.load_checkpoint`, or
 `init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
 
@@ -11,7 +12,9 @@ One `forward_backward` takes this rank's whole batch of a step and runs it as `p
 microbatches: the pipeline schedule's, or gradient accumulation without a pipeline (gradient
 reduction over dp only after the last one). Either way the gradients are those of the mean loss
 over the counted targets (not IGNORE) of the whole global batch: each microbatch's summed loss is
-weighted by dp / count (dp because data parallel averages the gradients over its ranks).
+weighted by dp x cp / count (data parallel averages the gradients over its ranks, and over cp's,
+whose parts of the rows each give part of the gradient). Under cp every rank gets its dp share of
+whole rows and keeps its part of each (`_local`); the loss it returns is the whole rows'.
 `evaluate` runs the same microbatches forward only, and can hand each one's full-vocab logits to a
 callback (evaluation metrics).
 
@@ -46,6 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from megacore.artifacts.pieces import Box
 from megacore.config import ModelConfig
 from megacore.data.packing import IGNORE
+from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
@@ -148,22 +152,28 @@ class ParallelModel:
         self.layers = check_parallelism(config, par)
         self.num_stages = len(self.layers)
         self.tp_mesh = mesh["tp"] if par.spec.tp > 1 else None
+        self.cp_mesh = mesh["cp"] if par.spec.cp > 1 else None
         self.dp = mesh["dp"].size()
+        # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
+        self.replicas = self.dp * par.spec.cp
+        dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp_mesh is not None else mesh["dp"]
         self.stage_ids = par.rank_stages(mesh["pp"].get_local_rank())
         self.parts: list[nn.Module] = []
         self.copies: list[ComputeCopies] = []
         dtype = COMPUTE_DTYPES.get(par.precision)
-        use_copies = compute_copies(par, self.dp)
+        use_copies = compute_copies(par, self.replicas)
         for s in self.stage_ids:
             with torch.device("meta"):
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
             if par.spec.tp > 1:
                 apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel)
+            if self.cp_mesh is not None:
+                apply_cp(part, self.cp_mesh)
             part.set_recompute(par.recompute)
             if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
                 part.compile_blocks()
-            if fsdp_wrapped(par, self.dp):
-                apply_dp(part, mesh["dp"], par)
+            if fsdp_wrapped(par, self.replicas):
+                apply_dp(part, dp_mesh, par)
             part.to_empty(device=self.device)
             if use_copies:
                 self.copies.append(ComputeCopies(part, dtype))
@@ -198,12 +208,8 @@ class ParallelModel:
         first, last = owner[0], owner[self.num_stages - 1]
         if first == last:
             return None
-        grid = self.mesh.mesh  # global ranks by (pp, dp, tp)
-        pairs = [
-            [int(grid[first, d, t]), int(grid[last, d, t])]
-            for d in range(grid.shape[1])
-            for t in range(grid.shape[2])
-        ]
+        grid = self.mesh.mesh.flatten(1)  # global ranks by pp, then (dp, cp, tp)
+        pairs = [[int(grid[first, i]), int(grid[last, i])] for i in range(grid.shape[1])]
         group, _ = dist.new_subgroups_by_enumeration(pairs)
         return group
 
@@ -274,9 +280,11 @@ class ParallelModel:
 
     @property
     def reports_logits(self) -> bool:
-        """Whether `evaluate` calls its `on_logits` here: on the last stage at tp rank 0, so once
-        per dp rank."""
-        return self.has_last and (self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0)
+        """Whether `evaluate` calls its `on_logits` here: on the last stage at tp and cp rank 0, so
+        once per dp rank."""
+        return self.has_last and all(
+            m is None or m.get_local_rank() == 0 for m in (self.tp_mesh, self.cp_mesh)
+        )
 
     def forward_backward(
         self,
@@ -297,22 +305,25 @@ class ParallelModel:
         if data is not None:  # middle pipeline stages get no batch; the ends check it
             check_microbatches(data.shape[0], n, "microbatches")
         counted = _counted(targets)
-        weight = self.dp * scale / max(count if count is not None else self.dp * counted, 1)
+        # Gradient reduction averages over the replicas (dp x cp), so each rank's share is
+        # weighted up by them.
+        weight = self.replicas * scale / max(count if count is not None else self.dp * counted, 1)
+        tokens, targets, inputs = self._local(tokens, targets, positions)
         for copies in self.copies:
             copies.refresh()
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 losses = []
-                for i, (x, y, p) in enumerate(_chunks(n, tokens, targets, positions)):
+                for i, (x, y, kw) in enumerate(_chunks(n, tokens, targets, inputs)):
                     self._grad_sync(i == n - 1)
-                    loss = self._loss(x, y, p)
+                    loss = self._loss(x, y, kw)
                     (loss * weight).backward()
                     losses.append(loss.detach())
-                return _mean(losses, counted)
-            losses = self._scheduled(self.schedule.step, tokens, targets, positions, weight=weight)
+                return self._mean(losses, counted)
+            losses = self._scheduled(self.schedule.step, tokens, targets, inputs, weight=weight)
             if self.config.tie_embeddings:
                 self._sum_tied_grads()
-            return _mean(losses, counted, weight) if self.has_last else None
+            return self._mean(losses, counted, weight) if self.has_last else None
 
     def evaluate(
         self,
@@ -335,21 +346,49 @@ class ParallelModel:
         grad = self.par.compile and self.tp_mesh is not None
         with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
             counted = _counted(targets)
+            tokens, targets, inputs = self._local(tokens, targets, positions)
             if self.schedule is None:
-                chunks = _chunks(n, tokens, targets, positions)
-                return _mean([self._loss(x, y, p, on_logits) for x, y, p in chunks], counted)
+                chunks = _chunks(n, tokens, targets, inputs)
+                return self._mean([self._loss(x, y, kw, on_logits) for x, y, kw in chunks], counted)
             if self.par.spec.schedule == "zbv":
-                losses = self._forward_stages(tokens, targets, positions, on_logits)
+                losses = self._forward_stages(tokens, targets, inputs, on_logits)
             else:
-                losses = self._scheduled(self.schedule.eval, tokens, targets, positions, on_logits=on_logits)
-            return _mean(losses, counted) if self.has_last else None
+                losses = self._scheduled(self.schedule.eval, tokens, targets, inputs, on_logits=on_logits)
+            return self._mean(losses, counted) if self.has_last else None
+
+    def _local(
+        self, tokens: torch.Tensor | None, targets: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """This rank's tokens and targets, and what every stage takes besides its input (packed
+        documents' positions; their document ids too under cp, worked out on the whole row). Each
+        rank reads these from the batch (a schedule splits keyword inputs into microbatches and
+        hands them to every stage) rather than receiving them from the previous stage."""
+        if self.cp_mesh is None:
+            return tokens, targets, ({} if positions is None else {"positions": positions})
+        cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
+        inputs = {}
+        if positions is not None:
+            segments = (positions == 0).cumsum(-1)
+            inputs = {
+                "positions": shard_sequence(positions, cp, rank),
+                "segments": shard_sequence(segments, cp, rank),
+            }
+        return shard_sequence(tokens, cp, rank), shard_sequence(targets, cp, rank), inputs
+
+    def _mean(self, losses: list[torch.Tensor], counted: int, weight: float = 1.0) -> torch.Tensor:
+        """The mean loss over the `counted` targets of this rank's rows from microbatches' summed
+        losses (each times `weight`); under cp the row's parts are summed over the cp ranks."""
+        total = torch.stack([x.detach().float() for x in losses]).sum() / weight
+        if self.cp_mesh is not None:
+            dist.all_reduce(total, group=self.cp_mesh.get_group())
+        return (total / max(counted, 1)).cpu()
 
     def _scheduled(
         self,
         call: Callable[..., object],
         tokens: torch.Tensor | None,
         targets: torch.Tensor | None,
-        positions: torch.Tensor | None,
+        inputs: dict[str, torch.Tensor],
         **loss_inputs: object,
     ) -> list[torch.Tensor]:
         """One call of the pipeline schedule (`step` or `eval`), its loss given `loss_inputs`
@@ -361,7 +400,7 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         try:
-            call(*args, **kwargs, **_stage_kwargs(positions))
+            call(*args, **kwargs, **inputs)
         finally:
             self.schedule._loss_fn = self._microbatch_loss
         return losses
@@ -370,7 +409,7 @@ class ParallelModel:
         self,
         tokens: torch.Tensor | None,
         targets: torch.Tensor | None,
-        positions: torch.Tensor | None,
+        inputs: dict[str, torch.Tensor],
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None,
     ) -> list[torch.Tensor]:
         """Forward only through the stages in order, one microbatch at a time, with plain send/recv
@@ -380,18 +419,15 @@ class ParallelModel:
         group, me = pp.get_group(), pp.get_local_rank()
         owner = {s: r for r in range(pp.size()) for s in self.par.rank_stages(r)}
         parts = dict(zip(self.stage_ids, self.parts, strict=True))
-        xs = tokens.chunk(n) if tokens is not None else [None] * n
-        ys = targets.chunk(n) if targets is not None else [None] * n
-        ps = positions.chunk(n) if positions is not None else [None] * n
         losses = []
-        for x, y, p in zip(xs, ys, ps, strict=True):
+        for x, y, kw in _chunks(n, tokens, targets, inputs):
             for s in sorted(parts):
                 if s > 0 and owner[s - 1] != me:  # the shape and dtype first: middle ranks hold no batch
                     meta = torch.zeros(4, dtype=torch.int64, device=self.device)
                     dist.recv(meta, group=group, group_src=owner[s - 1])
                     x = torch.empty(meta[:3].tolist(), dtype=_DTYPES[int(meta[3])], device=self.device)
                     dist.recv(x, group=group, group_src=owner[s - 1])
-                x = parts[s](x, **_stage_kwargs(p))
+                x = parts[s](x, **kw)
                 if s == self.num_stages - 1:
                     losses.append(self._microbatch_loss(x, y, on_logits=on_logits))
                 elif owner[s + 1] != me:
@@ -405,15 +441,15 @@ class ParallelModel:
         self,
         x: torch.Tensor,
         y: torch.Tensor,
-        positions: torch.Tensor | None,
+        inputs: dict[str, torch.Tensor],
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """A microbatch's summed loss without a pipeline: fused with the output projection unless
         the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`)."""
         model = self.parts[0]
         if self.tp_mesh is None and on_logits is None:
-            return model(x, y, positions=positions, reduction="sum")
-        return self._microbatch_loss(model(x, positions=positions), y, on_logits=on_logits)
+            return model(x, y, reduction="sum", **inputs)
+        return self._microbatch_loss(model(x, **inputs), y, on_logits=on_logits)
 
     def _report(
         self,
@@ -421,9 +457,13 @@ class ParallelModel:
         targets: torch.Tensor,
         on_logits: Callable[[torch.Tensor, torch.Tensor], None],
     ) -> None:
-        """`on_logits` with the whole vocab: the tp ranks' shards gathered, padding columns dropped."""
+        """`on_logits` with the whole vocab and sequence: the tp ranks' shards gathered (and the cp
+        ranks' parts), padding columns dropped."""
         if self.tp_mesh is not None:
             logits = DTensor.from_local(logits, self.tp_mesh, [Shard(2)], run_check=False).full_tensor()
+        if self.cp_mesh is not None:
+            group, cp = self.cp_mesh.get_group(), self.cp_mesh.size()
+            logits, targets = (gather_sequence(t.detach(), group, cp) for t in (logits, targets))
         if self.reports_logits:
             on_logits(logits[..., : self.config.vocab_size].detach(), targets)
 
@@ -452,22 +492,14 @@ def _counted(targets: torch.Tensor | None) -> int:
     return 0 if targets is None else int((targets != IGNORE).sum())
 
 
-def _mean(losses: list[torch.Tensor], counted: int, weight: float = 1.0) -> torch.Tensor:
-    """The mean loss over `counted` targets from microbatches' summed losses (each times `weight`)."""
-    return (torch.stack([x.detach().float() for x in losses]).sum() / weight / max(counted, 1)).cpu()
-
-
-def _stage_kwargs(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """What every pipeline stage takes besides its input: the packed documents' positions, which
-    each rank reads from the batch (a schedule splits keyword inputs into microbatches and hands
-    them to every stage) rather than receiving them from the previous stage."""
-    return {} if positions is None else {"positions": positions}
-
-
-def _chunks(n: int, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None):
-    """The microbatches: (tokens, targets, positions or None) each."""
-    ps = positions.chunk(n) if positions is not None else [None] * n
-    return zip(tokens.chunk(n), targets.chunk(n), ps, strict=True)
+def _chunks(
+    n: int, tokens: torch.Tensor | None, targets: torch.Tensor | None, inputs: dict[str, torch.Tensor]
+):
+    """The microbatches: (tokens, targets, stage inputs) each; None where this rank has no batch."""
+    xs = tokens.chunk(n) if tokens is not None else [None] * n
+    ys = targets.chunk(n) if targets is not None else [None] * n
+    parts = {k: v.chunk(n) for k, v in inputs.items()}
+    return ((x, y, {k: v[i] for k, v in parts.items()}) for i, (x, y) in enumerate(zip(xs, ys, strict=True)))
 
 
 def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:

@@ -172,11 +172,32 @@ def stage_layers(
     return out
 
 
-def check_world(world_size: int, tp: int, pp: int, where: str = "world size") -> int:
-    """dp = world / (tp * pp); the world size must be a multiple of tp * pp."""
-    if world_size % (tp * pp):
-        raise UserError(f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp}", where)
-    return world_size // (tp * pp)
+def check_world(world_size: int, tp: int, pp: int, where: str = "world size", cp: int = 1) -> int:
+    """dp = world / (tp * pp * cp); the world size must be a multiple of tp * pp * cp."""
+    if world_size % (tp * pp * cp):
+        sizes = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
+        raise UserError(f"world size {world_size} is not a multiple of {sizes}", where)
+    return world_size // (tp * pp * cp)
+
+
+def check_cp(
+    seq_length: int, cp: int, tp: int, sequence_parallel: bool, where: str = "$.parallel.cp"
+) -> None:
+    """Context parallel cuts each sequence into 2 x cp equal chunks (`megacore.parallel.cp`), and
+    sequence parallel each rank's part into tp."""
+    _positive(cp, "cp", where)
+    if cp > 1 and seq_length % (2 * cp):
+        raise UserError(
+            f"cp {cp} splits each sequence into {2 * cp} equal chunks: seq_length {seq_length} is "
+            f"not a multiple of {2 * cp}",
+            where,
+        )
+    if cp > 1 and sequence_parallel and (seq_length // cp) % tp:
+        raise UserError(
+            f"sequence parallel splits each cp rank's {seq_length // cp} tokens over tp {tp}: "
+            "choose a seq_length that divides",
+            where,
+        )
 
 
 def check_microbatches(batch_size: int, microbatches: int, where: str = "batch") -> int:
@@ -258,10 +279,12 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
 
 def compute_copies(par: Parallelism, dp: int) -> bool:
     """Whether the engine keeps bf16/fp16 compute copies of the fp32 parameters (`ComputeCopies`):
-    mixed precision without dp, but for the zero-bubble schedules."""
+    mixed precision without dp, but for the zero-bubble schedules. `dp`: the replicas of each
+    parameter (dp x cp)."""
     return par.precision != "fp32" and dp == 1 and par.spec.schedule not in ZERO_BUBBLE
 
 
 def fsdp_wrapped(par: Parallelism, dp: int) -> bool:
-    """Whether the engine applies FSDP2 (or replicate): with dp, or mixed precision without copies."""
+    """Whether the engine applies FSDP2 (or replicate): with dp (the replicas: dp x cp), or mixed
+    precision without copies."""
     return dp > 1 or (par.precision != "fp32" and not compute_copies(par, dp))

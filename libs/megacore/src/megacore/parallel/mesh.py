@@ -1,4 +1,4 @@
-"""The device mesh (`pp`, `dp`, `tp`) from torchrun's environment: gloo on CPU, NCCL on GPU."""
+"""The device mesh (`pp`, `dp`, `cp`, `tp`) from torchrun's environment: gloo on CPU, NCCL on GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megacore.parallel.layout import check_world
 
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
 def device_type() -> str:
@@ -31,12 +31,13 @@ def init_distributed() -> None:
         dist.init_process_group(backend)
 
 
-def build_mesh(tp: int = 1, pp: int = 1) -> DeviceMesh:
-    """A 3-D mesh (pp, dp, tp) over the whole world; dp = world / (tp * pp). tp is the innermost
-    dimension so a tensor-parallel group is made of neighbouring ranks (one node on GPUs)."""
+def build_mesh(tp: int = 1, pp: int = 1, cp: int = 1) -> DeviceMesh:
+    """A 4-D mesh (pp, dp, cp, tp) over the whole world; dp = world / (tp * pp * cp). tp is the
+    innermost dimension so a tensor-parallel group is made of neighbouring ranks (one node on
+    GPUs), cp next: its all-gathers of keys and values are the next heaviest traffic."""
     init_distributed()
-    dp = check_world(dist.get_world_size(), tp, pp)
-    return init_device_mesh(device_type(), (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    dp = check_world(dist.get_world_size(), tp, pp, cp=cp)
+    return init_device_mesh(device_type(), (pp, dp, cp, tp), mesh_dim_names=MESH_DIMS)
 
 
 def shutdown() -> None:
