@@ -13,6 +13,9 @@ keys, itself included; it changes the result only when the sequence is longer th
 only then is a mask built. Every kernel takes the score scale (`scale`, Gemma's not 1 / sqrt(D)).
 Packed documents (`segments` [B, S], a document id per token) see only their own document: a
 block-causal mask for SDPA, a variable-length kernel (one ragged batch, no mask) on a GPU.
+`suffix_attention` is the same for queries that are the last positions of their keys (a late chunk
+of a row under context parallel): causal aligned to the bottom right, with the same kernels and no
+mask on a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 Impl = Literal["auto", "sdpa", "flash"]
 
@@ -70,27 +74,107 @@ def _varlen(
     b, s, hq, d = q.shape
     cu, longest = _cu_seqlens(segments)
     q, k, v = (t.reshape(b * s, t.shape[2], d) for t in (q, k, v))
+    return _varlen_kernel(q, k, v, cu, cu, longest, longest, window_size, scale).view(b, s, hq, d)
+
+
+def suffix_documents(q_segments: torch.Tensor, k_segments: torch.Tensor):
+    """The variable-length kernels' view of queries that are the last ones of their keys (a chunk
+    of a longer row, context parallel) in packed documents: which keys to keep (flat [B * Sk]
+    bool: from the chunk's first document on, so every kept document has queries), and the
+    cumulative starts of the documents among the queries and among the kept keys (int32, total
+    last) with the longest of each. The i-th document is the same on both sides."""
+    b = k_segments.shape[0]
+    rows = torch.arange(b, device=q_segments.device)[:, None] * (int(k_segments.max()) + 1)
+    keep = (k_segments >= q_segments[:, :1]).flatten()
+    cu = []
+    for ids in ((q_segments + rows).flatten(), (k_segments + rows).flatten()[keep]):
+        new = torch.ones_like(ids, dtype=torch.bool)
+        new[1:] = ids[1:] != ids[:-1]
+        starts = new.nonzero().squeeze(1)
+        c = torch.cat([starts, starts.new_tensor([ids.numel()])]).to(torch.int32)
+        cu += [c, int((c[1:] - c[:-1]).max())]
+    return keep, *cu
+
+
+def _varlen_kernel(q, k, v, cu_q, cu_k, max_q: int, max_k: int, window_size: tuple[int, int], scale):
+    """A FlashAttention variable-length kernel over flat [tokens, heads, D] inputs, causal aligned to
+    the bottom right of each document: flash-attn's when installed, else PyTorch's."""
     if _flash_attn_func() is not None:
         from flash_attn import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(
-            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True, window_size=window_size
+        return flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True, window_size=window_size
         )
-    elif _torch_varlen() is None:
+    if _torch_varlen() is None:
         raise RuntimeError(
             "attention 'flash' with packed documents or a sliding window needs flash-attn "
             f"(pip install 'megacore[flash]') or a torch with varlen_attn, not {torch.__version__}"
         )
-    else:
-        varlen_attn, takes_gqa = _torch_varlen()
-        extra = {} if scale is None else {"scale": scale}
-        if k.shape[1] != hq:
-            if takes_gqa:
-                extra["enable_gqa"] = True
-            else:  # an older torch: give every query head its own copy of its group's k/v
-                k, v = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (k, v))
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(window_size[0], 0), **extra)
-    return out.view(b, s, hq, d)
+    varlen_attn, takes_gqa = _torch_varlen()
+    extra = {} if scale is None else {"scale": scale}
+    if k.shape[1] != q.shape[1]:
+        if takes_gqa:
+            extra["enable_gqa"] = True
+        else:  # an older torch: give every query head its own copy of its group's k/v
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(window_size[0], 0), **extra)
+
+
+def suffix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    impl: Impl = "auto",
+    q_segments: torch.Tensor | None = None,
+    k_segments: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`causal_attention` for queries q [B, Sq, Hq, D] that are the last Sq positions of the keys
+    k/v [B, Sk, Hkv, D] (a late chunk of a row under context parallel): causal aligned to the bottom
+    right. `q_segments` [B, Sq] / `k_segments` [B, Sk]: packed documents' ids.
+
+    On a GPU no Sq x Sk mask: flash-attn (bottom-right causal natively, windows too), SDPA with a
+    lower-right causal bias (its memory-efficient kernel), or the variable-length kernels for
+    documents and windows. On a CPU SDPA, with a mask only for windows and documents."""
+    sq, sk = q.shape[1], k.shape[1]
+    windowed = window is not None and sk > window
+    window_size = (window - 1, 0) if windowed else (-1, -1)
+    if impl == "flash" and not _half_on_gpu(q):
+        raise RuntimeError(f"attention 'flash' needs fp16 or bf16 on a GPU, got {q.dtype} on {q.device.type}")
+    on_gpu = impl == "flash" or (impl == "auto" and _half_on_gpu(q))
+    if on_gpu and q_segments is None and _flash_attn_func() is not None:
+        return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True, window_size=window_size)
+    if q_segments is None and not windowed:
+        return _sdpa(q, k, v, causal_lower_right(sq, sk), scale)
+    if on_gpu and (_flash_attn_func() is not None or _torch_varlen() is not None):
+        if q_segments is None:  # a window: every row is one document
+            q_segments = torch.zeros(q.shape[:2], dtype=torch.long, device=q.device)
+            k_segments = torch.zeros(k.shape[:2], dtype=torch.long, device=q.device)
+        keep, cu_q, max_q, cu_k, max_k = suffix_documents(q_segments, k_segments)
+        b, _, hq, d = q.shape
+        kf, vf = (t.reshape(b * sk, t.shape[2], d)[keep] for t in (k, v))
+        out = _varlen_kernel(q.reshape(b * sq, hq, d), kf, vf, cu_q, cu_k, max_q, max_k, window_size, scale)
+        return out.view(b, sq, hq, d)
+    qi = torch.arange(sk - sq, sk, device=q.device)[:, None]
+    kj = torch.arange(sk, device=q.device)[None, :]
+    mask = kj <= qi
+    if windowed:
+        mask &= kj > qi - window
+    mask = mask[None, None]
+    if q_segments is not None:
+        mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])[:, None]
+    return _sdpa(q, k, v, mask, scale)
+
+
+def _sdpa(q, k, v, mask, scale: float | None) -> torch.Tensor:
+    """SDPA of [B, S, heads, D] inputs under `mask` (a boolean tensor or an attention bias), through
+    transposed views (the kernels take strided inputs: no copies)."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=qt.shape[1] != kt.shape[1]
+    )
+    return out.transpose(1, 2)
 
 
 def _flash(
@@ -159,15 +243,12 @@ def causal_attention(
         return _flash(q, k, v, window_size, segments, scale)
     if segments is not None and impl == "auto" and _half_on_gpu(q) and _torch_varlen() is not None:
         return _varlen(q, k, v, segments, window_size, scale)  # no S x S mask, no slow masked kernel
+    if segments is not None:
+        return _sdpa(q, k, v, document_mask(segments, window if windowed else None), scale)
+    if windowed:
+        return _sdpa(q, k, v, _window_mask(seq_len, window, q.device), scale)
     # SDPA wants [B, heads, S, D]; transposed views avoid copies (the kernels take strided inputs).
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = qt.shape[1] != kt.shape[1]
-    if segments is not None:
-        mask = document_mask(segments, window if windowed else None)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    elif windowed:
-        mask = _window_mask(seq_len, window, q.device)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
-from megacore.models.attention import Impl, causal_attention
+from megacore.models.attention import Impl, causal_attention, suffix_attention
 
 # torch 2.13 renamed the collectives into a tensor (the old names warn); 2.11 (GPU machines) has the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -88,11 +87,9 @@ def gather_sequence(t: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch
 
 class ContextParallelAttention:
     """`causal_attention` for queries of this rank's tokens against the whole sequence's keys:
-    the attention kernel of every layer under cp (`Attention.kernel`).
-
-    Each of the rank's two chunks attends the keys up to its own end, causal aligned to the bottom
-    right (the chunk's last query sees every key), so no mask is built for a causal sequence; a
-    window or packed documents add a mask of the chunk's queries against those keys."""
+    the attention kernel of every layer under cp (`Attention.kernel`). Each of the rank's two
+    chunks attends the keys up to its own end, causal aligned to the bottom right
+    (`suffix_attention`: no mask on a GPU, nor on a CPU without windows or documents)."""
 
     def __init__(self, group: dist.ProcessGroup, cp: int, rank: int) -> None:
         self.group, self.cp, self.rank = group, cp, rank
@@ -109,56 +106,17 @@ class ContextParallelAttention:
     ) -> torch.Tensor:
         cp, n = self.cp, q.shape[1] // 2
         k, v = gather_sequence(k, self.group, cp), gather_sequence(v, self.group, cp)
-        all_segments = None
-        if segments is not None:
-            all_segments = unshard_sequence(_gather(segments, self.group), cp)
+        keys_segments = None if segments is None else unshard_sequence(_gather(segments, self.group), cp)
         outs = []
         for half, chunk in enumerate((self.rank, 2 * cp - 1 - self.rank)):
-            end = (chunk + 1) * n
-            qc = q[:, half * n : (half + 1) * n]
+            end, own = (chunk + 1) * n, slice(half * n, (half + 1) * n)
+            seg = None if segments is None else segments[:, own]
             if chunk == 0:  # the first chunk is a sequence of its own: today's kernels
-                seg = None if segments is None else segments[:, :n]
-                outs.append(causal_attention(qc, k[:, :n], v[:, :n], window, impl, seg, scale))
+                outs.append(causal_attention(q[:, own], k[:, :n], v[:, :n], window, impl, seg, scale))
                 continue
-            mask = _chunk_mask(chunk * n, n, end, window, segments, all_segments, half, q.device)
-            outs.append(_attend(qc, k[:, :end], v[:, :end], mask, scale))
+            kseg = None if segments is None else keys_segments[:, :end]
+            outs.append(suffix_attention(q[:, own], k[:, :end], v[:, :end], window, impl, seg, kseg, scale))
         return torch.cat(outs, dim=1)
-
-
-def _chunk_mask(
-    start: int,
-    n: int,
-    end: int,
-    window: int | None,
-    segments: torch.Tensor | None,
-    all_segments: torch.Tensor | None,
-    half: int,
-    device: torch.device,
-):
-    """What queries start..start+n see of keys 0..end: causal (bottom right) without a window or
-    documents, else a boolean mask [B or 1, 1, n, end]."""
-    if window is None and segments is None:
-        return causal_lower_right(n, end)
-    qi = torch.arange(start, start + n, device=device)[:, None]
-    kj = torch.arange(end, device=device)[None, :]
-    mask = kj <= qi
-    if window is not None:
-        mask &= kj > qi - window
-    mask = mask[None, None]
-    if segments is not None:
-        own = segments[:, half * n : (half + 1) * n]
-        mask = mask & (own[:, :, None] == all_segments[:, None, :end])[:, None]
-    return mask
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None) -> torch.Tensor:
-    """SDPA of q [B, n, Hq, D] against k/v [B, end, Hkv, D] under `mask`; [B, n, Hq, D]."""
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    gqa = qt.shape[1] != kt.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa
-    )
-    return out.transpose(1, 2)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
