@@ -66,8 +66,8 @@ def test_one_process_trains_and_writes_everything(reference: Path) -> None:
 
 
 def test_parallel_layouts_match_one_process(tmp_path: Path, tokens: Path, reference: Path) -> None:
-    """tp2 x pp2 (4 processes, micro batch 1) and dp2 with FSDP2 (micro batch 4), both from fresh
-    seeded weights: the loss at every step within LOSS_REL of one process with micro batch 2."""
+    """tp2 x pp2 (4 processes, micro batch 1) from fresh seeded weights: the loss at every step
+    (and the eval loss) within LOSS_REL of one process with micro batch 2."""
     want = losses(reference)
     tp_pp = write_run(tmp_path / "tp2pp2", tokens, parallel={"tp": 2, "pp": 2}, batch={"micro_batch_size": 1})
     out = ok(torchrun(4, tp_pp))
@@ -76,6 +76,13 @@ def test_parallel_layouts_match_one_process(tmp_path: Path, tokens: Path, refere
     assert_losses_close(losses(tp_pp.parent / "run"), want)
     want_eval = [r["loss"] for r in metrics(reference, "eval")]
     assert_losses_close([r["loss"] for r in metrics(tp_pp.parent / "run", "eval")], want_eval)
+
+
+@pytest.mark.slow  # 15 s; in make test: test_multinode.py's tp2 x dp2 (FSDP2) against one process
+def test_data_parallel_matches_one_process_and_exports(tmp_path: Path, tokens: Path, reference: Path) -> None:
+    """dp2 with FSDP2 (micro batch 4) from fresh seeded weights: the loss at every step within
+    LOSS_REL of one process, and its final checkpoint exported and verified as it is."""
+    want = losses(reference)
     dp = write_run(tmp_path / "dp2", tokens, batch={"micro_batch_size": 4})
     ok(torchrun(2, dp))
     assert_losses_close(losses(dp.parent / "run"), want)
