@@ -3,8 +3,9 @@
 For each scenario every rank builds the engine's `ParallelModel`, runs one step (forward_backward
 and mega-train's fused AdamW, `make_optimizer`), sums the local bytes (`to_local()` of DTensors)
 of its parameters, gradients, optimizer state tensors and compute copies, and asserts them equal
-to `megacore.parallel.memory`'s numbers for its pp/dp coordinates, and that `estimate` lists the
-rank under those numbers. Rank 0 prints one PASS line per scenario.
+to `megacore.parallel.memory`'s numbers for its pp/dp/cp coordinates, and that `estimate` lists the
+rank under those numbers. A scenario with "measure" then measures two more steps (`measure`).
+Rank 0 prints one PASS line per scenario.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 from mega_train.trainer import make_optimizer
 from megacore.artifacts.manifest import OptimizerSpec, ParallelSpec
@@ -51,18 +53,63 @@ def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> memory.State:
     )
 
 
+def saved_bytes(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The bytes of the tensors autograd saves in a step (their storages, each once: views share)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.forward_backward(x, y)
+    return sum(storages.values())
+
+
+def step_peak(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The peak increase of the CPU allocator's live bytes in a step (test_planner.measured_peak)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        pm.forward_backward(x, y)
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def measure(pm: ParallelModel, cfg: ModelConfig, par: Parallelism, dp: int, x: torch.Tensor, seq: int) -> str:
+    """A step's saved tensors (`saved_bytes`) against `rank_activations`, within 10%; its peak
+    against activations + buffers, which may overshoot it (buffers are counted at once) by 30% but
+    fall 10% short at most (memory.py's docstring has the figures). One microbatch (the next one's
+    saved tensors could reuse its storages), no pipeline, recompute none."""
+    assert par.microbatches == 1 and par.spec.pp == 1 and par.recompute == "none", par
+    act = memory.rank_activations(cfg, par, 0, x.shape[0], seq)
+    buffers = memory.rank_buffers(cfg, par, dp, 0, x.shape[0], seq)
+    saved = saved_bytes(pm, x[:, :-1], x[:, 1:])
+    peak = step_peak(pm, x[:, :-1], x[:, 1:])
+    assert abs(act - saved) <= 0.10 * saved, (act, saved, act / saved)
+    assert 0.9 * peak <= act + buffers <= 1.3 * peak, (act, buffers, peak, (act + buffers) / peak)
+    return f"activations {act} / saved {saved}, + buffers {act + buffers} / peak {peak}"
+
+
 def run(sc: dict) -> str:
     cfg = ModelConfig(**{**TINY, **sc.get("config", {})})
     spec = ParallelSpec(
         tp=sc.get("tp", 1),
         pp=sc.get("pp", 1),
+        cp=sc.get("cp", 1),
         schedule=sc.get("schedule", "1f1b"),
         virtual_stages=sc.get("virtual_stages", 1),
         dp_mode=sc.get("dp_mode", "fsdp"),
         sequence_parallel=sc.get("sp", False),
     )
-    mesh = build_mesh(spec.tp, spec.pp)
-    dp, pp_rank, dp_rank = mesh["dp"].size(), mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    mesh = build_mesh(spec.tp, spec.pp, spec.cp)
+    dp, pp_rank = mesh["dp"].size(), mesh["pp"].get_local_rank()
+    # The rank's place in FSDP2's dp x cp mesh (flattened, dp outer: `ParallelModel`).
+    dp_rank = mesh["dp"].get_local_rank() * spec.cp + mesh["cp"].get_local_rank()
+    seq = sc.get("seq", SEQ)
     m = sc.get("microbatches", 2)
     par = Parallelism(spec, sc.get("precision", "fp32"), m, False, "none")
     pm = ParallelModel(cfg, par, mesh, "cpu")
@@ -70,7 +117,7 @@ def run(sc: dict) -> str:
         part.set_attention("sdpa")
     pm.init_weights()
     opt = make_optimizer(list(pm.parameters()), OptimizerSpec())
-    x = torch.randint(0, cfg.vocab_size, (MICRO * m, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, cfg.vocab_size, (MICRO * m, seq + 1), generator=torch.Generator().manual_seed(0))
     pm.forward_backward(x[:, :-1] if pm.has_first else None, x[:, 1:] if pm.has_last else None)
     opt.step()
 
@@ -78,12 +125,13 @@ def run(sc: dict) -> str:
     want = memory.rank_state(cfg, par, dp, pp_rank, dp_rank)
     rank = dist.get_rank()
     assert got == want, (sc, rank, got, want)
-    rows = [r for r in memory.estimate(cfg, par, dp, MICRO, SEQ) if rank in r.ranks]
+    rows = [r for r in memory.estimate(cfg, par, dp, MICRO, seq) if rank in r.ranks]
     assert (
         len(rows) == 1
         and memory.State(rows[0].weights, rows[0].grads, rows[0].optimizer, rows[0].copies) == got
     )
-    return f"PASS {json.dumps(sc)} rank {rank}: {got}"
+    measured = f"; {measure(pm, cfg, par, dp, x, seq)}" if sc.get("measure") else ""
+    return f"PASS {json.dumps(sc)} rank {rank}: {got}{measured}"
 
 
 def main() -> None:

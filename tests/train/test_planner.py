@@ -1,9 +1,10 @@
 """The memory and layout planner (`megacore.parallel.memory`, `mega-train --dry-run --gpus N
 --gpu-memory 80GB`): its state bytes are the tensors a live run holds on every rank, its
-activation estimate is within 25% of a measured step, it judges Megatron-LLM's 80 GB layouts
-feasible and names its own picks, README's table of them holds the planner's figures and agrees
-with closed forms from the models' published shapes, and its command line follows the tools'
-conventions."""
+activation estimate is within 25% of a measured step (cp 2: 10% of the tensors autograd saves),
+it judges Megatron-LLM's 80 GB layouts feasible and names its own picks, README's table of them
+holds the planner's figures and agrees with closed forms from the models' published shapes, the
+longest sequence a layout fits agrees with a closed form, context parallel is proposed where it
+helps, and its command line follows the tools' conventions."""
 
 from __future__ import annotations
 
@@ -48,11 +49,21 @@ def launch(tmp_path: Path, nproc: int, scenarios: list[dict]) -> str:
 # --- state: exact, against a live run -------------------------------------------------------------
 
 
+# A hidden-256 Llama at sequence 256 (`ACT_CONFIG`'s shapes) with a window of 64: cp 2's measured step.
+CP_MEASURED = {
+    "cp": 2, "precision": "bf16", "microbatches": 1, "seq": 256, "measure": True,
+    "config": {"vocab_size": 1000, "padded_vocab_size": 1024, "hidden_size": 256, "num_heads": 8,
+               "num_kv_heads": 4, "ffn_hidden_size": 688, "max_seq_len": 512, "sliding_window": 64},
+}  # fmt: skip
+
+
 @pytest.mark.dist
 def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
     """tp2, pp2, dp2 (FSDP2, an uneven ffn), fp32/bf16/fp16; the bf16 compute copies without dp;
     the zero-bubble schedule's FSDP2 fallback; replicate; the vocab-parallel embedding's whole
-    gradient under tp without FSDP2; tied embeddings under tp and under pp (the last stage's copy)."""
+    gradient under tp without FSDP2; tied embeddings under tp and under pp (the last stage's copy);
+    cp 2 (FSDP2 over cp alone, no compute copies), whose step the worker also measures: its
+    activations against the tensors autograd saves, with buffers against the step's peak."""
     launch(
         tmp_path,
         2,
@@ -70,6 +81,7 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
             {"precision": "bf16", "config": {"ffn_hidden_size": 65}},
             {"precision": "fp16"},
             {"dp_mode": "replicate", "precision": "bf16"},
+            CP_MEASURED,
         ],
     )
 
@@ -78,7 +90,8 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
 def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
     """tp2 x pp2, tp2 x dp2 (FSDP2 over tensor-parallel shards), pp2 x dp2, tp4 (kv heads
     replicated), dp4 with chunks of 17, 17, 17 and 14 rows (ffn 65) and of 2, 2, 2 and none
-    (hidden 6)."""
+    (hidden 6); dp2 x cp2, FSDP2 over both flattened, dp outer: chunks of 2, 2, 1 and none (ffn 5)
+    tell rank 1 (dp 0, cp 1) from rank 2; tp2 x cp2 with sequence parallel."""
     launch(
         tmp_path,
         4,
@@ -89,6 +102,8 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
             {"pp": 2, "precision": "bf16"},
             {"tp": 4},
             {"config": {"ffn_hidden_size": 65, "hidden_size": 6, "num_heads": 1, "num_kv_heads": 1}},
+            {"cp": 2, "config": {"ffn_hidden_size": 5, "hidden_size": 6, "num_heads": 1, "num_kv_heads": 1}},
+            {"tp": 2, "cp": 2, "precision": "bf16", "sp": True},
         ],
     )
 
@@ -170,6 +185,158 @@ def test_in_flight_microbatches_follow_the_schedules() -> None:
             for r in range(pp):
                 warmup = _get_warmup_ops(r, v, per_round, pp, m, multiply_factor=factor)
                 assert memory.in_flight(par(schedule, pp, m, v), r) == min(warmup + 1, m * v)
+
+
+# --- context parallel: activations, the longest sequence, the layouts ----------------------------
+
+# A small Llama whose every tensor has an even number of rows: FSDP2 over 2 ranks halves each.
+LONG = {
+    "family": "llama", "vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+    "num_kv_heads": 2, "ffn_hidden_size": 128, "max_seq_len": 64,
+}  # fmt: skip
+V, H, L, HEADS, HD, FFN = 512, 64, 2, 4, 16, 128
+Q, KV = HEADS * HD, 2 * HD  # the widths of q and of k (and v), tp 1
+
+
+def layer_bytes(tokens: int, micro: int, seq: int, cp: int, c: int, window: int | None = None) -> int:
+    """What a layer of LONG saves at tp 1, recompute none, for `tokens` = micro x seq / cp, by
+    hand: the norms' inputs, fp32 rstd and outputs, the fused q/k/v's output (alive whole) with
+    rotated q and k, the concatenated q/k/v and gate/up weights, o_proj's input, the kernel's
+    output and fp32 log-sum-exp, the MLP's gate, up, silu and product; under cp the whole
+    sequence's k and v gathered and, with a window, the two chunks' masks of n = seq / 2cp rows,
+    ending at (r + 1)·n and (2cp - r)·n on rank r."""
+    norms = 2 * (tokens * H * c + tokens * 4) + 2 * tokens * H * c
+    qkv = tokens * (2 * Q + 3 * KV) * c
+    weights = (Q + 2 * KV) * H * c + 2 * FFN * H * c
+    kernel = 2 * tokens * Q * c + micro * HEADS * (seq // cp) * 4  # o_proj's input too
+    mlp = 4 * tokens * FFN * c
+    total = norms + qkv + weights + kernel + mlp
+    if cp > 1:
+        total += 2 * micro * seq * KV * c
+        n = seq // (2 * cp)
+        total += (n * 2 * n + n * 3 * n) * c if window is not None else 0  # rank 1 of cp 2
+    elif window is not None and seq > window:
+        total += seq * seq * c
+    return total
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_cp_activations_are_a_sequence_of_s_over_cp_plus_the_gathered_kv(window: int | None) -> None:
+    """Per layer, cp 2 saves what a sequence of S / 2 does plus the whole sequence's k and v (and
+    with a window its chunks' masks instead of the S x S one): within that, half of cp 1's."""
+    config = ModelConfig(**{**LONG, "sliding_window": window})
+    micro, seq, c = 2, 1024, 2
+    by_cp = {}
+    for cp in (1, 2):
+        par = Parallelism(ParallelSpec(cp=cp), "bf16", 1, False, "none")
+        by_cp[cp] = memory.layer_activations(config, par, micro, seq)
+        assert by_cp[cp] == layer_bytes(micro * seq // cp, micro, seq, cp, c, window), cp
+    gathered = 2 * micro * seq * KV * c
+    fixed = (Q + 2 * KV) * H * c + 2 * FFN * H * c  # the fused weights: no tokens in them
+    cp1_mask = seq * seq * c if window else 0
+    cp2_mask = 5 * (seq // 4) ** 2 * c if window else 0
+    assert by_cp[2] - gathered - cp2_mask - fixed == (by_cp[1] - cp1_mask - fixed) // 2
+    ratio = by_cp[2] / by_cp[1]
+    if window is None:  # a half, plus the gathered k and v and the fused weights (which do not halve)
+        assert 0.5 < ratio < 0.6, ratio
+    else:  # the masks shrink faster: 5 / 16 of cp 1's
+        assert ratio < 0.5, ratio
+
+
+def rank_bytes(seq: int, recompute: str) -> int:
+    """The fullest rank of LONG at fp32, tp 1 x pp 1 x cp 2 x dp 1, micro batch 1 in one
+    microbatch, sdpa, worked out by hand (module docstring of `memory`)."""
+    c, cp, replicas, T = 4, 2, 2, seq // 2
+    block = 2 * H + Q * H + 2 * KV * H + H * Q + 3 * FFN * H  # norms, q k v o, gate up down
+    root = V * H + H + V * H  # embedding, final norm, head (untied)
+    params, tensors = root + L * block, 3 + 9 * L
+    # FSDP2 over dp x cp = 2 ranks: every tensor's rows even, each rank holds half of it.
+    state = (4 + 4 + 8) * params // replicas + 4 * tensors  # weights, grads, AdamW, step counters
+    # Unsharded: the root and two blocks (prefetch); a reduction's gradients in fp32, twice.
+    fsdp = (root + 2 * block) * c + max(root, block) * (c + 4)
+    # A layer's gathered k/v gradients; the fused loss's fp32 logits chunk (all T tokens).
+    buffers = 2 * seq * KV * c + T * V * 4
+    layer = layer_bytes(T, 1, seq, cp, c)
+    layers = L * layer if recompute == "none" else L * T * H * c + layer  # full: inputs + a recompute
+    # RoPE cos/sin per row, token ids, the final norm's input and rstd, the fused loss's gradients.
+    stage = 2 * T * HD * c + T * 8 + T * H * c + T * 4 + T * H * c + V * H * c
+    return state + fsdp + buffers + layers + stage
+
+
+def test_the_longest_sequence_a_layout_fits_agrees_with_a_closed_form(
+    tmp_path: Path, tokens: Path, capsys
+) -> None:
+    """A cp 2 run of 2 GPUs of 4 GiB + 48 MiB: the dry run's longest seq_length for its layout, with
+    recompute none and full, is the longest multiple of 4 (2 x cp) the hand-worked bytes fit in 48
+    MiB; the --gpus listing names the same for cp 2, and says it."""
+    budget = 48 << 20
+    expected = {}
+    for recompute in ("none", "full"):
+        base, per_4 = rank_bytes(0, recompute), rank_bytes(4, recompute) - rank_bytes(0, recompute)
+        assert rank_bytes(8, recompute) - rank_bytes(4, recompute) == per_4  # linear: no window
+        expected[recompute] = 4 * ((budget - base) // per_4)
+        n = expected[recompute]
+        assert rank_bytes(n, recompute) <= budget < rank_bytes(n + 4, recompute)
+    assert expected["full"] > expected["none"] > 1000, expected
+    run_json = write_run(
+        tmp_path,
+        tokens,
+        model={"config": LONG},
+        batch={"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 32},
+        parallel={"cp": 2},
+        eval={"every": 0},
+    )
+    argv = ["--manifest", run_json, "--dry-run", "--gpus", 2, "--gpu-memory", f"{4096 + 48}MiB"]
+    code, out, err = dry_run(capsys, *argv, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    own = plan["memory"]["longest"]
+    assert (own["none"], own["full"]) == (expected["none"], expected["full"]), (own, expected)
+    (cp2,) = [c for c in plan["layouts"]["longest"] if c["cp"] == 2]
+    assert (cp2["tp"], cp2["pp"], cp2["dp"]) == (1, 1, 1)
+    assert cp2["seq_length"] == own and cp2["label"] == "tp 1 x pp 1 x cp 2 x dp 1", cp2
+    code, text, err = dry_run(capsys, *argv)
+    assert code == 0, err
+    assert f"longest sequence that fits this layout: {expected['none']:,} tokens with recompute none" in text
+    assert f"{expected['full']:,} tokens at tp 1 x pp 1 x cp 2 x dp 1 with recompute full" in text, text
+
+
+def test_cp_is_proposed_where_it_helps() -> None:
+    """Of 2 GPUs, at a short sequence dp 2 holds the batch as well and pays no collectives: no cp
+    layout is listed. At a sequence whose activations dp 2 cannot hold even with full recompute,
+    cp 2 (FSDP2 over the same 2 ranks, half the tokens each) fits, and is listed."""
+    config = ModelConfig(**LONG)
+    base = Parallelism(ParallelSpec(), "bf16", 1, False, "none")
+    short = memory.search(config, base, 2, 80 * GiB, 1, 64, 2)
+    assert short[0].fits and all(c.cp == 1 for c in short), [c.label for c in short]
+
+    seq = 1 << 16
+
+    def need(cp: int) -> int:
+        dp = 2 // cp
+        par = Parallelism(ParallelSpec(cp=cp), "bf16", 2 // dp, False, "full")  # global batch 2
+        return memory.peak(memory.estimate(config, par, dp, 1, seq, all_dp_ranks=False))
+
+    gpu_memory = memory.ALLOWANCE + (need(1) + need(2)) // 2
+    found = {(c.tp, c.pp, c.cp, c.dp): c for c in memory.search(config, base, 2, gpu_memory, 1, seq, 2)}
+    assert not found[1, 1, 1, 2].fits and found[1, 1, 2, 1].fits, found
+    assert found[1, 1, 2, 1].label.startswith("tp 1 x pp 1 x cp 2 x dp 1, recompute ")
+
+
+def test_cp_costs_less_the_longer_the_sequence() -> None:
+    """The throughput model: cp's collectives against a layer's compute weigh less at 128k than at
+    4k, more when the cp group spans nodes, and cp 1 pays nothing for them."""
+    config = ModelConfig(**{**SHAPES["llama2-7b"], "max_seq_len": 1 << 17})
+
+    def throughput(cp: int, seq: int, gpus_per_node: int = 8) -> float:
+        par = Parallelism(ParallelSpec(cp=cp), "bf16", 1, False, "none")
+        return memory.relative_throughput(config, par, 1, seq, gpus_per_node)
+
+    assert throughput(1, 4096) == throughput(1, 1 << 17) == 1.0
+    dp_cost = memory.DP_EFFICIENCY  # FSDP2 over cp's ranks
+    assert throughput(8, 4096) < throughput(8, 1 << 17) < dp_cost
+    assert throughput(8, 1 << 17) > 0.95 * dp_cost  # Llama 2 7B: 32 kv heads, 3% at 128k
+    assert throughput(8, 4096, gpus_per_node=4) < throughput(8, 4096)
 
 
 # --- Megatron-LLM's hardware table -----------------------------------------------------------------

@@ -43,8 +43,9 @@ GPUS = typer.Option(
     "--gpus",
     min=1,
     show_default=False,
-    help="With --dry-run: plan for this many GPUs (the world size) and rank every tp x pp x dp "
-    "layout of them that fits --gpu-memory by expected throughput.",
+    help="With --dry-run: plan for this many GPUs (the world size), rank every tp x pp x cp x dp "
+    "layout of them that fits --gpu-memory by expected throughput, and name the longest sequence "
+    "each fits.",
 )
 GPU_MEMORY = typer.Option(
     None,

@@ -1,13 +1,18 @@
 """The dry run's memory plan: a checked run's per-rank bytes and, for a number of GPUs, the layouts
-that fit, as JSON-able data and as text. The arithmetic is `megacore.parallel.memory` (no torch)."""
+that fit and the longest sequence each fits, as JSON-able data and as text. The arithmetic is
+`megacore.parallel.memory` (no torch)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from mega_train.run_plan import RunPlan
 from megacore.parallel import memory
+from megacore.parallel.layout import RECOMPUTE
 
 COLUMNS = ("weights", "grads", "optimizer", "copies", "activations", "buffers", "total")
 TOP = 5  # layouts printed (the JSON has them all)
+LONGEST_TOP = 3  # layouts printed by the longest sequence they fit
 
 
 def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None = None) -> dict:
@@ -36,28 +41,54 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
             "fits": None if gpu_memory is None else peak + memory.ALLOWANCE <= gpu_memory,
         }
     }
+    if gpu_memory is not None:  # the run's layout: the longest sequence each recompute fits
+        out["memory"]["longest"] = {
+            r: memory.longest_sequence(
+                config, dataclasses.replace(par, recompute=r), plan.dp, micro, gpu_memory, run.attention
+            )
+            for r in RECOMPUTE
+        }
     if gpus is not None:
         assert gpu_memory is not None
-        found = memory.search(
-            config, par, gpus, gpu_memory, micro, seq, run.batch.global_batch_size, run.attention
-        )
-        candidates = [
-            {
-                "tp": c.tp,
-                "pp": c.pp,
-                "dp": c.dp,
-                "recompute": c.recompute,
-                "microbatches": c.microbatches,
-                "peak": c.peak,
-                "throughput": round(c.throughput, 4),
-                "fits": c.fits,
-                "reason": c.reason,
-                "label": c.label,
-            }
-            for c in found
-        ]
-        out["layouts"] = {"gpus": gpus, "candidates": candidates}
+        out["layouts"] = _layouts(plan, gpus, gpu_memory)
     return out
+
+
+def _layouts(plan: RunPlan, gpus: int, gpu_memory: int) -> dict:
+    """Every layout of `gpus` GPUs, best first, and the longest sequence each fits, longest first."""
+    run, config, par = plan.run, plan.config, plan.parallelism
+    micro, seq, batch = run.batch.micro_batch_size, run.batch.seq_length, run.batch.global_batch_size
+    found = memory.search(config, par, gpus, gpu_memory, micro, seq, batch, run.attention)
+    candidates = [
+        {
+            "tp": c.tp,
+            "pp": c.pp,
+            "cp": c.cp,
+            "dp": c.dp,
+            "recompute": c.recompute,
+            "microbatches": c.microbatches,
+            "peak": c.peak,
+            "throughput": round(c.throughput, 4),
+            "fits": c.fits,
+            "reason": c.reason,
+            "label": c.label,
+        }
+        for c in found
+    ]
+    longest = [
+        {
+            "tp": c.tp,
+            "pp": c.pp,
+            "cp": c.cp,
+            "dp": c.dp,
+            "microbatches": c.microbatches,
+            "seq_length": c.seq,
+            "throughput": round(c.throughput, 4),
+            "label": c.label,
+        }
+        for c in memory.longest_sequences(config, par, gpus, gpu_memory, micro, batch, run.attention)
+    ]
+    return {"gpus": gpus, "candidates": candidates, "longest": longest}
 
 
 def gib(n: int) -> str:
@@ -93,6 +124,13 @@ def memory_lines(report: dict) -> list[str]:
     if mem["gpu_memory"] is not None:
         verdict += f", of {gib(mem['gpu_memory'])} GiB: " + ("fits" if mem["fits"] else "does not fit")
     lines.append("  " + verdict)
+    if "longest" in mem:
+        by = mem["longest"]
+        lines.append(
+            f"  longest sequence that fits this layout: {tokens(by[mem['recompute']])} with recompute "
+            f"{mem['recompute']} (the run's); "
+            + ", ".join(f"{r}: {tokens(by[r], '')}" for r in by if r != mem["recompute"])
+        )
     if "layouts" in report:
         layouts = report["layouts"]["candidates"]
         fitting = [c for c in layouts if c["fits"]]
@@ -100,9 +138,10 @@ def memory_lines(report: dict) -> list[str]:
             f"layouts of {report['layouts']['gpus']} GPUs of {gib(mem['gpu_memory'])} GiB, by expected throughput "
             "(the model in megacore/parallel/memory.py):"
         )
+        width = max([40] + [len(c["label"]) for c in fitting[:TOP]])  # cp's labels are longer
         for i, c in enumerate(fitting[:TOP], 1):
             lines.append(
-                f"  {i}. {c['label']:<40} peak {gib(c['peak']):>6} GiB  throughput {c['throughput']:.2f}"
+                f"  {i}. {c['label']:<{width}} peak {gib(c['peak']):>6} GiB  throughput {c['throughput']:.2f}"
             )
         if not fitting:
             sized = [c for c in layouts if c["peak"]]
@@ -113,4 +152,28 @@ def memory_lines(report: dict) -> list[str]:
                 lines.append("  none: " + layouts[0]["reason"])
         else:
             lines.append(f"  {len(fitting)} of {len(layouts)} layouts fit")
+        lines += longest_lines(report["layouts"], mem["micro_batch_size"])
+    return lines
+
+
+def tokens(n: int, unit: str = " tokens") -> str:
+    """A longest sequence: '32,768 tokens', '0 tokens' (none fits); at the search's limit, 'or more'."""
+    return f"{n:,}{unit}" + (" or more" if n >= memory.MAX_SEQ else "")
+
+
+def longest_lines(layouts: dict, micro: int) -> list[str]:
+    """The layouts that fit the longest sequence (with full recompute), and what less recompute fits."""
+    found = [c for c in layouts["longest"] if c["seq_length"]["full"]]
+    lines = [
+        f"longest sequence that fits, by layout of {layouts['gpus']} GPUs (micro batch {micro}, "
+        "the run's global batch):"
+    ]
+    for i, c in enumerate(found[:LONGEST_TOP], 1):
+        by = c["seq_length"]
+        lines.append(
+            f"  {i}. {tokens(by['full'])} at {c['label']} with recompute full "
+            f"(selective: {tokens(by['selective'], '')}, none: {tokens(by['none'], '')})"
+        )
+    if not found:
+        lines.append("  none: no layout fits even the shortest sequence")
     return lines

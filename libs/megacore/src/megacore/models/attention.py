@@ -134,9 +134,9 @@ def suffix_attention(
     k/v [B, Sk, Hkv, D] (a late chunk of a row under context parallel): causal aligned to the bottom
     right. `q_segments` [B, Sq] / `k_segments` [B, Sk]: packed documents' ids.
 
-    On a GPU no Sq x Sk mask: flash-attn (bottom-right causal natively, windows too), SDPA with a
-    lower-right causal bias (its memory-efficient kernel), or the variable-length kernels for
-    documents and windows. On a CPU SDPA, with a mask only for windows and documents."""
+    On a GPU no Sq x Sk mask: flash-attn (bottom-right causal natively, windows too), else the
+    variable-length kernel (each row, or each document, a sequence); SDPA's lower-right causal bias
+    where there is none. On a CPU SDPA, with a mask only for windows and documents."""
     sq, sk = q.shape[1], k.shape[1]
     windowed = window is not None and sk > window
     window_size = (window - 1, 0) if windowed else (-1, -1)
@@ -145,10 +145,10 @@ def suffix_attention(
     on_gpu = impl == "flash" or (impl == "auto" and _half_on_gpu(q))
     if on_gpu and q_segments is None and _flash_attn_func() is not None:
         return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True, window_size=window_size)
-    if q_segments is None and not windowed:
-        return _sdpa(q, k, v, causal_lower_right(sq, sk), scale)
-    if on_gpu and (_flash_attn_func() is not None or _torch_varlen() is not None):
-        if q_segments is None:  # a window: every row is one document
+    # Else on a GPU the variable-length kernel, for plain causal rows too: SDPA's lower-right bias
+    # takes GQA only on its flash path (the memory-efficient one would materialise a mask).
+    if on_gpu and (impl == "flash" or _flash_attn_func() is not None or _torch_varlen() is not None):
+        if q_segments is None:  # every row is one document
             q_segments = torch.zeros(q.shape[:2], dtype=torch.long, device=q.device)
             k_segments = torch.zeros(k.shape[:2], dtype=torch.long, device=q.device)
         keep, cu_q, max_q, cu_k, max_k = suffix_documents(q_segments, k_segments)
@@ -156,6 +156,8 @@ def suffix_attention(
         kf, vf = (t.reshape(b * sk, t.shape[2], d)[keep] for t in (k, v))
         out = _varlen_kernel(q.reshape(b * sq, hq, d), kf, vf, cu_q, cu_k, max_q, max_k, window_size, scale)
         return out.view(b, sq, hq, d)
+    if q_segments is None and not windowed:
+        return _sdpa(q, k, v, causal_lower_right(sq, sk), scale)
     qi = torch.arange(sk - sq, sk, device=q.device)[:, None]
     kj = torch.arange(sk, device=q.device)[None, :]
     mask = kj <= qi
