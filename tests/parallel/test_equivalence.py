@@ -135,8 +135,6 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
         {"family": "llama", "packed": True, "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
         # Tied embeddings: the shared gradient summed over each (tp, dp) pair of end ranks.
         {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
-        {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "packed": True},  # pp2 x dp2, FSDP2
-        {"family": "falcon40b-tied", "tp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
         # Context parallel: each row over cp ranks (one token per chunk at cp 4), with tp and SP,
         # a pipeline (tied: the pair group spans cp too), dp x cp with packed documents and ignored
         # targets, saved at cp 2 and resumed at cp 1, and Mistral's window.
@@ -151,6 +149,8 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
 
 
 MORE_FOUR = [
+    {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "packed": True},  # pp2 x dp2, FSDP2
+    {"family": "falcon40b-tied", "tp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
     {"family": "gemma3", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
     {"family": "qwen3", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
     {"family": "llama", "tp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},

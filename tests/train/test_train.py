@@ -65,6 +65,7 @@ def test_one_process_trains_and_writes_everything(reference: Path) -> None:
             assert not ckpt.read(name)[TINY_LLAMA["vocab_size"] :].any(), name
 
 
+@pytest.mark.slow  # 35 s; in make test: test_instruct.py's tp2 x pp2 (zbv) and test_context.py's cp2 x tp2 runs against one process
 def test_parallel_layouts_match_one_process(tmp_path: Path, tokens: Path, reference: Path) -> None:
     """tp2 x pp2 (4 processes, micro batch 1) from fresh seeded weights: the loss at every step
     (and the eval loss) within LOSS_REL of one process with micro batch 2."""
