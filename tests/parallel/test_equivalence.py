@@ -136,11 +136,10 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
         # Tied embeddings: the shared gradient summed over each (tp, dp) pair of end ranks.
         {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
         # Context parallel: each row over cp ranks (one token per chunk at cp 4), with tp and SP,
-        # a pipeline (tied: the pair group spans cp too), dp x cp with packed documents and ignored
+        # a pipeline (ZBV, tied: the pair group spans cp too), dp x cp with packed documents and ignored
         # targets, saved at cp 2 and resumed at cp 1, and Mistral's window.
         {"family": "llama", "cp": 4},
         {"family": "llama", "cp": 2, "tp": 2, "sp": True},
-        {"family": "qwen2", "cp": 2, "pp": 2, "schedule": "1f1b"},
         {"family": "llama-tied", "cp": 2, "pp": 2, "schedule": "zbv"},
         {"family": "llama", "cp": 2, "packed": True, "save": str(cp_dp)},
         {"family": "llama", "packed": True, "tp": 2, "load": str(cp_dp)},
@@ -167,6 +166,7 @@ MORE_FOUR = [
     {"family": "gemma3", "cp": 2, "tp": 2, "sp": True},
     {"family": "llama", "cp": 4, "packed": True},
     {"family": "llama", "cp": 2, "pp": 2, "schedule": "gpipe"},
+    {"family": "qwen2", "cp": 2, "pp": 2, "schedule": "1f1b"},  # tied: the pair group spans cp
     {"family": "falcon40b-tied", "cp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
 ]
 
