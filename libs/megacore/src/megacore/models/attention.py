@@ -55,6 +55,16 @@ def _torch_varlen():
     return (varlen_attn, "enable_gqa" in params) if "window_size" in params else None
 
 
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Packed documents' ids [B, S] (`segments`) from their positions, each document counted from 0."""
+    return (positions == 0).cumsum(-1)
+
+
+def _require_half_gpu(q: torch.Tensor) -> None:
+    if not _half_on_gpu(q):
+        raise RuntimeError(f"attention 'flash' needs fp16 or bf16 on a GPU, got {q.dtype} on {q.device.type}")
+
+
 def _cu_seqlens(segments: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative document starts over the flattened rows (int32, with the total last) and the
     longest document, as the variable-length kernels take them."""
@@ -140,8 +150,8 @@ def suffix_attention(
     sq, sk = q.shape[1], k.shape[1]
     windowed = window is not None and sk > window
     window_size = (window - 1, 0) if windowed else (-1, -1)
-    if impl == "flash" and not _half_on_gpu(q):
-        raise RuntimeError(f"attention 'flash' needs fp16 or bf16 on a GPU, got {q.dtype} on {q.device.type}")
+    if impl == "flash":
+        _require_half_gpu(q)
     on_gpu = impl == "flash" or (impl == "auto" and _half_on_gpu(q))
     if on_gpu and q_segments is None and _flash_attn_func() is not None:
         return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True, window_size=window_size)
@@ -184,8 +194,7 @@ def _flash(
 ) -> torch.Tensor:
     """A FlashAttention kernel: flash-attn's when installed, else PyTorch's own (SDPA held to its
     flash backend, which takes no window; the variable-length kernel for windows and documents)."""
-    if not _half_on_gpu(q):
-        raise RuntimeError(f"attention 'flash' needs fp16 or bf16 on a GPU, got {q.dtype} on {q.device.type}")
+    _require_half_gpu(q)
     fn = _flash_attn_func()
     if segments is None and fn is not None:
         return fn(q, k, v, softmax_scale=scale, causal=True, window_size=window_size)

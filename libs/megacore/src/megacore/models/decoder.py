@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megacore.config import GATED_ACTIVATIONS, ModelConfig, attention_window, local_rope
-from megacore.models.attention import Impl, causal_attention
+from megacore.models.attention import Impl, causal_attention, document_ids
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.rope import apply_rope, rope_tables
 
@@ -290,7 +290,7 @@ class Decoder(nn.Module):
             for local in {block.attn.local_rope for block in self.layers.values()}
         }
         if segments is None and positions is not None and self.sequence_shards == 1:
-            segments = (positions == 0).cumsum(-1)
+            segments = document_ids(positions)
         for block in self.layers.values():
             x = block(x, *tables[block.attn.local_rope], segments)
         if self.norm is None:

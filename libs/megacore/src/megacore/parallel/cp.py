@@ -14,6 +14,8 @@ as torchtitan does), so checkpoints do not depend on cp.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,11 +33,11 @@ def chunk_order(cp: int) -> list[int]:
     return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
 
 
-def local_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """The positions in the whole sequence of the tokens cp rank `rank` holds."""
-    n = seq_len // (2 * cp)
-    early, late = rank, 2 * cp - 1 - rank
-    return torch.cat([torch.arange(early * n, (early + 1) * n), torch.arange(late * n, (late + 1) * n)])
+@functools.lru_cache(maxsize=16)
+def local_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions in the whole sequence of the tokens cp rank `rank` holds (cached: every
+    forward of a run asks for the same)."""
+    return shard_sequence(torch.arange(seq_len, device=device)[None], cp, rank)[0]
 
 
 def shard_sequence(t: torch.Tensor | None, cp: int, rank: int) -> torch.Tensor | None:
@@ -93,6 +95,14 @@ class ContextParallelAttention:
 
     def __init__(self, group: dist.ProcessGroup, cp: int, rank: int) -> None:
         self.group, self.cp, self.rank = group, cp, rank
+        # The whole row's document ids, gathered once per forward: every layer gets the same
+        # `segments` tensor (its identity is the key).
+        self._segments: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _keys_segments(self, segments: torch.Tensor) -> torch.Tensor:
+        if self._segments is None or self._segments[0] is not segments:
+            self._segments = (segments, unshard_sequence(_gather(segments, self.group), self.cp))
+        return self._segments[1]
 
     def __call__(
         self,
@@ -106,7 +116,7 @@ class ContextParallelAttention:
     ) -> torch.Tensor:
         cp, n = self.cp, q.shape[1] // 2
         k, v = gather_sequence(k, self.group, cp), gather_sequence(v, self.group, cp)
-        keys_segments = None if segments is None else unshard_sequence(_gather(segments, self.group), cp)
+        keys_segments = None if segments is None else self._keys_segments(segments)
         outs = []
         for half, chunk in enumerate((self.rank, 2 * cp - 1 - self.rank)):
             end, own = (chunk + 1) * n, slice(half * n, (half + 1) * n)
@@ -133,7 +143,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         # later stage under sequence parallel) has the cp part's length as its shape.
         if kwargs.get("positions") is None:
             x = args[0]
-            index = local_indices(x.shape[1] * cp, cp, rank).to(x.device)
+            index = local_indices(x.shape[1] * cp, cp, rank, x.device)
             kwargs = {**kwargs, "positions": index.expand(x.shape[0], -1)}
         return args, kwargs
 

@@ -49,6 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from megacore.artifacts.pieces import Box
 from megacore.config import ModelConfig
 from megacore.data.packing import IGNORE
+from megacore.models.attention import document_ids
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.layout import (
     MULTI_STAGE,
@@ -368,7 +369,7 @@ class ParallelModel:
         cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
         inputs = {}
         if positions is not None:
-            segments = (positions == 0).cumsum(-1)
+            segments = document_ids(positions)
             inputs = {
                 "positions": shard_sequence(positions, cp, rank),
                 "segments": shard_sequence(segments, cp, rank),
