@@ -35,3 +35,45 @@ def test_an_unclosed_thread_in_torch_code_does_not_abort_the_exit():
             [sys.executable, "-c", LEAK], capture_output=True, text=True, env=env, timeout=120
         )
         assert (proc.returncode, proc.stderr) == (3, ""), (proc.returncode, proc.stderr)
+
+
+# The signal arrives while the main thread is inside `Thread.start()` (the helper sends it first
+# thing): the handler must not run before the thread is registered for the exit hook.
+SIGNAL_IN_START = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from megacore.background import Background
+
+    class Stop(BaseException):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    signal.signal(signal.SIGINT, stop)
+
+    def tensors():
+        os.kill(os.getpid(), signal.SIGINT)
+        while True:
+            a = torch.randn(512, 512)
+            yield torch.cat([a, a]).contiguous()
+
+    try:
+        source = Background.source(tensors(), depth=1)
+        for _ in source:
+            pass
+    except Stop:
+        sys.exit(130)
+    """
+)
+
+
+def test_a_signal_while_the_thread_starts_does_not_abort_the_exit():
+    """Without holding the signals in `start()`, the handler raises there, the thread is never
+    registered, keeps running in torch code, and the exit aborts (-6)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", SIGNAL_IN_START], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert (proc.returncode, proc.stderr) == (130, ""), (proc.returncode, proc.stderr)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import queue
+import signal
 import threading
 import weakref
 from collections import deque
@@ -63,8 +64,16 @@ class Background:
 
     def _start(self, target: Callable[[], None]) -> Background:
         self._thread = threading.Thread(target=target, name=self._name, daemon=True)
-        self._thread.start()
-        _LIVE.add(self)
+        # SIGINT/SIGTERM wait until the thread is registered for the exit hook: a handler raising
+        # inside `start()` would leave it running unregistered (CI: mega-convert -6 on Ctrl-C).
+        # The thread inherits the mask, which is harmless: Python runs handlers in the main thread.
+        held = {signal.SIGINT, signal.SIGTERM}
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self._thread.start()
+            _LIVE.add(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return self
 
     # --- sink ------------------------------------------------------------------------------------
