@@ -32,6 +32,26 @@ def run_tool(tool: str, *args: str | os.PathLike, check: bool = False, **kw) -> 
     return proc
 
 
+def run_in_process(tool: str, *args: str | os.PathLike, check: bool = False) -> subprocess.CompletedProcess:
+    """`tool`'s command line run in this process, through the same `megacore.cli.run` its console
+    script calls (exit code, one-line errors), its output captured: a tool's start costs seconds
+    (torch, transformers), so tests that call a tool many times call it here."""
+    import contextlib
+    import importlib
+    import io
+
+    from megacore.cli import run
+
+    app = importlib.import_module(tool.replace("-", "_") + ".cli").app
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run(app, tool, [str(a) for a in args])
+    proc = subprocess.CompletedProcess([tool, *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{tool} exited {code}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str, code: int = 2) -> None:
     """The bad-input convention: exit code, one line on stderr naming what and where, no traceback."""
     assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)

@@ -22,17 +22,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import TINY, assert_one_line_error, write_checkpoint
-from mega_convert.cli import app as convert_app
-from mega_export.cli import app as export_app
+from helpers import TINY, assert_one_line_error, run_in_process, write_checkpoint
 from mega_export.export import export_hf
-from mega_shard.cli import app as shard_app
 from mega_shard.reshard import reshard
 from megacore.artifacts import MANIFEST_NAME, TensorReader, check_model_tensors, open_artifact, sha256_file
 from megacore.artifacts.pieces import safetensors_layout
 from megacore.background import Jobs
 from megacore.checkpoint import CheckpointReader, shard_file
-from megacore.cli import run
 from megacore.config import model_tensors
 from megacore.errors import DamagedFile, UserError
 from megacore.parallel.checkpoint_io import load_checkpoint
@@ -102,24 +98,11 @@ def double_heads(ckpt: Path) -> None:
     (ckpt / MANIFEST_NAME).write_text(json.dumps(doc))
 
 
-class Proc:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def tool(capsys, app, prog: str, *args: object) -> Proc:
-    """A tool's command line run in this process, as its console script runs it."""
-    capsys.readouterr()
-    code = run(app, prog, [str(a) for a in args])
-    out, err = capsys.readouterr()
-    return Proc(code, out, err)
-
-
 TOOLS: dict[str, Callable] = {
-    "mega-shard": lambda capsys, ckpt, hf, out: tool(capsys, shard_app, "mega-shard", ckpt, out, "--tp", "2"),
-    "mega-export": lambda capsys, ckpt, hf, out: tool(capsys, export_app, "mega-export", ckpt, out),
-    "mega-convert verify": lambda capsys, ckpt, hf, out: tool(
-        capsys, convert_app, "mega-convert", "verify", ckpt, hf, "--seq-len", "8"
+    "mega-shard": lambda ckpt, hf, out: run_in_process("mega-shard", ckpt, out, "--tp", "2"),
+    "mega-export": lambda ckpt, hf, out: run_in_process("mega-export", ckpt, out),
+    "mega-convert verify": lambda ckpt, hf, out: run_in_process(
+        "mega-convert", "verify", ckpt, hf, "--seq-len", "8"
     ),
 }
 CASES = {
@@ -134,21 +117,21 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", TOOLS)
-def test_every_reader_refuses_a_damaged_checkpoint(intact, tmp_path: Path, capsys, name: str, case: str):
+def test_every_reader_refuses_a_damaged_checkpoint(intact, tmp_path: Path, name: str, case: str):
     ckpt = _copy(intact, tmp_path)
     damage, fragments = CASES[case]
     damage(ckpt)
-    p = TOOLS[name](capsys, ckpt, intact[1], tmp_path / "out")
+    p = TOOLS[name](ckpt, intact[1], tmp_path / "out")
     assert_one_line_error(p, str(ckpt), *fragments)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt"]  # no out, no out.partial
 
 
-def test_a_damaged_file_is_found_when_read_even_unverified_at_opening(intact, tmp_path: Path, capsys):
+def test_a_damaged_file_is_found_when_read_even_unverified_at_opening(intact, tmp_path: Path):
     """`--verify none` skips the check of every file before starting; the reader still checks each
     file before using it, so the half-written output is removed."""
     ckpt = _copy(intact, tmp_path)
     overwrite_4k(ckpt)
-    p = tool(capsys, shard_app, "mega-shard", ckpt, tmp_path / "out", "--verify", "none")
+    p = run_in_process("mega-shard", ckpt, tmp_path / "out", "--verify", "none")
     hit = tensor_at(ckpt, 0.5)
     assert_one_line_error(
         p, f"$.files[0]: {DATA}: damaged (sha256 of tensor {hit!r} differs from the manifest)"

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_bitwise_equal, assert_one_line_error, load_decoder, run_tool
+from helpers import assert_bitwise_equal, assert_one_line_error, load_decoder, run_in_process
 from hf_cases import CASES, build, load_hf, tokens
 from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
@@ -111,18 +111,18 @@ def test_sharded_hf_checkpoint(tmp_path: Path) -> None:
 def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
     src = build("mistral-window", tmp_path / "hf")
     out = tmp_path / "ckpt"
-    p = run_tool("mega-convert", "hf", src, out, "--json", check=True)
+    p = run_in_process("mega-convert", "hf", src, out, "--json", check=True)
     s = json.loads(p.stdout)
     assert s["family"] == "mistral" and not s["reused"] and s["padded_vocab_size"] == 128
-    p = run_tool("mega-convert", "hf", src, out, "--json", check=True)
+    p = run_in_process("mega-convert", "hf", src, out, "--json", check=True)
     assert json.loads(p.stdout)["reused"] and "reusing" in p.stderr
-    p = run_tool("mega-convert", "hf", src, out, "--force", "--json", check=True)
+    p = run_in_process("mega-convert", "hf", src, out, "--force", "--json", check=True)
     assert not json.loads(p.stdout)["reused"]
-    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24")
+    p = run_in_process("mega-convert", "verify", out, src, "--seq-len", "24")
     assert p.returncode == 0 and "PASS" in p.stdout, p.stderr
     # Tamper with one weight (same file size): the file no longer matches its sha256, exit 2.
     _overwrite_first_value(out / WEIGHTS, "layers.1.mlp.down_proj.weight", 1.5)
-    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
+    p = run_in_process("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
     down = "layers.1.mlp.down_proj.weight"
     assert_one_line_error(p, f"{WEIGHTS}: damaged (sha256 of tensor {down!r} differs from the manifest)")
     # The same weight in a manifest that agrees (as a faulty converter would write it, the file's
@@ -133,7 +133,7 @@ def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
     span = (start + header[down]["data_offsets"][0], start + header[down]["data_offsets"][1])
     doc["tensors"][down]["pieces"][0]["sha256"] = sha256_file(out / WEIGHTS, span=span)
     (out / MANIFEST_NAME).write_text(json.dumps(doc))
-    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
+    p = run_in_process("mega-convert", "verify", out, src, "--seq-len", "24", "--json")
     r = json.loads(p.stdout)
     assert p.returncode == 1 and not r["passed"] and r["max_abs_error"] > 1e-3
 
@@ -144,15 +144,15 @@ def test_bf16_conversion_verifies_in_bf16(tmp_path: Path) -> None:
     float32 the bf16 rounding of the weights alone is above fp32's bar."""
     src = build("llama2-70b-gqa", tmp_path / "hf")  # float32 weights
     out = tmp_path / "ckpt"
-    p = run_tool("mega-convert", "hf", src, out, "--dtype", "bf16", "--json", check=True)
+    p = run_in_process("mega-convert", "hf", src, out, "--dtype", "bf16", "--json", check=True)
     assert json.loads(p.stdout)["dtype"] == "bfloat16" == open_artifact(out, "checkpoint").dtype
-    p = run_tool("mega-convert", "hf", src, out, "--dtype", "bfloat16", "--json", check=True)
+    p = run_in_process("mega-convert", "hf", src, out, "--dtype", "bfloat16", "--json", check=True)
     assert json.loads(p.stdout)["reused"]
-    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24")
+    p = run_in_process("mega-convert", "verify", out, src, "--seq-len", "24")
     assert p.returncode == 0, (p.stdout, p.stderr)
     assert "compared in bfloat16, the checkpoint's dtype:" in p.stdout and "(tolerance 1)" in p.stdout
     assert p.stdout.rstrip().endswith("PASS"), p.stdout
-    p = run_tool("mega-convert", "verify", out, src, "--seq-len", "24", "--dtype", "fp32", "--json")
+    p = run_in_process("mega-convert", "verify", out, src, "--seq-len", "24", "--dtype", "fp32", "--json")
     r = json.loads(p.stdout)
     assert (r["dtype"], r["dtype_from"], r["tolerance"]) == ("float32", "from --dtype", 1e-4), r
     assert p.returncode == 1 and not r["passed"] and r["max_abs_error"] > 1e-4
@@ -176,22 +176,24 @@ def _edit_config(path: Path, **changes: object) -> None:
 
 
 def test_bad_inputs_exit_2_one_line(tmp_path: Path) -> None:
-    """Through the real CLI: exit 2, one line naming what is wrong, nothing left behind."""
+    """The command line (run in this process): exit 2, one line naming what is wrong, nothing left behind."""
     (tmp_path / "empty").mkdir()
     assert_one_line_error(
-        run_tool("mega-convert", "hf", tmp_path / "empty", tmp_path / "o1"), "no config.json"
+        run_in_process("mega-convert", "hf", tmp_path / "empty", tmp_path / "o1"), "no config.json"
     )
 
     unknown = build("llama", tmp_path / "gpt")
     _edit_config(unknown, model_type="gpt2")
-    assert_one_line_error(run_tool("mega-convert", "hf", unknown, tmp_path / "o2"), "model_type", "gpt2")
+    assert_one_line_error(
+        run_in_process("mega-convert", "hf", unknown, tmp_path / "o2"), "model_type", "gpt2"
+    )
 
     missing = build("llama", tmp_path / "missing")
     state = load_file(missing / "model.safetensors")
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, missing / "model.safetensors")
     assert_one_line_error(
-        run_tool("mega-convert", "hf", missing, tmp_path / "o3"),
+        run_in_process("mega-convert", "hf", missing, tmp_path / "o3"),
         "model.layers.1.mlp.up_proj.weight",
         "missing",
     )
@@ -199,7 +201,7 @@ def test_bad_inputs_exit_2_one_line(tmp_path: Path) -> None:
     bad_card = build("llama", tmp_path / "card")
     (bad_card / "README.md").write_text("---\nlicense: [apache-2.0\n---\n# a model\n")
     assert_one_line_error(
-        run_tool("mega-convert", "hf", bad_card, tmp_path / "o4"),
+        run_in_process("mega-convert", "hf", bad_card, tmp_path / "o4"),
         "README.md",
         "front matter is not valid YAML",
     )

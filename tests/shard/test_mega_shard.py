@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, assert_one_line_error, run_tool, write_checkpoint
-from mega_shard.cli import app
+from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process, run_tool, write_checkpoint
 from megacore.artifacts import TensorReader, open_artifact
 from megacore.artifacts.manifest import TrainingState
-from megacore.cli import run
 from megacore.config import ModelConfig, model_tensors
 from megacore.parallel import optim_state_name
 
@@ -28,24 +27,10 @@ FALCON = ModelConfig(
 )  # fmt: skip
 
 
-class Proc:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
 @pytest.fixture
-def shard(capsys):
+def shard():
     """mega-shard's command line run in this process (the subprocess start costs seconds per call)."""
-
-    def call(*args, check: bool = False) -> Proc:
-        capsys.readouterr()
-        code = run(app, "mega-shard", [str(a) for a in args])
-        out, err = capsys.readouterr()
-        if check and code:
-            raise AssertionError(f"mega-shard exited {code}: {err}")
-        return Proc(code, out, err)
-
-    return call
+    return functools.partial(run_in_process, "mega-shard")
 
 
 def write_random(

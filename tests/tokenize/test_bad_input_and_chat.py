@@ -15,20 +15,17 @@ import sentencepiece as spm
 import zstandard
 from megatron.core.datasets import indexed_dataset  # required test dependency: fail, never skip
 
-from helpers import assert_one_line_error, run_tool
+from helpers import assert_one_line_error, run_in_process, run_tool
 from mega_tokenize.chat import ROLE_CODES
-from mega_tokenize.cli import app
 from megacore.artifacts.reader import open_artifact
 from megacore.artifacts.writer import STAGING_MARK
-from megacore.cli import run as cli_run
 from megacore.data.indexed import IndexedReader
 from tokenize_testlib import corpus, write_jsonl
 
 
-def _cli(capsys, *args) -> tuple[int, str, str]:
-    code = cli_run(app, "mega-tokenize", [*map(str, args), "--no-progress"])
-    out, err = capsys.readouterr()
-    return code, out, err
+def _cli(*args) -> tuple[int, str, str]:
+    p = run_in_process("mega-tokenize", *args, "--no-progress")
+    return p.returncode, p.stdout, p.stderr
 
 
 def _good_lines(n: int) -> list[str]:
@@ -48,19 +45,19 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_line_is_exit_2_with_file_and_line(tmp_path: Path, sp_model: Path, capsys, case):
+def test_bad_line_is_exit_2_with_file_and_line(tmp_path: Path, sp_model: Path, case):
     line, msg = BAD[case]
     lines = _good_lines(30)
     lines.insert(17, line)
     src = tmp_path / "c.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model)
     assert code == 2
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"{src}:18: {msg}" in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model, "--on-error", "skip")
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model, "--on-error", "skip")
     assert code == 0, err
     m = open_artifact(tmp_path / "out", "tokens")
     assert m.counts.skipped_lines == 1 and m.counts.documents == 30 and m.on_error == "skip"
@@ -70,71 +67,71 @@ def test_bad_line_is_exit_2_with_file_and_line(tmp_path: Path, sp_model: Path, c
     assert [ds[i].tolist() for i in range(len(ds))] == [[*sp.encode(d), 2] for d in corpus(30)]
 
 
-def test_invalid_utf8_is_reported_with_its_line(tmp_path: Path, sp_model: Path, capsys):
+def test_invalid_utf8_is_reported_with_its_line(tmp_path: Path, sp_model: Path):
     src = tmp_path / "c.jsonl"
     src.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model)
     assert code == 2 and f"{src}:2: invalid UTF-8" in err
 
 
-def test_two_objects_on_one_line_are_not_two_documents(tmp_path: Path, sp_model: Path, capsys):
+def test_two_objects_on_one_line_are_not_two_documents(tmp_path: Path, sp_model: Path):
     src = tmp_path / "c.jsonl"
     src.write_text('{"text": "a"}\n{"text": "b"} {"text": "c"}\n')
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model)
     assert code == 2 and f"{src}:2: invalid JSON" in err
 
 
-def test_blank_lines_are_not_documents(tmp_path: Path, sp_model: Path, capsys):
+def test_blank_lines_are_not_documents(tmp_path: Path, sp_model: Path):
     src = tmp_path / "c.jsonl"
     src.write_text('\n{"text": "a"}\n\n   \n{"text": "b"}\n\n')
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model)
     assert code == 0, err
     assert open_artifact(tmp_path / "out", "tokens").counts.documents == 2
 
 
 @pytest.mark.parametrize("kind", ["zst", "gz"])
-def test_truncated_compressed_file(tmp_path: Path, sp_model: Path, capsys, kind):
+def test_truncated_compressed_file(tmp_path: Path, sp_model: Path, kind):
     # Large enough for several zstd blocks / deflate chunks: the part before the cut decodes.
     lines = [json.dumps({"text": f"{i} {d} {i * 7919 % 1000003}"}) for i, d in enumerate(corpus(200) * 30)]
     raw = ("\n".join(lines) + "\n").encode()
     data = zstandard.ZstdCompressor().compress(raw) if kind == "zst" else gzip.compress(raw)
     src = tmp_path / f"c.jsonl.{kind}"
     src.write_bytes(data[: len(data) * 2 // 3])
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model)
     assert code == 2 and f"{src}:" in err and "truncated" in err, err
     assert not (tmp_path / "out").exists()
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model, "--on-error", "skip")
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model, "--on-error", "skip")
     assert code == 0, err
     m = open_artifact(tmp_path / "out", "tokens")
     assert m.counts.skipped_lines == 1 and 0 < m.counts.documents < 6000
     assert "truncated" in m.counts.skipped_examples[0]
 
 
-def test_usage_errors(tmp_path: Path, sp_model: Path, capsys):
+def test_usage_errors(tmp_path: Path, sp_model: Path):
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}])
-    code, _, err = _cli(capsys, tmp_path / "missing.jsonl", tmp_path / "o", "-t", sp_model)
+    code, _, err = _cli(tmp_path / "missing.jsonl", tmp_path / "o", "-t", sp_model)
     assert code == 2 and "missing.jsonl: no such file" in err
-    code, _, err = _cli(capsys, str(tmp_path / "*.nothing"), tmp_path / "o", "-t", sp_model)
+    code, _, err = _cli(str(tmp_path / "*.nothing"), tmp_path / "o", "-t", sp_model)
     assert code == 2 and "matches no file" in err
-    code, _, err = _cli(capsys, src, tmp_path / "o", "-t", tmp_path / "c.jsonl")
+    code, _, err = _cli(src, tmp_path / "o", "-t", tmp_path / "c.jsonl")
     assert code == 2 and "tokenizer.json" in err
-    code, _, err = _cli(capsys, src, tmp_path / "o", "-t", sp_model, "--engine", "fastest")
+    code, _, err = _cli(src, tmp_path / "o", "-t", sp_model, "--engine", "fastest")
     assert code == 2 and "--engine" in err
-    code, _, err = _cli(capsys, src, tmp_path / "o", "-t", sp_model, "--on-error", "ignore")
+    code, _, err = _cli(src, tmp_path / "o", "-t", sp_model, "--on-error", "ignore")
     assert code == 2 and "--on-error" in err
     (tmp_path / "notart").mkdir()
     (tmp_path / "notart" / "keep.txt").write_text("user data")
-    code, _, err = _cli(capsys, src, tmp_path / "notart", "-t", sp_model)
+    code, _, err = _cli(src, tmp_path / "notart", "-t", sp_model)
     assert code == 2 and "not an artifact" in err and (tmp_path / "notart" / "keep.txt").exists()
 
 
-def test_interrupted_run_leaves_nothing_complete_looking(tmp_path: Path, sp_model: Path, capsys):
+def test_interrupted_run_leaves_nothing_complete_looking(tmp_path: Path, sp_model: Path):
     # An error late in a long input stops the run after shards were partly written.
     lines = _good_lines(300) * 20
     lines.append("{broken")
     src = tmp_path / "c.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    code, _, _ = _cli(capsys, src, tmp_path / "out", "-t", sp_model)
+    code, _, _ = _cli(src, tmp_path / "out", "-t", sp_model)
     assert code == 2
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     # A leftover staging dir of a killed run (its mark names a process that is gone) is neither
@@ -146,10 +143,10 @@ def test_interrupted_run_leaves_nothing_complete_looking(tmp_path: Path, sp_mode
     mark = {"pid": gone.pid, "host": socket.gethostname(), "kind": "tokens"}
     (tmp_path / "out.partial" / STAGING_MARK).write_text(json.dumps(mark))
     good = write_jsonl(tmp_path / "g.jsonl", [{"text": "ok"}])
-    code, _, err = _cli(capsys, good, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(good, tmp_path / "out", "-t", sp_model)
     assert code == 0, err
     assert not (tmp_path / "out.partial").exists()
-    code, _, err = _cli(capsys, good, tmp_path / "out", "-t", sp_model)
+    code, _, err = _cli(good, tmp_path / "out", "-t", sp_model)
     assert code == 0 and "reused" in err
 
 
@@ -198,12 +195,11 @@ def _as_messages(c: dict) -> list[tuple[str, str]]:
     return [*out, ("user", c["question"]), ("assistant", c["answer"])]
 
 
-def test_chatml_with_role_sidecar(tmp_path: Path, sp_model: Path, capsys):
+def test_chatml_with_role_sidecar(tmp_path: Path, sp_model: Path):
     src = write_jsonl(tmp_path / "chat.jsonl", CONVS)
-    code, _, err = _cli(capsys, src, tmp_path / "out", "-t", sp_model, "--format", "chat")
+    code, _, err = _cli(src, tmp_path / "out", "-t", sp_model, "--format", "chat")
     assert code == 2 and "--add-special-tokens '<|im_start|>,<|im_end|>'" in err
     code, _, err = _cli(
-        capsys,
         src,
         tmp_path / "out",
         "-t",
@@ -240,13 +236,13 @@ def test_chatml_with_role_sidecar(tmp_path: Path, sp_model: Path, capsys):
     assert first == [*sp.encode("Hello!"), end, *sp.encode("No.\nDone."), end]
 
 
-def test_tokenizer_chat_template(tmp_path: Path, hf_dir: Path, capsys):
+def test_tokenizer_chat_template(tmp_path: Path, hf_dir: Path):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     src = write_jsonl(tmp_path / "chat.jsonl", CONVS[:3])
     code, _, err = _cli(
-        capsys, src, tmp_path / "out", "-t", hf_dir, "--format", "chat", "--chat-template", "tokenizer"
+        src, tmp_path / "out", "-t", hf_dir, "--format", "chat", "--chat-template", "tokenizer"
     )
     assert code == 0, err
     m = open_artifact(tmp_path / "out", "tokens")
@@ -283,11 +279,11 @@ CHAT_BAD = {
 
 
 @pytest.mark.parametrize("case", list(CHAT_BAD))
-def test_bad_conversations(tmp_path: Path, sp_model: Path, capsys, case):
+def test_bad_conversations(tmp_path: Path, sp_model: Path, case):
     rec, msg = CHAT_BAD[case]
     src = write_jsonl(tmp_path / "chat.jsonl", [CONVS[1], rec, CONVS[2]])
     args = ["-t", sp_model, "--format", "chat", "--add-special-tokens", "<|im_start|>,<|im_end|>"]
-    code, _, err = _cli(capsys, src, tmp_path / "out", *args)
+    code, _, err = _cli(src, tmp_path / "out", *args)
     assert code == 2 and f"{src}:2: {msg}" in err, err
-    code, _, err = _cli(capsys, src, tmp_path / "out", *args, "--on-error", "skip")
+    code, _, err = _cli(src, tmp_path / "out", *args, "--on-error", "skip")
     assert code == 0 and open_artifact(tmp_path / "out", "tokens").counts.skipped_lines == 1

@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from helpers import assert_one_line_error, run_tool
+from helpers import assert_one_line_error, run_in_process
 from megacore.artifacts.manifest import ParallelSpec
 from megacore.config import ModelConfig
 from megacore.errors import UserError
@@ -600,16 +600,20 @@ def test_bad_planning_flags_are_one_line_errors(tmp_path: Path, tokens: Path) ->
     run_json = write_run(tmp_path, tokens)
     base = ["--manifest", run_json]
     assert_one_line_error(
-        run_tool("mega-train", *base, "--dry-run", "--gpu-memory", "banana"), "--gpu-memory", "'banana'"
+        run_in_process("mega-train", *base, "--dry-run", "--gpu-memory", "banana"), "--gpu-memory", "'banana'"
     )
     assert_one_line_error(
-        run_tool("mega-train", *base, "--dry-run", "--gpu-memory", "80"),
+        run_in_process("mega-train", *base, "--dry-run", "--gpu-memory", "80"),
         "--gpu-memory: 80 has no unit: did you mean 80GB?",
     )
-    assert_one_line_error(run_tool("mega-train", *base, "--gpus", "8", "--gpu-memory", "80GB"), "--dry-run")
-    assert_one_line_error(run_tool("mega-train", *base, "--dry-run", "--gpus", "8"), "--gpus", "--gpu-memory")
     assert_one_line_error(
-        run_tool(
+        run_in_process("mega-train", *base, "--gpus", "8", "--gpu-memory", "80GB"), "--dry-run"
+    )
+    assert_one_line_error(
+        run_in_process("mega-train", *base, "--dry-run", "--gpus", "8"), "--gpus", "--gpu-memory"
+    )
+    assert_one_line_error(
+        run_in_process(
             "mega-train", *base, "--dry-run", "--gpus", "8", "--world-size", "8", "--gpu-memory", "80GB"
         ),
         "--gpus",
@@ -622,7 +626,7 @@ def test_precision_takes_the_dtype_options_spelling(tmp_path: Path, tokens: Path
     plans = {}
     for spelling in ("bf16", "bfloat16"):
         run_json = write_run(tmp_path / spelling, tokens, precision=spelling)
-        proc = run_tool("mega-train", "--manifest", run_json, "--dry-run", "--json", check=True)
+        proc = run_in_process("mega-train", "--manifest", run_json, "--dry-run", "--json", check=True)
         plans[spelling] = json.loads(proc.stdout)["memory"]
     assert plans["bfloat16"]["precision"] == "bf16" and plans["bfloat16"] == plans["bf16"]
 
