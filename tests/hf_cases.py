@@ -13,6 +13,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -176,6 +177,19 @@ CASES: dict[str, tuple[type, dict, int]] = {
                              "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                                 "original_max_position_embeddings": 16}}},
         40,
+    ),
+    # Mixtral (MixtralForCausalLM): every MLP 4 or 8 SwiGLU experts, top-2, GQA; the 8-expert one
+    # with a sliding window shorter than its test sequence.
+    "mixtral": (
+        MixtralConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+        24,
+    ),
+    "mixtral-8x-window": (
+        MixtralConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+         "sliding_window": 8},
+        24,
     ),
 }  # fmt: skip
 

@@ -24,6 +24,7 @@ from megacore.artifacts.manifest import ParallelSpec, TrainingState
 from megacore.config import ModelConfig, RopeScaling
 from megacore.models import Decoder
 from megacore.models.loss import IGNORE
+from megacore.models.moe import MoE
 from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
 from megacore.parallel.engine import ParallelModel, box_slice, clip_grad_norm, local_piece
 from megacore.parallel.layout import Parallelism
@@ -88,7 +89,13 @@ FAMILIES = {
                                                                                      "sliding_attention"],
                           local_rope_theta=100.0, rope_scaling=RopeScaling(type="linear", factor=4.0),
                           attn_scalar=12.0, tie_embeddings=True),
+    # Mixtral: 4 experts, top-2, both router losses on. Its batch runs as MOE_CHUNKS microbatches of
+    # rows (the router losses are per microbatch): every mixtral scenario has dp x microbatches = 2.
+    "mixtral": ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
+                           num_kv_heads=2, ffn_hidden_size=48, num_experts=4, experts_per_token=2,
+                           router_aux_loss_coef=0.05, router_z_loss_coef=0.01),
 }  # fmt: skip
+MOE_CHUNKS = 2
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
 CLIP = 0.1
@@ -110,6 +117,23 @@ def packed(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, t
     return tokens, targets.masked_fill(positions == 0, IGNORE), positions
 
 
+def reference_loss(model: Decoder, cfg: ModelConfig, tokens, targets, positions=None) -> torch.Tensor:
+    """The language-model loss (mean over the counted targets); a mixture of experts runs the rows
+    as MOE_CHUNKS microbatches, each MoE layer's router losses weighted as one process weighs them
+    (their mean over layers and microbatches, times the coefficients)."""
+    if cfg.num_experts is None:
+        return lm_loss(model(tokens, positions=positions), targets, cfg.vocab_size)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in moes:
+        m.aux_weight = cfg.router_aux_loss_coef / (len(moes) * MOE_CHUNKS)
+        m.z_weight = cfg.router_z_loss_coef / (len(moes) * MOE_CHUNKS)
+        m.stats.reset()
+    chunks = zip(tokens.chunk(MOE_CHUNKS), targets.chunk(MOE_CHUNKS),
+                 positions.chunk(MOE_CHUNKS) if positions is not None else [None] * MOE_CHUNKS, strict=True)  # fmt: skip
+    total = sum(lm_loss(model(x, positions=p), y, cfg.vocab_size, reduction="sum") for x, y, p in chunks)
+    return total / (targets != IGNORE).sum()
+
+
 def reference(cfg: ModelConfig, tokens, targets, positions=None):
     torch.manual_seed(0)
     model = Decoder(cfg)
@@ -119,10 +143,13 @@ def reference(cfg: ModelConfig, tokens, targets, positions=None):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {"init": init}
     for step in range(STEPS):
-        loss = lm_loss(model(tokens, positions=positions), targets, cfg.vocab_size)
+        loss = reference_loss(model, cfg, tokens, targets, positions)
         loss.backward()
         if step == 0:
             out["loss"] = loss.detach()
+            moes = [m for m in model.modules() if isinstance(m, MoE)]
+            if moes:  # the router losses' mean over layers and microbatches
+                out["router"] = sum(m.stats.totals()[1] for m in moes) / (len(moes) * MOE_CHUNKS)
             out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             out["norm"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
             # The clipped gradients, as one process clips them; the AdamW steps use the unclipped ones.
@@ -139,9 +166,7 @@ def reference(cfg: ModelConfig, tokens, targets, positions=None):
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         out["logits"] = model(tokens, positions=positions)[..., : cfg.vocab_size]
-    lm_loss(
-        model(tokens, positions=positions), targets, cfg.vocab_size
-    ).backward()  # a 4th step, for resumed runs
+    reference_loss(model, cfg, tokens, targets, positions).backward()  # a 4th step, for resumed runs
     opt.step()
     out["params4"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
@@ -215,6 +240,10 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
                     loss = both[0] / both[1]
                 assert rel(loss, ref["loss"]) < tol, (label, float(loss), float(ref["loss"]))
                 checks.append("loss")
+            if "router" in ref:  # every rank has the router report (a collective)
+                got = torch.tensor([pm.last_moe["aux_loss"], pm.last_moe["z_loss"]])
+                assert rel(got, ref["router"]) < tol, (label, got, ref["router"])
+                checks.append("router-losses")
             names = []
             for name, p in pm.loaded_parameters():  # a tied copy's gradient: the shared one
                 e = rel(full(p.grad), ref["grads"][name])

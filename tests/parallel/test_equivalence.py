@@ -190,6 +190,21 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
+    """Mixtral (router losses on) under FSDP2 over dp 2, saved and resumed at pp 2, pipelined with
+    full recompute (each layer's statistics counted once), and packed documents over dp."""
+    ckpt = tmp_path / "ckpt-moe-dp2"
+    launch(tmp_path, 2, [
+        {"family": "mixtral", "save": str(ckpt)},
+        {"family": "mixtral", "pp": 2, "schedule": "1f1b", "load": str(ckpt)},
+        {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
+        {"family": "mixtral", "packed": True},
+    ])  # fmt: skip
+    saved = open_artifact(ckpt, "checkpoint")
+    assert len(saved.tensors["layers.0.mlp.experts.gate_proj.weight"].pieces) == 2  # FSDP2's dim-0 shards
+
+
+@pytest.mark.dist
 def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
     tp_dp, cp_dp = tmp_path / "ckpt-tp2-dp2", tmp_path / "ckpt-cp2-dp2"
     launch(tmp_path, 4, four_process_core(tmp_path / "ckpt-tp2pp2", tp_dp, cp_dp))

@@ -98,7 +98,7 @@ GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")
 class ModelConfig(Struct):
     """Everything needed to build the decoder; every family is a choice of these switches."""
 
-    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3"]
+    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral"]
     vocab_size: Positive
     hidden_size: Positive
     num_layers: Positive
@@ -141,6 +141,15 @@ class ModelConfig(Struct):
     # (Gemma).
     scale_embeddings: bool = False
     tie_embeddings: bool = False
+    # Sparse mixture of experts (Mixtral): every block's MLP is `num_experts` SwiGLU experts of
+    # ffn_hidden_size each, a bias-free router choosing `experts_per_token` of them per token
+    # (softmax, top-k, renormalised); None: the dense MLP. The load-balancing loss (Mixtral's,
+    # per layer, averaged over layers) and the router's z-loss join the training loss times
+    # these coefficients (0: not at all).
+    num_experts: Positive | None = None
+    experts_per_token: Positive | None = None
+    router_aux_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    router_z_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     bos_id: int | None = None
     eos_id: int | None = None
 
@@ -173,12 +182,33 @@ class ModelConfig(Struct):
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
         if self.sandwich_norm and self.parallel_attn:
             raise ValueError("sandwich_norm needs sequential blocks (parallel_attn false)")
+        self._check_experts()
         s = self.rope_scaling
         if s is not None and s.type in ("llama3", "yarn") and s.original_max_position_embeddings is None:
             raise ValueError(
                 f"rope_scaling: {s.type} needs original_max_position_embeddings, the context the "
                 "weights were pretrained for"
             )
+
+    def _check_experts(self) -> None:
+        if (self.num_experts is None) != (self.experts_per_token is None):
+            raise ValueError(
+                "num_experts and experts_per_token are set together (a mixture of experts) or not at all"
+            )
+        if self.num_experts is None:
+            if self.router_aux_loss_coef or self.router_z_loss_coef:
+                raise ValueError("router loss coefficients need a mixture of experts (num_experts)")
+            if self.family == "mixtral":
+                raise ValueError("a mixtral config needs num_experts and experts_per_token")
+            return
+        if self.family != "mixtral":  # the family whose config.json and names carry experts
+            raise ValueError(f"family {self.family} has no experts; a mixture of experts is family mixtral")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}"
+            )
+        if self.activation != "swiglu" or self.mlp_bias:
+            raise ValueError("experts are SwiGLU without biases (activation swiglu, mlp_bias false)")
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -205,6 +235,11 @@ TOKEN_ID_FIELDS = ("bos_id", "eos_id")
 # The context a model trains for: what a run from a checkpoint (`model.init`) may set of its model.
 # Neither changes a tensor, so the checkpoint's weights load as they are.
 CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
+
+
+# The router losses' weights (a mixture of experts): training settings a run may set on top of
+# its init checkpoint's config, which change no tensor either.
+ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
 
 
 def with_context(
@@ -249,7 +284,9 @@ def model_tensors(
     checkpoints: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.{q,k,v,o}_proj.
     {weight,bias}", "layers.<i>.attn.{q,k}_norm.weight" (qk_norm: shape (head_dim,)),
     "layers.<i>.attn_post_norm.weight" (sandwich_norm), "layers.<i>.mlp_norm.weight",
-    "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}", "layers.<i>.mlp_post_norm.weight"
+    "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}" (or, with experts, "layers.<i>.mlp.router.
+    weight" [experts, hidden] and "layers.<i>.mlp.experts.{gate,up,down}_proj.weight", each expert's
+    matrix stacked on a leading experts dim), "layers.<i>.mlp_post_norm.weight"
     (sandwich_norm), "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline
     stage's part.
     Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
@@ -289,10 +326,17 @@ def model_tensors(
             norm(f"{at}.attn_post_norm")
         if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
             norm(f"{at}.mlp_norm")
-        if config.activation in GATED_ACTIVATIONS:
-            linear(f"{at}.mlp.gate_proj", ffn, hidden, config.mlp_bias)
-        linear(f"{at}.mlp.up_proj", ffn, hidden, config.mlp_bias)
-        linear(f"{at}.mlp.down_proj", hidden, ffn, config.mlp_bias)
+        if config.num_experts is not None:
+            experts = config.num_experts
+            out[f"{at}.mlp.router.weight"] = (experts, hidden)
+            out[f"{at}.mlp.experts.gate_proj.weight"] = (experts, ffn, hidden)
+            out[f"{at}.mlp.experts.up_proj.weight"] = (experts, ffn, hidden)
+            out[f"{at}.mlp.experts.down_proj.weight"] = (experts, hidden, ffn)
+        else:
+            if config.activation in GATED_ACTIVATIONS:
+                linear(f"{at}.mlp.gate_proj", ffn, hidden, config.mlp_bias)
+            linear(f"{at}.mlp.up_proj", ffn, hidden, config.mlp_bias)
+            linear(f"{at}.mlp.down_proj", hidden, ffn, config.mlp_bias)
         if config.sandwich_norm:
             norm(f"{at}.mlp_post_norm")
     if head:
@@ -305,9 +349,13 @@ def model_tensors(
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward and backward, recompute not counted), PaLM's count: 6 x the
     matmul parameters (the output projection, not the embedding lookup) + 12 x layers x heads x
-    head_dim x sequence length for attention scores and values. MFU divides by this."""
+    head_dim x sequence length for attention scores and values. MFU divides by this. Experts
+    count as the `experts_per_token` a token passes through (the active parameters)."""
     tensors = model_tensors(config)
     matmul = sum(math.prod(s) for n, s in tensors.items() if len(s) == 2 and n != "embed.weight")
+    if config.num_experts is not None:
+        stacked = sum(math.prod(s) for s in tensors.values() if len(s) == 3)
+        matmul += stacked * config.experts_per_token // config.num_experts
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
     return 6.0 * matmul + 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length

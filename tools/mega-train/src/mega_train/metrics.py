@@ -92,6 +92,11 @@ def train_line(r: dict, total_steps: int) -> str:
     ]
     if r["mfu"] is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "aux_loss" in r:
+        parts.append(f"aux loss {r['aux_loss']:.4f}")
+        parts.append(
+            f"expert load {r['expert_load_min']:.0f}-{r['expert_load_max']:.0f} cv {r['expert_load_cv']:.2f}"
+        )
     parts.append(f"mem {r['memory_gb']:.2f} GB")
     if r["loss_scale"] is not None:
         parts.append(f"loss scale {r['loss_scale']:g}")

@@ -20,7 +20,7 @@ from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manife
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import CONTEXT_FIELDS, ModelConfig, RopeScaling, with_context
+from megacore.config import CONTEXT_FIELDS, ROUTER_LOSS_FIELDS, ModelConfig, RopeScaling, with_context
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 from megacore.parallel.layout import Parallelism, check_cp, check_parallelism, check_tp, check_world
@@ -69,7 +69,8 @@ class RunPlan:
         from a checkpoint, the context fields beside `init` and the others in the init itself."""
         if self.init is None:
             return f"$.model.config.{name}"
-        return f"$.model.{name}" if name in CONTEXT_FIELDS else f"$.model.init (its config's {name})"
+        beside = name in (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
+        return f"$.model.{name}" if beside else f"$.model.init (its config's {name})"
 
     @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
@@ -226,7 +227,7 @@ def _open_init(
     if init is not None and run.model.config is not None:
         raise UserError(
             "$.model.config: give exactly one of `init` (a checkpoint) or `config`; beside `init` only "
-            "max_seq_len and rope_scaling can be set",
+            "max_seq_len, rope_scaling and the router loss coefficients can be set",
             where,
         )
     if init is None and run.model.config is None:
@@ -238,24 +239,26 @@ def _model_config(
     run: RunManifest, init: tuple[Path, CheckpointManifest] | None, where: str
 ) -> tuple[ModelConfig, list[str]]:
     """The model the run trains (the config its checkpoints record) and a note when it is not the
-    init's: `config`, or the init's with the context `max_seq_len` and `rope_scaling` set."""
+    init's: `config`, or the init's with the context `max_seq_len` and `rope_scaling` set and the
+    router losses' coefficients."""
     m = run.model
     if init is None:
-        for name in CONTEXT_FIELDS:
+        for name in (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS):
             if getattr(m, name) is not None:
                 raise UserError(
                     f"$.model.{name}: a run from `config` sets it in $.model.config (beside `init` it "
-                    "sets the context of a run from a checkpoint)",
+                    "sets it for a run from a checkpoint)",
                     where,
                 )
         assert m.config is not None
         return m.config, []
     before = init[1].config
+    routers = {f: getattr(m, f) for f in ROUTER_LOSS_FIELDS if getattr(m, f) is not None}
     try:
-        config = with_context(before, m.max_seq_len, m.rope_scaling)
-    except ValueError as e:  # llama3 / yarn without the original context, and so on
+        config = msgspec.structs.replace(with_context(before, m.max_seq_len, m.rope_scaling), **routers)
+    except ValueError as e:  # llama3 / yarn without the original context, router losses of a dense model
         raise UserError(f"$.model: {e}", where) from None
-    if config == before:
+    if all(getattr(config, f) == getattr(before, f) for f in CONTEXT_FIELDS):
         return config, []
     note = (
         f"the model's context: {config.max_seq_len:,} positions (the init's {before.max_seq_len:,}), "

@@ -273,13 +273,17 @@ class HFManifest(Header, tag="hf", kw_only=True):
 class ModelSpec(Struct):
     """Start from a checkpoint artifact (`init`), or from scratch with a `config`. Beside `init`,
     `max_seq_len` and `rope_scaling` set the context the run trains for (context extension: a
-    longer max_seq_len with a RoPE scaling), every other field of the model staying the init's; the
-    run's checkpoints record the config that results (`megacore.config.with_context`)."""
+    longer max_seq_len with a RoPE scaling) and the router losses' coefficients their weights (a
+    mixture of experts), every other field of the model staying the init's; the run's checkpoints
+    record the config that results (`megacore.config.with_context`)."""
 
     init: Ref | None = None
     config: ModelConfig | None = None
     max_seq_len: Positive | None = None  # None: the init's
     rope_scaling: RopeScaling | None = None  # None: the init's
+    # A mixture of experts' router losses (None: the init's; `ModelConfig` has the meaning).
+    router_aux_loss_coef: NonNegativeFloat | None = None
+    router_z_loss_coef: NonNegativeFloat | None = None
     init_std: PositiveFloat = 0.02  # of fresh weights (with `config`), drawn per tensor from the seed
 
 
@@ -473,7 +477,7 @@ def _model_field(message: str) -> str:
     name = m.group(1)
     return (
         f"$.model.{name}: a run from `init` keeps the checkpoint's {name}; beside `init` only "
-        "max_seq_len and rope_scaling can be set (a new model's whole config goes in $.model.config)"
+        "max_seq_len, rope_scaling and the router loss coefficients can be set (a new model's whole config goes in $.model.config)"
     )
 
 

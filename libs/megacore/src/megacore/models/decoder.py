@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from megacore.config import GATED_ACTIVATIONS, ModelConfig, attention_window, local_rope
 from megacore.models.attention import Impl, causal_attention, document_ids
 from megacore.models.loss import fused_linear_cross_entropy
+from megacore.models.moe import MoE
 from megacore.models.rope import apply_rope, rope_tables
 
 
@@ -207,7 +208,7 @@ class Block(nn.Module):
         self.attn_post_norm = make_norm(config) if config.sandwich_norm else None
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
         self.mlp_norm = None if one_norm else make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.num_experts is not None else MLP(config)
         self.mlp_post_norm = make_norm(config) if config.sandwich_norm else None
 
     def forward(

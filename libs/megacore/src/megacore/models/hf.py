@@ -68,7 +68,8 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {}
     for m in tensor_maps(config):
         metas = tuple(torch.empty(_unpadded(n, ours[n], config), device="meta") for n in m.ours)
-        out[m.hf] = tuple(m.fuse(metas).shape)
+        for name, t in zip(m.hf, m.fuse(metas), strict=True):
+            out[name] = tuple(t.shape)
     return out
 
 
@@ -87,17 +88,20 @@ def check_maps(config: ModelConfig) -> None:
 def import_tensors(
     config: ModelConfig, get: Callable[[str], torch.Tensor], where: str = "model"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (our name, tensor) for every HF tensor, one HF tensor in memory at a time. `get(name)`
-    returns the HF tensor; a missing tensor or a wrong shape is a UserError. Vocab rows are padded."""
+    """Yield (our name, tensor) for every HF tensor, the HF tensors of one map in memory at a time
+    (one, or one layer's experts). `get(name)` returns the HF tensor; a missing tensor or a wrong
+    shape is a UserError. Vocab rows are padded."""
     expected = hf_shapes(config)
     vocab = config.padded_vocab_size
     for m in tensor_maps(config):
-        t = get(m.hf)
-        if tuple(t.shape) != expected[m.hf]:
-            raise UserError(
-                f"tensor {m.hf}: shape {list(t.shape)}, config.json implies {list(expected[m.hf])}", where
-            )
-        for name, part in zip(m.ours, m.split(t), strict=True):
+        ts = tuple(get(name) for name in m.hf)
+        for name, t in zip(m.hf, ts, strict=True):
+            if tuple(t.shape) != expected[name]:
+                raise UserError(
+                    f"tensor {name}: shape {list(t.shape)}, config.json implies {list(expected[name])}",
+                    where,
+                )
+        for name, part in zip(m.ours, m.split(ts), strict=True):
             if name in VOCAB_TENSORS and vocab > part.shape[0]:
                 part = torch.cat([part, part.new_zeros(vocab - part.shape[0], *part.shape[1:])])
             yield name, part.contiguous()
@@ -109,7 +113,8 @@ def export_tensors(
     """Yield (HF name, tensor) from our tensors (`get(our name)`): the inverse of `import_tensors`."""
     for m in tensor_maps(config):
         parts = tuple(get(n)[: config.vocab_size] if n in VOCAB_TENSORS else get(n) for n in m.ours)
-        yield m.hf, m.fuse(parts).contiguous()
+        for name, t in zip(m.hf, m.fuse(parts), strict=True):
+            yield name, t.contiguous()
 
 
 def hf_state_dict_to_ours(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -50,6 +50,7 @@ from megacore.artifacts.pieces import Box
 from megacore.config import ModelConfig
 from megacore.data.packing import IGNORE
 from megacore.models.attention import document_ids
+from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.layout import (
     MULTI_STAGE,
@@ -194,6 +195,14 @@ class ParallelModel:
             self.schedule = cls(
                 first, n_microbatches=par.microbatches, loss_fn=self._microbatch_loss, scale_grads=False
             )
+        # This rank's MoE layers by global index (a dense model has none).
+        self.moe_layers = {
+            int(i): block.mlp
+            for part in self.parts
+            for i, block in part.layers.items()
+            if isinstance(block.mlp, MoE)
+        }
+        self.last_moe: dict[str, float] | None = None  # the last step's router statistics
         named = dict(self._named_all())
         tied = config.tie_embeddings and self.num_stages > 1
         self.tied_copy: nn.Parameter | None = named.get("lm_head.weight") if tied else None
@@ -312,6 +321,7 @@ class ParallelModel:
         tokens, targets, inputs = self._local(tokens, targets, positions)
         for copies in self.copies:
             copies.refresh()
+        self._weigh_router_losses(self.replicas * scale / (n * self.dp))
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 losses = []
@@ -320,11 +330,49 @@ class ParallelModel:
                     loss = self._loss(x, y, kw)
                     (loss * weight).backward()
                     losses.append(loss.detach())
-                return self._mean(losses, counted)
-            losses = self._scheduled(self.schedule.step, tokens, targets, inputs, weight=weight)
-            if self.config.tie_embeddings:
-                self._sum_tied_grads()
-            return self._mean(losses, counted, weight) if self.has_last else None
+                mean = self._mean(losses, counted)
+            else:
+                losses = self._scheduled(self.schedule.step, tokens, targets, inputs, weight=weight)
+                if self.config.tie_embeddings:
+                    self._sum_tied_grads()
+                mean = self._mean(losses, counted, weight) if self.has_last else None
+        self.last_moe = self._router_report(n)
+        return mean
+
+    def _weigh_router_losses(self, share: float) -> None:
+        """Each MoE layer's load-balancing and z-loss gradient weights for this step, and its
+        statistics reset. The model's router loss is the mean over layers and over the global
+        batch's microbatches (`share`: this rank's part of that mean, gradient averaging over the
+        replicas and the step's scale included), times the config's coefficient."""
+        layers = self.config.num_layers
+        for moe in self.moe_layers.values():
+            moe.aux_weight = self.config.router_aux_loss_coef * share / layers
+            moe.z_weight = self.config.router_z_loss_coef * share / layers
+            moe.stats.reset()
+
+    def _router_report(self, microbatches: int) -> dict[str, float] | None:
+        """The step's router statistics over every layer and rank (a collective): the mean
+        load-balancing and z-loss (as `_weigh_router_losses` weighs them, without coefficients)
+        and the tokens each expert of each layer got: min, max and coefficient of variation."""
+        if self.config.num_experts is None:
+            return None
+        layers, experts = self.config.num_layers, self.config.num_experts
+        table = torch.zeros(layers, experts + 2, dtype=torch.float64, device=self.device)
+        for i, moe in self.moe_layers.items():
+            load, losses = moe.stats.totals(last=microbatches)
+            table[i, :experts], table[i, experts:] = load.double(), losses.double()
+        dist.all_reduce(table)
+        table /= self.par.spec.tp  # every tp rank routes the same tokens
+        load = table[:, :experts]
+        mean = load.mean()
+        losses = table[:, experts:].sum(0) / (layers * microbatches * self.dp)
+        return {
+            "aux_loss": float(losses[0]),
+            "z_loss": float(losses[1]),
+            "expert_load_min": float(load.min()),
+            "expert_load_max": float(load.max()),
+            "expert_load_cv": float(load.std(correction=0) / mean) if mean > 0 else 0.0,
+        }
 
     def evaluate(
         self,

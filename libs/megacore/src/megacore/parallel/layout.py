@@ -37,6 +37,8 @@ _KV = {"attn.k_proj", "attn.v_proj"}
 _LAYER_REPLICATED = re.compile(
     r"^(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.(weight|bias)$"
     r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
+    # A mixture of experts' router and its stacked experts (tp 1 only for now: `check_tp`).
+    r"|^mlp\.router\.weight$|^mlp\.experts\.(gate|up|down)_proj\.weight$"
 )
 
 
@@ -126,6 +128,8 @@ def _positive(value: int, what: str, where: str) -> None:
 def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
     """tp must divide the heads, the kv heads (or be a multiple of them), the ffn and the padded vocab."""
     _positive(tp, "tp", where)
+    if config.num_experts is not None and tp > 1:
+        raise UserError("a mixture of experts trains at tp 1 for now (experts are not split over tp)", where)
     if config.num_heads % tp:
         raise UserError(f"tp {tp} does not divide the {config.num_heads} attention heads", where)
     kv = config.num_kv_heads
@@ -262,6 +266,10 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     if par.recompute not in RECOMPUTE:
         raise UserError(f"recompute must be one of {list(RECOMPUTE)}, got {par.recompute!r}", "recompute")
     check_tp(config, spec.tp, f"{where}.tp")
+    if config.num_experts is not None and spec.cp > 1:
+        raise UserError(
+            "a mixture of experts trains at cp 1 for now (its router sees whole rows)", f"{where}.cp"
+        )
     stages = spec.pp * par.stages_per_rank
     layers = stage_layers(
         config.num_layers, stages, spec.pp_layers, f"{where}.pp_layers" if spec.pp_layers else f"{where}.pp"

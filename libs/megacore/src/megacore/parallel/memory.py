@@ -269,6 +269,15 @@ def _cp_attention(
     return gathered + max(sum(n * end * c for end in pair if end > window) for pair in ends)
 
 
+def _moe_activations(config: ModelConfig, tokens: int, c: int) -> int:
+    """What a mixture-of-experts MLP saves (models/moe.py): each routed (token, expert) row's input,
+    gate, up, silu and product, and its output before the routing weight; the router's logits and
+    fp32 probabilities, and the int64 indices and fp32 weights of the top-k choices."""
+    routed, experts = tokens * config.experts_per_token, config.num_experts
+    h, f = config.hidden_size, config.ffn_hidden_size
+    return routed * (4 * f + 2 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
+
+
 def layer_activations(
     config: ModelConfig,
     par: Parallelism,
@@ -292,7 +301,8 @@ def layer_activations(
     kv = _kv_width(config, tp)
     if tp == 1:  # fused q/k/v: v is a view of the projection output, which stays alive whole
         qkv = tokens * (2 * q + 3 * kv) * c
-        weights = (q + 2 * kv) * h * c + (2 * f * h * c if config.activation in GATED_ACTIVATIONS else 0)
+        gate_up = config.activation in GATED_ACTIVATIONS and config.num_experts is None  # fused
+        weights = (q + 2 * kv) * h * c + (2 * f * h * c if gate_up else 0)
     else:  # kv heads replicated: this rank's head is a view of the whole v projection output
         v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
         qkv = tokens * (q + kv + v) * c
@@ -324,6 +334,8 @@ def layer_activations(
     elif window is not None and seq > window and attention != "flash":
         kernel += seq * seq * c  # SDPA's additive mask
     mlp = (4 if config.activation in GATED_ACTIVATIONS else 2) * tokens * f * c
+    if config.num_experts is not None:
+        mlp = _moe_activations(config, tokens, c)
     total = norms + qkv + o_proj_in + mlp + weights
     return total if mode == "selective" else total + kernel
 

@@ -6,7 +6,7 @@ from types import ModuleType
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families import falcon, gemma3, llama, mistral, qwen2, qwen3
+from megacore.models.families import falcon, gemma3, llama, mistral, mixtral, qwen2, qwen3
 from megacore.models.families.common import TensorMap
 
 FAMILIES: dict[str, ModuleType] = {
@@ -16,6 +16,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "gemma3": gemma3,
+    "mixtral": mixtral,
 }
 
 

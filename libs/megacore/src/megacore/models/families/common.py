@@ -15,33 +15,44 @@ from megacore.errors import UserError
 _MISSING = object()
 
 
-def _identity_split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (t,)
-
-
-def _identity_fuse(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return ts[0]
+def _identity(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return ts
 
 
 @dataclass(frozen=True)
 class TensorMap:
-    """One HF tensor <-> one or more of ours. `split` turns the HF tensor into ours (in `ours` order),
-    `fuse` is its exact inverse (export); both only slice and concatenate, so round trips are bit-exact."""
+    """HF tensors <-> ours. `split` turns the HF tensors (in `hf` order) into ours (in `ours` order),
+    `fuse` is its exact inverse (export); both only slice, stack and concatenate, so round trips
+    are bit-exact. Most maps are one tensor to one (`rename`); Falcon's fused q/k/v is one to
+    three, an MoE layer's per-expert HF matrices many to one stacked tensor (`stacked`)."""
 
-    hf: str
+    hf: tuple[str, ...]
     ours: tuple[str, ...]
-    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = field(default=_identity_split)
-    fuse: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] = field(default=_identity_fuse)
+    split: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] = field(default=_identity)
+    fuse: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] = field(default=_identity)
 
 
 def rename(hf: str, ours: str) -> TensorMap:
-    return TensorMap(hf, (ours,))
+    return TensorMap((hf,), (ours,))
 
 
 def linear(maps: list[TensorMap], hf: str, ours: str, bias: bool) -> None:
     maps.append(rename(f"{hf}.weight", f"{ours}.weight"))
     if bias:
         maps.append(rename(f"{hf}.bias", f"{ours}.bias"))
+
+
+def _stack(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (torch.stack(ts),)
+
+
+def _unstack(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(ts[0].unbind(0))
+
+
+def stacked(hf: list[str], ours: str) -> TensorMap:
+    """The experts' matrices, one HF tensor each, as our one tensor stacked on a leading dim."""
+    return TensorMap(tuple(hf), (ours,), _stack, _unstack)
 
 
 class HFConfig:

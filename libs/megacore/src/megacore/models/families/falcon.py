@@ -150,7 +150,14 @@ def _fuse_qkv(ts: tuple[torch.Tensor, ...], kv: int, per_group: int, hd: int) ->
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     kv, hd = config.num_kv_heads, config.head_dim
     geometry = {"kv": kv, "per_group": config.num_heads // kv, "hd": hd}
-    split, fuse = partial(_split_qkv, **geometry), partial(_fuse_qkv, **geometry)
+    split_one, fuse_one = partial(_split_qkv, **geometry), partial(_fuse_qkv, **geometry)
+
+    def split(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return split_one(ts[0])
+
+    def fuse(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (fuse_one(ts),)
+
     maps = [rename("transformer.word_embeddings.weight", "embed.weight")]
 
     def norm(hf: str, ours: str) -> None:
@@ -167,9 +174,9 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             norm(f"{hf}.post_attention_layernorm", f"{ours}.mlp_norm")
         qkv = f"{hf}.self_attention.query_key_value"
         names = tuple(f"{ours}.attn.{p}_proj" for p in "qkv")
-        maps.append(TensorMap(f"{qkv}.weight", tuple(f"{n}.weight" for n in names), split, fuse))
+        maps.append(TensorMap((f"{qkv}.weight",), tuple(f"{n}.weight" for n in names), split, fuse))
         if config.attn_bias:
-            maps.append(TensorMap(f"{qkv}.bias", tuple(f"{n}.bias" for n in names), split, fuse))
+            maps.append(TensorMap((f"{qkv}.bias",), tuple(f"{n}.bias" for n in names), split, fuse))
         linear(maps, f"{hf}.self_attention.dense", f"{ours}.attn.o_proj", config.attn_out_bias)
         linear(maps, f"{hf}.mlp.dense_h_to_4h", f"{ours}.mlp.up_proj", config.mlp_bias)
         linear(maps, f"{hf}.mlp.dense_4h_to_h", f"{ours}.mlp.down_proj", config.mlp_bias)

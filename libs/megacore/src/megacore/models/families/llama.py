@@ -20,14 +20,16 @@ from megacore.models.families.common import (
     llama_style_to_hf,
     refuse_gemma_switches,
     rename,
+    stacked,
 )
 
 MODEL_TYPES = ("llama",)
 ARCHITECTURE = "LlamaForCausalLM"
 
 
-def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> ModelConfig:
-    """ModelConfig from a Llama-style config.json (defaults as transformers' LlamaConfig)."""
+def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama", **extra: Any) -> ModelConfig:
+    """ModelConfig from a Llama-style config.json (defaults as transformers' LlamaConfig); `extra`:
+    fields of a family built on Llama's (Mixtral's experts)."""
     c = HFConfig(hf, where)
     act = c.str("hidden_act", "silu")
     if act != "silu":
@@ -35,7 +37,10 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
     heads = c.int("num_attention_heads")
     theta, scaling = c.rope()
     bias = c.bool("attention_bias", False)
-    window = c.data.get("sliding_window", 4096) if family == "mistral" else None
+    # transformers' MistralConfig defaults the window to 4096, MixtralConfig to none.
+    window = {"mistral": c.data.get("sliding_window", 4096), "mixtral": c.data.get("sliding_window")}.get(
+        family
+    )
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise UserError(f"$.sliding_window: expected an integer or null, got {window!r}", where)
     return build_config(
@@ -61,6 +66,7 @@ def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama") -> Mod
         tie_embeddings=c.bool("tie_word_embeddings", False),
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
+        **extra,
     )
 
 
@@ -71,7 +77,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if (
         config.parallel_attn
         or config.qk_norm
-        or (config.sliding_window is not None and config.family != "mistral")
+        or (config.sliding_window is not None and config.family not in ("mistral", "mixtral"))
     ):
         raise UserError(
             "parallel attention / q-k norms / sliding window cannot be expressed as a Llama config", "config"
@@ -87,6 +93,18 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def mixtral_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
+    """One layer's router and experts under Mixtral's checkpoint names (`block_sparse_moe.gate`,
+    `block_sparse_moe.experts.<j>.w1/w3/w2` for gate/up/down, what the Hub's checkpoints and
+    transformers' save_pretrained write), each projection stacked over the experts."""
+    moe, experts = f"{hf}.block_sparse_moe", range(config.num_experts)
+    maps = [rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight")]
+    for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+        names = [f"{moe}.experts.{j}.{w}.weight" for j in experts]
+        maps.append(stacked(names, f"{ours}.mlp.experts.{p}.weight"))
+    return maps
+
+
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     maps = [rename("model.embed_tokens.weight", "embed.weight")]
     for i in range(config.num_layers):
@@ -99,6 +117,9 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             maps.append(rename(f"{hf}.self_attn.q_norm.weight", f"{ours}.attn.q_norm.weight"))
             maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
+        if config.num_experts is not None:
+            maps.extend(mixtral_experts(config, hf, ours))
+            continue
         for p in ("gate_proj", "up_proj", "down_proj"):
             linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", config.mlp_bias)
     maps.append(rename("model.norm.weight", "norm.weight"))

@@ -1,0 +1,63 @@
+"""Mixtral: Mistral's decoder whose MLPs are sparse mixtures of SwiGLU experts (`models/moe.py`).
+
+HF layout (MixtralForCausalLM, as the Hub's checkpoints and transformers' save_pretrained write
+it): Llama's names, and per layer `block_sparse_moe.gate` (the router) and
+`block_sparse_moe.experts.<j>.{w1,w3,w2}` (gate, up, down), stacked per projection in ours
+(`llama.mixtral_experts`). transformers 5 fuses w1/w3 into `mlp.experts.gate_up_proj` in memory
+and writes the per-expert names back when saving. The router's load-balancing coefficient is the
+config's `router_aux_loss_coef`; the router jitter noise transformers can add in training is not
+implemented, and a config that sets it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megacore.config import ModelConfig
+from megacore.errors import UserError
+from megacore.models.families import llama
+from megacore.models.families.common import HFConfig, TensorMap
+
+MODEL_TYPES = ("mixtral",)
+ARCHITECTURE = "MixtralForCausalLM"
+
+
+def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    c = HFConfig(hf, where)
+    jitter = c.data.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise UserError(f"$.router_jitter_noise: {jitter!r} is not supported (0)", where)
+    coef = c.data.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
+        raise UserError(f"$.router_aux_loss_coef: expected a number >= 0, got {coef!r}", where)
+    return llama.config_from_hf(
+        hf,
+        where,
+        family="mixtral",
+        num_experts=c.int("num_local_experts", 8),
+        experts_per_token=c.int("num_experts_per_tok", 2),
+        router_aux_loss_coef=float(coef),
+    )
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    if config.num_experts is None:
+        raise UserError("a Mixtral config needs experts (num_experts)", "config")
+    if config.attn_bias or config.attn_out_bias or config.mlp_bias:
+        raise UserError("Mixtral configs have no bias switches; this config uses biases", "config")
+    out = llama.config_to_hf(config)
+    for key in ("attention_bias", "mlp_bias"):
+        del out[key]
+    out.update(
+        architectures=[ARCHITECTURE],
+        model_type="mixtral",
+        sliding_window=config.sliding_window,
+        num_local_experts=config.num_experts,
+        num_experts_per_tok=config.experts_per_token,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+    )
+    return out
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    return llama.tensor_maps(config)

@@ -1,0 +1,163 @@
+"""Sparse mixture of experts, the MLP of a block when the config has `num_experts` (Mixtral).
+
+Routing as transformers' Mixtral computes it: router logits from a bias-free linear, an fp32
+softmax, the top `experts_per_token` probabilities renormalised to sum to 1. Dropless: every
+token reaches its experts whatever the load. The (token, expert) pairs are sorted by expert, so
+each expert runs its SwiGLU as one matmul per projection over a contiguous block of rows
+(`grouped_swiglu`: `torch._grouped_mm` on a GPU in bf16, a loop over the experts elsewhere); each
+output is scaled by its routing weight and added back to its token.
+
+The router's losses are not returned through the model's output (a pipeline stage sends hidden
+states only): each MoE layer attaches its load-balancing loss (`load_balancing_loss`, Mixtral's,
+of this layer's tokens) and its z-loss to its output's backward with the weights `aux_weight`
+and `z_weight` (`AttachLoss`, as Megatron-Core's aux-loss scaler), which the engine sets from the
+config's coefficients and the step's scaling. Each layer also keeps the statistics of its forwards
+(tokens per expert, the losses' values) in `stats` for the metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacore.config import ModelConfig
+
+
+class GroupedLinear(nn.Module):
+    """`num_experts` linears without bias, their weights stacked: [experts, out, in]."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+
+class Experts(nn.Module):
+    """The experts of one layer: SwiGLU, each its own gate, up and down projections."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, hidden, ffn = config.num_experts, config.hidden_size, config.ffn_hidden_size
+        self.gate_proj = GroupedLinear(e, hidden, ffn)
+        self.up_proj = GroupedLinear(e, hidden, ffn)
+        self.down_proj = GroupedLinear(e, ffn, hidden)
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden], the routing `weights` (fp32) and `chosen` experts [T, k], and how many
+        tokens chose each expert -> [T, hidden]."""
+        order = chosen.reshape(-1).argsort(stable=True)  # the (token, expert) pairs grouped by expert
+        token = order // chosen.shape[1]
+        out = grouped_swiglu(
+            x[token], counts, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        )
+        # The routing weight in fp32, rounded once on the way back (transformers' order).
+        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        return x.new_zeros(x.shape).index_add_(0, token, out)
+
+
+def grouped_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of each expert over its block of rows: x [N, hidden] sorted by expert, `counts` [E]
+    rows per expert, weights [E, out, in] -> [N, hidden]."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = counts.cumsum(0).to(torch.int32)
+        g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets)
+        u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offsets)
+    outs = [
+        F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e])
+        for e, rows in enumerate(x.split(counts.tolist()))
+        if rows.shape[0]
+    ]
+    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probabilities [T, E] in fp32, the top-k weights renormalised [T, k], the chosen experts
+    [T, k]) from router logits, as transformers' MixtralTopKRouter."""
+    probs = F.softmax(logits.float(), dim=-1)
+    top, chosen = torch.topk(probs, k, dim=-1)
+    return probs, top / top.sum(dim=-1, keepdim=True), chosen
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mixtral's (Switch Transformer's) load-balancing loss of one layer's tokens: experts x the sum
+    over experts of (the fraction of top-k choices it got) x (its mean router probability). 1 per
+    chosen expert when balanced (k in all), up to k x experts when one expert takes every token;
+    the gradient flows through the probabilities only. transformers' `load_balancing_loss_func`
+    pools every layer's statistics before the product; this is its value for one layer, and a
+    model's is the mean over its layers (the same for one layer), which pipeline stages can each
+    compute for their own layers."""
+    fraction = counts.float() / probs.shape[0]  # counts: top-k choices per expert
+    return probs.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class AttachLoss(torch.autograd.Function):
+    """Identity on `y`; backward also gives `loss` (already weighted) the gradient 1, so the loss's
+    gradient joins the model's without passing through its output."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+class MoEStats:
+    """One layer's statistics since the last `reset`, one entry per forward, kept on the device (no
+    sync per layer): tokens per expert and the two router losses' values."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def add(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
+        self.entries.append((counts.float(), torch.stack([aux, z]).float()))
+
+    def totals(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens per expert, [aux, z]) summed over the `last` forwards (None: all). A pipeline
+        schedule's first step runs each stage once more on made-up inputs to learn the shapes
+        (torch's metadata inference) before the step's microbatches: their last forwards."""
+        counts, losses = zip(*self.entries[-last if last else 0 :], strict=True)
+        return torch.stack(counts).sum(0), torch.stack(losses).sum(0)
+
+
+class MoE(nn.Module):
+    """The sparse MLP: router, experts, and the router's losses attached to the output."""
+
+    aux_weight = 0.0  # the gradient weight of this layer's load-balancing loss (the engine sets it)
+    z_weight = 0.0  # of its z-loss
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config)
+        self.stats = MoEStats()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        probs, weights, chosen = route(logits, self.top_k)
+        counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1])
+        y = self.experts(flat, weights, chosen, counts)
+        aux = load_balancing_loss(probs, counts)
+        z = router_z_loss(logits)
+        # Recompute (activation checkpointing) runs the forward again inside backward: count once.
+        if torch._C._current_graph_task_id() == -1:
+            self.stats.add(counts, aux.detach(), z.detach())
+        if torch.is_grad_enabled() and (self.aux_weight or self.z_weight):
+            y = AttachLoss.apply(y, aux * self.aux_weight + z * self.z_weight)
+        return y.view_as(x)

@@ -1,0 +1,121 @@
+"""The mixture-of-experts MLP (models/moe.py) against transformers' Mixtral: logits, every gradient,
+the load-balancing loss (transformers' own `load_balancing_loss_func`) and its gradient, the
+z-loss against its closed form, and a router that sends every token to the same experts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from hf_cases import build, load_hf, tokens
+from megacore.models import Decoder, config_from_hf, export_tensors, hf_state_dict_to_ours
+from megacore.models.moe import MoE
+
+COEF = 0.02  # large enough that the aux loss's share of each router gradient shows
+
+
+def _pair(tmp_path: Path, experts: int, layers: int = 2) -> tuple[torch.nn.Module, Decoder]:
+    path = build("mixtral", tmp_path / "hf", num_local_experts=experts, num_hidden_layers=layers,
+                 router_aux_loss_coef=COEF, output_router_logits=True)  # fmt: skip
+    cfg = config_from_hf(load_hf(path).config)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == (experts, 2, COEF)
+    ours = Decoder(cfg)
+    ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
+    return load_hf(path).train(), ours.train()
+
+
+def _hf_grads_as_saved(hf: torch.nn.Module, experts: int) -> dict[str, torch.Tensor]:
+    """transformers' gradients under the names its checkpoints use (what our export writes): its
+    in-memory fused gate_up_proj [E, 2f, h] cut into each expert's w1 (gate) and w3 (up)."""
+    out = {}
+    for name, p in hf.named_parameters():
+        m = re.match(
+            r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$", name
+        )
+        if m is None:
+            out[name] = p.grad
+            continue
+        moe = f"{m.group(1)}.block_sparse_moe"
+        if m.group(2) == "gate.weight":
+            out[f"{moe}.gate.weight"] = p.grad
+        for j in range(experts):
+            if m.group(2) == "experts.gate_up_proj":
+                gate, up = p.grad[j].chunk(2, dim=0)
+                out[f"{moe}.experts.{j}.w1.weight"], out[f"{moe}.experts.{j}.w3.weight"] = gate, up
+            elif m.group(2) == "experts.down_proj":
+                out[f"{moe}.experts.{j}.w2.weight"] = p.grad[j]
+    return out
+
+
+@pytest.mark.parametrize("experts", [4, 8])
+def test_logits_losses_and_every_gradient_match_transformers(experts: int, tmp_path: Path) -> None:
+    """Language-model loss plus COEF x the load-balancing loss, as transformers' function gives
+    each layer's (the mean over the layers: `load_balancing_loss`'s docstring): same logits, same
+    losses, same gradients in every tensor (fp32, < 1e-4 absolute up to magnitude 1)."""
+    hf, ours = _pair(tmp_path, experts)
+    ids = tokens(101, 17)
+    x, y = ids[:, :-1], ids[:, 1:]
+    out = hf(x)
+    per_layer = [load_balancing_loss_func((g,), experts, 2) for g in out.router_logits]
+    aux_ref = torch.stack(per_layer).mean()
+    (F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + COEF * aux_ref).backward()
+
+    layers = [m for m in ours.modules() if isinstance(m, MoE)]
+    for moe in layers:
+        moe.aux_weight = COEF / len(layers)  # what the engine sets for one microbatch on one rank
+    logits = ours(x)
+    assert (logits - out.logits).abs().max() < 1e-4
+    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    aux = sum(float(m.stats.totals()[1][0]) for m in layers) / len(layers)
+    assert abs(aux - aux_ref.item()) < 1e-5, (aux, aux_ref.item())
+    # z-loss, its closed form on transformers' router logits
+    z_ref = sum(torch.logsumexp(g, -1).square().mean() for g in out.router_logits) / len(layers)
+    assert abs(sum(float(m.stats.totals()[1][1]) for m in layers) / len(layers) - z_ref.item()) < 1e-4
+
+    got = dict(export_tensors(ours.config, {n: p.grad for n, p in ours.named_parameters()}.__getitem__))
+    ref = _hf_grads_as_saved(hf, experts)
+    assert sorted(got) == sorted(ref)
+    for name, g in ref.items():
+        err = (got[name] - g).abs().max().item()
+        assert err < 1e-4 * max(1.0, g.abs().max().item()), (name, err)
+    routers = [n for n in ref if n.endswith("block_sparse_moe.gate.weight")]
+    assert all(ref[n].abs().max() > 0 for n in routers)
+
+
+def test_one_layer_aux_loss_is_transformers_models(tmp_path: Path) -> None:
+    """With one layer the per-layer mean is exactly what MixtralForCausalLM reports as aux_loss."""
+    hf, ours = _pair(tmp_path, 4, layers=1)
+    ids = tokens(101, 16)
+    with torch.no_grad():
+        ref = hf(ids).aux_loss
+        ours(ids)
+    (moe,) = [m for m in ours.modules() if isinstance(m, MoE)]
+    assert abs(float(moe.stats.totals()[1][0]) - ref.item()) < 1e-5
+
+
+def test_a_router_sending_every_token_to_the_same_experts_still_trains(tmp_path: Path) -> None:
+    """Zero router weights: every probability ties, every token picks the same two experts, the
+    other experts get no rows (and a zero gradient); forward, backward and the statistics work,
+    and the load-balancing loss is experts x sum(fraction x mean probability) = 4 x (1 x 1/4 +
+    1 x 1/4) = 2."""
+    _, ours = _pair(tmp_path, 4)
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, MoE):
+                m.router.weight.zero_()
+                m.aux_weight = 0.01
+    ids = tokens(101, 16)
+    ours(ids[:, :-1], ids[:, 1:]).backward()
+    for m in (m for m in ours.modules() if isinstance(m, MoE)):
+        load = m.stats.totals()[0].tolist()
+        assert sorted(load) == [0, 0, 30, 30], load  # 2 rows x 15 tokens, each to the same 2 experts
+        assert abs(float(m.stats.totals()[1][0]) - 2.0) < 1e-6
+        idle = [e for e, n in enumerate(load) if n == 0]
+        assert all(m.experts.down_proj.weight.grad[e].abs().max() == 0 for e in idle)
+        assert m.router.weight.grad.abs().max() > 0  # the balancing loss pushes the router

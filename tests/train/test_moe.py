@@ -1,0 +1,86 @@
+"""A mixture of experts through the chain: a tiny Mixtral from transformers converted and verified,
+resharded to pp 2, trained under torchrun (router losses and expert load in the metrics), exported
+to a directory transformers loads with every key, whose logits are the checkpoint's; and a router
+that sends every token to the same experts, which trains and whose load says so. (The numbers
+against one process: tests/parallel/test_equivalence.py; against transformers: tests/models.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import run_in_process
+from hf_cases import build, load_hf
+from runlib import metrics, ok, torchrun, train, write_run
+
+
+def _mixtral(path: Path, **overrides) -> Path:
+    return build("mixtral", path, vocab_size=400, router_aux_loss_coef=0.02, **overrides)
+
+
+def _run_json(directory: Path, init: Path, tokens: Path, **overrides) -> Path:
+    path = write_run(directory, tokens, eval={"every": 6, "iters": 1}, **overrides)
+    run = json.loads(path.read_text())
+    run["model"] = {"init": str(init)}
+    path.write_text(json.dumps(run))
+    return path
+
+
+@pytest.mark.dist
+def test_mixtral_converts_trains_at_pp2_and_exports(tmp_path: Path, tokens: Path) -> None:
+    hf = _mixtral(tmp_path / "hf")
+    ckpt, pp2 = tmp_path / "ckpt", tmp_path / "ckpt-pp2"
+    run_in_process("mega-convert", "hf", hf, ckpt, check=True)
+    verified = run_in_process("mega-convert", "verify", ckpt, hf, "--seq-len", "16", check=True)
+    assert verified.stdout.rstrip().endswith("PASS"), verified.stdout
+    run_in_process("mega-shard", ckpt, pp2, "--pp", "2", check=True)
+
+    run_json = _run_json(tmp_path / "train", pp2, tokens, parallel={"pp": 2})
+    out = ok(torchrun(2, run_json))
+    assert "world 2 = tp 1 x pp 2 x dp 1" in out.stdout
+    assert "aux loss" in out.stdout and "expert load" in out.stdout
+    records = metrics(run_json.parent / "run")
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first, last = records[0], records[-1]
+    assert last["loss"] < first["loss"] - 0.5, (first["loss"], last["loss"])  # 6.2 -> 5.0 measured
+    tokens_per_step = 8 * 32 * 2  # every token reaches 2 experts
+    for r in records:  # top-2 of 4 with the per-layer mean: between 2 (balanced) and 4 x 2
+        assert 1.9 < r["aux_loss"] < 8 and r["z_loss"] > 0, r
+        assert 0 <= r["expert_load_min"] <= tokens_per_step / 4 <= r["expert_load_max"], r
+
+    final = run_json.parent / "run" / "checkpoints" / "latest"
+    exported = tmp_path / "exported"
+    run_in_process("mega-export", final, exported, check=True)
+    model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    assert model.config.num_local_experts == 4 and model.config.router_aux_loss_coef == 0.02
+    ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, load_hf(hf)(ids).logits, atol=1e-3)  # trained
+    ok(run_in_process("mega-convert", "verify", final, exported, "--seq-len", "16"))
+
+
+def test_a_router_sending_every_token_to_two_experts_trains_and_shows_it(
+    tmp_path: Path, tokens: Path
+) -> None:
+    """Zero router weights: every probability ties and every token goes to the same two of the four
+    experts. Training runs; step 1's load is every token on two experts and none on the others
+    (coefficient of variation 1), and the balancing loss moves the router away from it."""
+    hf = _mixtral(tmp_path / "hf", num_hidden_layers=1)
+    model = load_hf(hf)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.zero_()
+    model.save_pretrained(hf)
+    ckpt = tmp_path / "ckpt"
+    run_in_process("mega-convert", "hf", hf, ckpt, check=True)
+    run_json = _run_json(tmp_path / "train", ckpt, tokens, train_steps=3, checkpoint={"every": 3})
+    ok(train(run_json))
+    records = metrics(run_json.parent / "run")
+    step1 = records[0]
+    assert (step1["expert_load_min"], step1["expert_load_max"]) == (0, 8 * 32), step1
+    assert step1["expert_load_cv"] == pytest.approx(1.0) and step1["aux_loss"] == pytest.approx(2.0)
+    assert records[-1]["expert_load_cv"] < 1.0, records[-1]
