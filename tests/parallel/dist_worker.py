@@ -90,12 +90,14 @@ FAMILIES = {
                           local_rope_theta=100.0, rope_scaling=RopeScaling(type="linear", factor=4.0),
                           attn_scalar=12.0, tie_embeddings=True),
     # Mixtral: 4 experts, top-2, both router losses on. Its batch runs as MOE_CHUNKS microbatches of
-    # rows (the router losses are per microbatch): every mixtral scenario has dp x microbatches = 2.
+    # rows (the router losses are per microbatch): dp x microbatches is 2 in every "mixtral"
+    # scenario, 4 in every "mixtral4" one (the same model).
     "mixtral": ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
                            num_kv_heads=2, ffn_hidden_size=48, num_experts=4, experts_per_token=2,
                            router_aux_loss_coef=0.05, router_z_loss_coef=0.01),
 }  # fmt: skip
-MOE_CHUNKS = 2
+FAMILIES["mixtral4"] = FAMILIES["mixtral"]
+MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4}
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
 CLIP = 0.1
@@ -117,24 +119,27 @@ def packed(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, t
     return tokens, targets.masked_fill(positions == 0, IGNORE), positions
 
 
-def reference_loss(model: Decoder, cfg: ModelConfig, tokens, targets, positions=None) -> torch.Tensor:
+def reference_loss(
+    model: Decoder, cfg: ModelConfig, tokens, targets, positions=None, chunks: int = 1
+) -> torch.Tensor:
     """The language-model loss (mean over the counted targets); a mixture of experts runs the rows
-    as MOE_CHUNKS microbatches, each MoE layer's router losses weighted as one process weighs them
+    as `chunks` microbatches, each MoE layer's router losses weighted as one process weighs them
     (their mean over layers and microbatches, times the coefficients)."""
     if cfg.num_experts is None:
         return lm_loss(model(tokens, positions=positions), targets, cfg.vocab_size)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     for m in moes:
-        m.aux_weight = cfg.router_aux_loss_coef / (len(moes) * MOE_CHUNKS)
-        m.z_weight = cfg.router_z_loss_coef / (len(moes) * MOE_CHUNKS)
+        m.aux_weight = cfg.router_aux_loss_coef / (len(moes) * chunks)
+        m.z_weight = cfg.router_z_loss_coef / (len(moes) * chunks)
         m.stats.reset()
-    chunks = zip(tokens.chunk(MOE_CHUNKS), targets.chunk(MOE_CHUNKS),
-                 positions.chunk(MOE_CHUNKS) if positions is not None else [None] * MOE_CHUNKS, strict=True)  # fmt: skip
-    total = sum(lm_loss(model(x, positions=p), y, cfg.vocab_size, reduction="sum") for x, y, p in chunks)
+    parts = zip(tokens.chunk(chunks), targets.chunk(chunks),
+                positions.chunk(chunks) if positions is not None else [None] * chunks, strict=True)  # fmt: skip
+    total = sum(lm_loss(model(x, positions=p), y, cfg.vocab_size, reduction="sum") for x, y, p in parts)
     return total / (targets != IGNORE).sum()
 
 
-def reference(cfg: ModelConfig, tokens, targets, positions=None):
+def reference(family: str, tokens, targets, positions=None):
+    cfg, chunks = FAMILIES[family], MOE_CHUNKS.get(family, 1)
     torch.manual_seed(0)
     model = Decoder(cfg)
     model.init_weights()
@@ -143,13 +148,13 @@ def reference(cfg: ModelConfig, tokens, targets, positions=None):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {"init": init}
     for step in range(STEPS):
-        loss = reference_loss(model, cfg, tokens, targets, positions)
+        loss = reference_loss(model, cfg, tokens, targets, positions, chunks)
         loss.backward()
         if step == 0:
             out["loss"] = loss.detach()
             moes = [m for m in model.modules() if isinstance(m, MoE)]
             if moes:  # the router losses' mean over layers and microbatches
-                out["router"] = sum(m.stats.totals()[1] for m in moes) / (len(moes) * MOE_CHUNKS)
+                out["router"] = sum(m.stats.totals()[1] for m in moes) / (len(moes) * chunks)
             out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             out["norm"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
             # The clipped gradients, as one process clips them; the AdamW steps use the unclipped ones.
@@ -166,7 +171,7 @@ def reference(cfg: ModelConfig, tokens, targets, positions=None):
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         out["logits"] = model(tokens, positions=positions)[..., : cfg.vocab_size]
-    reference_loss(model, cfg, tokens, targets, positions).backward()  # a 4th step, for resumed runs
+    reference_loss(model, cfg, tokens, targets, positions, chunks).backward()  # a 4th step, for resumed runs
     opt.step()
     out["params4"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
@@ -176,7 +181,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     cfg = FAMILIES[sc["family"]]
     spec = ParallelSpec(
         tp=sc.get("tp", 1), pp=sc.get("pp", 1), cp=sc.get("cp", 1), schedule=sc.get("schedule", "1f1b"),
-        virtual_stages=sc.get("virtual_stages", 1), sequence_parallel=sc.get("sp", False),
+        virtual_stages=sc.get("virtual_stages", 1), sequence_parallel=sc.get("sp", False), ep=sc.get("ep", 1),
         dp_mode=sc.get("dp_mode", "fsdp"),
     )  # fmt: skip
     par = Parallelism(
@@ -186,7 +191,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
         compile=sc.get("compile", False), recompute=sc.get("recompute", "none"),
     )  # fmt: skip
-    mesh = build_mesh(spec.tp, spec.pp, spec.cp)
+    mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     ref = refs[sc["family"], sc.get("packed", False)]
     tokens, targets, positions = data
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -290,14 +295,16 @@ def main() -> None:
     cases = {(sc["family"], sc.get("packed", False)) for sc in scenarios}
     g = torch.Generator().manual_seed(42)
     data = {}
-    for fam in sorted(FAMILIES):
+    for fam in sorted(set(FAMILIES) - {"mixtral4"}):
         v = FAMILIES[fam].vocab_size
         rows = (
             torch.randint(0, v, (BATCH, SEQ), generator=g),
             torch.randint(0, v, (BATCH, SEQ), generator=g),
         )
         data[fam, False], data[fam, True] = (*rows, None), packed(*rows)
-    refs = {case: reference(FAMILIES[case[0]], *data[case]) for case in sorted(cases)}
+    for packed_rows in (False, True):  # mixtral's rows, run as 4 microbatches
+        data["mixtral4", packed_rows] = data["mixtral", packed_rows]
+    refs = {case: reference(case[0], *data[case]) for case in sorted(cases)}
     for sc in scenarios:
         lines = run_scenario(sc, refs, data[sc["family"], sc.get("packed", False)])
         if dist.get_rank() == 0:

@@ -191,17 +191,39 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
-    """Mixtral (router losses on) under FSDP2 over dp 2, saved and resumed at pp 2, pipelined with
-    full recompute (each layer's statistics counted once), and packed documents over dp."""
-    ckpt = tmp_path / "ckpt-moe-dp2"
+    """Mixtral (router losses on) under FSDP2 over dp 2, saved and resumed at pp 2; expert parallel
+    ep 2 (packed documents too), saved and resumed at ep 1; pipelined with full recompute (each
+    layer's statistics counted once). The ep 2 checkpoint reshards to one file bit-exactly."""
+    dp2, ep2 = tmp_path / "ckpt-moe-dp2", tmp_path / "ckpt-moe-ep2"
     launch(tmp_path, 2, [
-        {"family": "mixtral", "save": str(ckpt)},
-        {"family": "mixtral", "pp": 2, "schedule": "1f1b", "load": str(ckpt)},
+        {"family": "mixtral", "save": str(dp2)},
+        {"family": "mixtral", "pp": 2, "schedule": "1f1b", "load": str(dp2)},
+        {"family": "mixtral", "ep": 2, "save": str(ep2)},
+        {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
+        {"family": "mixtral", "ep": 2, "packed": True},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
-        {"family": "mixtral", "packed": True},
     ])  # fmt: skip
-    saved = open_artifact(ckpt, "checkpoint")
-    assert len(saved.tensors["layers.0.mlp.experts.gate_proj.weight"].pieces) == 2  # FSDP2's dim-0 shards
+    assert len(open_artifact(dp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"].pieces) == 2
+    saved = open_artifact(ep2, "checkpoint")
+    experts = saved.tensors["layers.0.mlp.experts.gate_proj.weight"].pieces
+    assert sorted(p.offset[0] for p in experts) == [0, 2]  # each ep rank's two experts
+    reshard(ep2, tmp_path / "one", 1, 1, log=lambda msg: None)
+    with TensorReader(ep2) as a, TensorReader(tmp_path / "one") as b:
+        out = open_artifact(tmp_path / "one", "checkpoint")
+        for name, entry in saved.tensors.items():
+            assert_bitwise_equal(a.read(name, entry), b.read(name, out.tensors[name]), name)
+
+
+@pytest.mark.dist
+def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path) -> None:
+    """ep 4 (one expert per rank), ep 2 within dp 4 (FSDP2 over the other 2 for the experts), and
+    ep 2 x pp 2 (1F1B and ZBV)."""
+    launch(tmp_path, 4, [
+        {"family": "mixtral4", "ep": 4},
+        {"family": "mixtral4", "ep": 2},
+        {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "1f1b"},
+        {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "zbv"},
+    ])  # fmt: skip
 
 
 @pytest.mark.dist

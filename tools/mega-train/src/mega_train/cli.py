@@ -199,9 +199,10 @@ def _report(
         return
     par, batch = summary["parallel"], summary["batch"]
     cp = f" x cp {par['cp']}" if par["cp"] > 1 else ""
+    ep = f" (ep {par['ep']})" if par["ep"] > 1 else ""
     typer.echo(
         f"{plan.path}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
-        f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']}{cp} x dp {par['dp']}; "
+        f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']}{cp} x dp {par['dp']}{ep}; "
         f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",
         err=as_json,

@@ -110,7 +110,14 @@ class RunPlan:
             "out": str(self.out),
             "checkpoints": str(self.checkpoints),
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
-            "parallel": {"world_size": self.world_size, "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": self.dp},
+            "parallel": {
+                "world_size": self.world_size,
+                "tp": p.tp,
+                "pp": p.pp,
+                "cp": p.cp,
+                "dp": self.dp,
+                "ep": p.ep,
+            },
             "stage_layers": self.stage_layers,
             "batch": {
                 "micro": self.run.batch.micro_batch_size,
@@ -340,7 +347,7 @@ def _check_layout(
     b = run.batch
     check_tp(config, run.parallel.tp, "$.parallel.tp")  # before the world: the more basic mistake
     par = run.parallel
-    dp = check_world(world_size, par.tp, par.pp, "$.parallel", cp=par.cp)
+    dp = check_world(world_size, par.tp, par.pp, "$.parallel", cp=par.cp, ep=par.ep)
     check_cp(b.seq_length, par.cp, par.tp, par.sequence_parallel)
     if b.global_batch_size % (b.micro_batch_size * dp):
         raise UserError(

@@ -140,7 +140,7 @@ class Trainer:
         """Mesh, lock, stop flag, data and model; collective."""
         run = self.run
         configure_allocator(device_type())
-        self.mesh = build_mesh(run.parallel.tp, run.parallel.pp, run.parallel.cp)
+        self.mesh = build_mesh(run.parallel.tp, run.parallel.pp, run.parallel.cp, run.parallel.ep)
         self.rank = dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else "cpu"
         torch.manual_seed(run.seed)

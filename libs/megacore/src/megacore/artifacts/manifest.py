@@ -311,12 +311,15 @@ class DataSpec(Struct):
 
 
 class ParallelSpec(Struct):
-    """tp, pp and cp are set; dp is what is left: world size / (tp * pp * cp), never set by hand."""
+    """tp, pp and cp are set; dp is what is left: world size / (tp * pp * cp), never set by hand;
+    ep divides dp."""
 
     tp: Positive = 1
     pp: Positive = 1
     # Context parallel: each sequence spread over cp ranks (megacore.parallel.cp).
     cp: Positive = 1
+    # Expert parallel: each MoE layer's experts split over ep of the dp ranks (megacore.parallel.ep).
+    ep: Positive = 1
     pp_layers: list[Positive] | None = None
     schedule: Schedule = "1f1b"
     virtual_stages: Positive = 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megacore.config import ModelConfig
 
@@ -42,19 +43,13 @@ class Experts(nn.Module):
         self.up_proj = GroupedLinear(e, hidden, ffn)
         self.down_proj = GroupedLinear(e, ffn, hidden)
 
-    def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, hidden], the routing `weights` (fp32) and `chosen` experts [T, k], and how many
-        tokens chose each expert -> [T, hidden]."""
-        order = chosen.reshape(-1).argsort(stable=True)  # the (token, expert) pairs grouped by expert
-        token = order // chosen.shape[1]
-        out = grouped_swiglu(
-            x[token], counts, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        )
-        # The routing weight in fp32, rounded once on the way back (transformers' order).
-        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
-        return x.new_zeros(x.shape).index_add_(0, token, out)
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows [N, hidden] grouped by expert, `counts` [experts] rows each -> [N, hidden]. Under
+        expert parallel (`megacore.parallel.ep`) the rows are those sent to this rank's experts,
+        whose weights are its shards (DTensors): the local tensors are the experts it holds."""
+        weights = [p.weight.to_local() if isinstance(p.weight, DTensor) else p.weight
+                   for p in (self.gate_proj, self.up_proj, self.down_proj)]  # fmt: skip
+        return grouped_swiglu(rows, counts, *weights)
 
 
 def grouped_swiglu(
@@ -67,8 +62,11 @@ def grouped_swiglu(
         g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets)
         u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offsets)
+    # unbind, not gate[e]: autograd stacks the experts' weight gradients once per projection,
+    # where indexing would allocate (and zero) a whole stacked gradient per expert.
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
     outs = [
-        F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e])
+        F.linear(F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e]), downs[e])
         for e, rows in enumerate(x.split(counts.tolist()))
         if rows.shape[0]
     ]
@@ -152,7 +150,12 @@ class MoE(nn.Module):
         logits = self.router(flat)
         probs, weights, chosen = route(logits, self.top_k)
         counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1])
-        y = self.experts(flat, weights, chosen, counts)
+        order = chosen.reshape(-1).argsort(stable=True)  # the (token, expert) pairs grouped by expert
+        token = order // self.top_k
+        out = self.experts(flat.index_select(0, token), counts)
+        # The routing weight in fp32, rounded once on the way back (transformers' order).
+        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        y = flat.new_zeros(flat.shape).index_add_(0, token, out)
         aux = load_balancing_loss(probs, counts)
         z = router_z_loss(logits)
         # Recompute (activation checkpointing) runs the forward again inside backward: count once.

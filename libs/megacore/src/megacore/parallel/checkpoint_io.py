@@ -40,6 +40,8 @@ def _owner(t: torch.Tensor, mesh) -> bool:
         # Its mesh may lack tp, dp or cp: FSDP2 shards a tp-replicated weight (a norm) over dp (or
         # the flattened dp_cp) alone, so it is replicated over the dimensions its mesh does not have.
         names = {d for name in t.device_mesh.mesh_dim_names or () for d in name.split("_")}
+        if "ep" in names:  # experts: sharded over ep and FSDP2's edp, which make up dp
+            names.add("dp")
         return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp", "cp") if d not in names)
     # A plain parameter is the same on every tp, dp and cp rank of its stage.
     return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp", "cp"))

@@ -52,6 +52,7 @@ from megacore.data.packing import IGNORE
 from megacore.models.attention import document_ids
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
+from megacore.parallel.ep import apply_ep
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
@@ -76,9 +77,12 @@ assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
+def apply_dp(
+    model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism, experts: tuple[DeviceMesh, int] | None = None
+) -> None:
     """FSDP2 per block and per stage (bf16/fp16 compute, fp32 master weights and gradient
-    reduction), or plain replication."""
+    reduction), or plain replication. `experts` (expert parallel): the mesh the experts are
+    sharded over by FSDP2 (edp) and the factor their gradients are divided by (`parallel/ep.py`)."""
     dtype = COMPUTE_DTYPES.get(par.precision)
     mp = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -93,6 +97,14 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism) -> None:
     # With pipelining the parameters are needed again for backward after other microbatches.
     reshard = par.spec.pp == 1
     for block in model.layers.values():
+        if experts is not None and isinstance(block.mlp, MoE):
+            fully_shard(block.mlp.experts, mesh=experts[0], mp_policy=mp, reshard_after_forward=reshard)
+            block.mlp.experts.set_gradient_divide_factor(experts[1])
+            if experts[0].size() > 1:
+                # A division after a plain sum: NCCL's PreMulSum, which a custom factor takes
+                # otherwise, does not exist on gloo. (On a one-rank mesh torch 2.13 would then
+                # divide twice; there it divides once without communicating.)
+                block.mlp.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
@@ -155,6 +167,7 @@ class ParallelModel:
         self.num_stages = len(self.layers)
         self.tp_mesh = mesh["tp"] if par.spec.tp > 1 else None
         self.cp_mesh = mesh["cp"] if par.spec.cp > 1 else None
+        self.ep_mesh = mesh["ep"] if par.spec.ep > 1 else None
         self.dp = mesh["dp"].size()
         # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
         self.replicas = self.dp * par.spec.cp
@@ -171,11 +184,14 @@ class ParallelModel:
                 apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel)
             if self.cp_mesh is not None:
                 apply_cp(part, self.cp_mesh)
+            if self.ep_mesh is not None:
+                apply_ep(part, self.ep_mesh)
             part.set_recompute(par.recompute)
             if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
                 part.compile_blocks()
             if fsdp_wrapped(par, self.replicas):
-                apply_dp(part, dp_mesh, par)
+                experts = (mesh["edp"], self.replicas) if self.ep_mesh is not None else None
+                apply_dp(part, dp_mesh, par, experts)
             part.to_empty(device=self.device)
             if use_copies:
                 self.copies.append(ComputeCopies(part, dtype))

@@ -176,12 +176,18 @@ def stage_layers(
     return out
 
 
-def check_world(world_size: int, tp: int, pp: int, where: str = "world size", cp: int = 1) -> int:
-    """dp = world / (tp * pp * cp); the world size must be a multiple of tp * pp * cp."""
+def check_world(
+    world_size: int, tp: int, pp: int, where: str = "world size", cp: int = 1, ep: int = 1
+) -> int:
+    """dp = world / (tp * pp * cp); the world size must be a multiple of tp * pp * cp, and dp of
+    ep (expert parallel's ranks are data-parallel ranks)."""
     if world_size % (tp * pp * cp):
         sizes = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
         raise UserError(f"world size {world_size} is not a multiple of {sizes}", where)
-    return world_size // (tp * pp * cp)
+    dp = world_size // (tp * pp * cp)
+    if dp % ep:
+        raise UserError(f"ep {ep} does not divide dp {dp} (world {world_size} / tp*pp*cp)", where)
+    return dp
 
 
 def check_cp(
@@ -266,6 +272,13 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     if par.recompute not in RECOMPUTE:
         raise UserError(f"recompute must be one of {list(RECOMPUTE)}, got {par.recompute!r}", "recompute")
     check_tp(config, spec.tp, f"{where}.tp")
+    if spec.ep > 1 and (config.num_experts is None or config.num_experts % spec.ep):
+        experts = "no experts" if config.num_experts is None else f"{config.num_experts} experts"
+        raise UserError(
+            f"ep {spec.ep} splits a mixture of experts' experts: the model has {experts}", f"{where}.ep"
+        )
+    if spec.ep > 1 and spec.dp_mode != "fsdp":
+        raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
     if config.num_experts is not None and spec.cp > 1:
         raise UserError(
             "a mixture of experts trains at cp 1 for now (its router sees whole rows)", f"{where}.cp"

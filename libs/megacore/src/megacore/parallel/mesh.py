@@ -31,13 +31,21 @@ def init_distributed() -> None:
         dist.init_process_group(backend)
 
 
-def build_mesh(tp: int = 1, pp: int = 1, cp: int = 1) -> DeviceMesh:
+def build_mesh(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> DeviceMesh:
     """A 4-D mesh (pp, dp, cp, tp) over the whole world; dp = world / (tp * pp * cp). tp is the
     innermost dimension so a tensor-parallel group is made of neighbouring ranks (one node on
-    GPUs), cp next: its all-gathers of keys and values are the next heaviest traffic."""
+    GPUs), cp next: its all-gathers of keys and values are the next heaviest traffic. With expert
+    parallel, dp is made of (edp, ep), flattened to `dp` (the mesh has both): ep's neighbouring
+    ranks exchange tokens, edp's hold the same experts."""
     init_distributed()
-    dp = check_world(dist.get_world_size(), tp, pp, cp=cp)
-    return init_device_mesh(device_type(), (pp, dp, cp, tp), mesh_dim_names=MESH_DIMS)
+    dp = check_world(dist.get_world_size(), tp, pp, cp=cp, ep=ep)
+    if ep == 1:
+        return init_device_mesh(device_type(), (pp, dp, cp, tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(
+        device_type(), (pp, dp // ep, ep, cp, tp), mesh_dim_names=("pp", "edp", "ep", "cp", "tp")
+    )
+    mesh["edp", "ep"]._flatten("dp")
+    return mesh
 
 
 def shutdown() -> None:
