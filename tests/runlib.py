@@ -23,15 +23,15 @@ TINY_LLAMA = {
 }
 
 
-def write_run(directory: Path, tokens: Path, **overrides) -> Path:
-    """A run.json in `directory`: the tiny Llama from config on `tokens`, fp32, 12 steps, batch 8 x 32
-    tokens, checkpoints every 4 steps, evaluation every 6; `overrides` replace top-level sections
-    (dicts are merged one level deep)."""
+def write_run(directory: Path, tokens: Path, init: Path | None = None, **overrides) -> Path:
+    """A run.json in `directory`: the tiny Llama from config (or the checkpoint `init`) on `tokens`,
+    fp32, 12 steps, batch 8 x 32 tokens, checkpoints every 4 steps, evaluation every 6; `overrides`
+    replace top-level sections (dicts are merged one level deep)."""
     run = {
         "kind": "run",
         "format_version": 1,
         "out": "run",
-        "model": {"config": dict(TINY_LLAMA)},
+        "model": {"config": dict(TINY_LLAMA)} if init is None else {"init": str(init)},
         "data": {"sources": [{"path": str(tokens)}], "split": [0.9, 0.1]},
         "batch": {"micro_batch_size": 2, "global_batch_size": 8, "seq_length": 32},
         "train_steps": 12,

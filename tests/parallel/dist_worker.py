@@ -11,6 +11,7 @@ on rank 0.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -97,7 +98,10 @@ FAMILIES = {
                            router_aux_loss_coef=0.05, router_z_loss_coef=0.01),
 }  # fmt: skip
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
-MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4}
+# Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
+# ep 2 the second rank receives no rows at all.
+FAMILIES["mixtral-collapsed"] = FAMILIES["mixtral"]
+MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4, "mixtral-collapsed": 2}
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
 CLIP = 0.1
@@ -143,6 +147,11 @@ def reference(family: str, tokens, targets, positions=None):
     torch.manual_seed(0)
     model = Decoder(cfg)
     model.init_weights()
+    if family == "mixtral-collapsed":
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, MoE):
+                    m.router.weight.zero_()
     model.set_attention("sdpa")
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -290,20 +299,24 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
 
 def main() -> None:
     scenarios = json.loads(Path(sys.argv[1]).read_text())
+    # A launch takes well under a minute: a hung collective prints every rank's stack and ends the
+    # run after 5, rather than waiting for gloo's 10-minute timeout.
+    faulthandler.dump_traceback_later(300, exit=True)
     torch.manual_seed(1)
     init_distributed()
     cases = {(sc["family"], sc.get("packed", False)) for sc in scenarios}
     g = torch.Generator().manual_seed(42)
     data = {}
-    for fam in sorted(set(FAMILIES) - {"mixtral4"}):
+    for fam in sorted(set(FAMILIES) - {"mixtral4", "mixtral-collapsed"}):
         v = FAMILIES[fam].vocab_size
         rows = (
             torch.randint(0, v, (BATCH, SEQ), generator=g),
             torch.randint(0, v, (BATCH, SEQ), generator=g),
         )
         data[fam, False], data[fam, True] = (*rows, None), packed(*rows)
-    for packed_rows in (False, True):  # mixtral's rows, run as 4 microbatches
-        data["mixtral4", packed_rows] = data["mixtral", packed_rows]
+    for packed_rows in (False, True):  # mixtral's rows
+        for fam in ("mixtral4", "mixtral-collapsed"):
+            data[fam, packed_rows] = data["mixtral", packed_rows]
     refs = {case: reference(case[0], *data[case]) for case in sorted(cases)}
     for sc in scenarios:
         lines = run_scenario(sc, refs, data[sc["family"], sc.get("packed", False)])

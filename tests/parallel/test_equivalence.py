@@ -171,6 +171,16 @@ MORE_FOUR = [
 ]
 
 
+def assert_reshards_bit_exactly(ckpt: Path, out: Path, tp: int, pp: int) -> None:
+    """mega-shard's reshard of a live run's checkpoint into tp x pp holds every tensor (weights and
+    AdamW moments) bit for bit."""
+    reshard(ckpt, out, tp, pp, log=lambda msg: None)
+    saved, resharded = open_artifact(ckpt, "checkpoint"), open_artifact(out, "checkpoint")
+    with TensorReader(ckpt) as a, TensorReader(out) as b:
+        for name, entry in saved.tensors.items():
+            assert_bitwise_equal(a.read(name, entry), b.read(name, resharded.tensors[name]), name)
+
+
 @pytest.mark.dist
 def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
     ckpt, tied = tmp_path / "ckpt-dp2", tmp_path / "ckpt-tied-pp2"
@@ -182,17 +192,14 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
     assert saved.layout.dp == 2 and saved.training is not None and saved.training.step == 3
     assert len(saved.tensors["layers.0.mlp.up_proj.weight"].pieces) == 2
     assert "optim.exp_avg_sq.layers.3.attn.k_proj.weight" in saved.tensors
-    reshard(ckpt, tmp_path / "tp2pp2", 2, 2, log=lambda msg: None)
-    with TensorReader(ckpt) as a, TensorReader(tmp_path / "tp2pp2") as b:
-        out = open_artifact(tmp_path / "tp2pp2", "checkpoint")
-        for name, entry in saved.tensors.items():
-            assert_bitwise_equal(a.read(name, entry), b.read(name, out.tensors[name]), name)
+    assert_reshards_bit_exactly(ckpt, tmp_path / "tp2pp2", 2, 2)
 
 
 @pytest.mark.dist
 def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
     """Mixtral (router losses on) under FSDP2 over dp 2, saved and resumed at pp 2; expert parallel
-    ep 2 (packed documents too), saved and resumed at ep 1; pipelined with full recompute (each
+    ep 2 (packed documents too; a router sending every token to one rank's experts), saved and
+    resumed at ep 1; pipelined with full recompute (each
     layer's statistics counted once). The ep 2 checkpoint reshards to one file bit-exactly."""
     dp2, ep2 = tmp_path / "ckpt-moe-dp2", tmp_path / "ckpt-moe-ep2"
     launch(tmp_path, 2, [
@@ -201,17 +208,14 @@ def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
         {"family": "mixtral", "ep": 2, "save": str(ep2)},
         {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
         {"family": "mixtral", "ep": 2, "packed": True},
+        {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
     ])  # fmt: skip
     assert len(open_artifact(dp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"].pieces) == 2
     saved = open_artifact(ep2, "checkpoint")
     experts = saved.tensors["layers.0.mlp.experts.gate_proj.weight"].pieces
     assert sorted(p.offset[0] for p in experts) == [0, 2]  # each ep rank's two experts
-    reshard(ep2, tmp_path / "one", 1, 1, log=lambda msg: None)
-    with TensorReader(ep2) as a, TensorReader(tmp_path / "one") as b:
-        out = open_artifact(tmp_path / "one", "checkpoint")
-        for name, entry in saved.tensors.items():
-            assert_bitwise_equal(a.read(name, entry), b.read(name, out.tensors[name]), name)
+    assert_reshards_bit_exactly(ep2, tmp_path / "one", 1, 1)
 
 
 @pytest.mark.dist
@@ -234,11 +238,7 @@ def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
     assert len(open_artifact(cp_dp, "checkpoint").tensors["layers.0.mlp.up_proj.weight"].pieces) == 4
     saved = open_artifact(tp_dp, "checkpoint")
     assert (saved.layout.tp, saved.layout.dp) == (2, 2)
-    reshard(tp_dp, tmp_path / "tp1", 1, 1, log=lambda msg: None)
-    with TensorReader(tp_dp) as a, TensorReader(tmp_path / "tp1") as b:
-        out = open_artifact(tmp_path / "tp1", "checkpoint")
-        for name, entry in saved.tensors.items():
-            assert_bitwise_equal(a.read(name, entry), b.read(name, out.tensors[name]), name)
+    assert_reshards_bit_exactly(tp_dp, tmp_path / "tp1", 1, 1)
 
 
 @pytest.mark.slow

@@ -104,8 +104,9 @@ def run(sc: dict) -> str:
         virtual_stages=sc.get("virtual_stages", 1),
         dp_mode=sc.get("dp_mode", "fsdp"),
         sequence_parallel=sc.get("sp", False),
+        ep=sc.get("ep", 1),
     )
-    mesh = build_mesh(spec.tp, spec.pp, spec.cp)
+    mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     dp, pp_rank = mesh["dp"].size(), mesh["pp"].get_local_rank()
     # The rank's place in FSDP2's dp x cp mesh (flattened, dp outer: `ParallelModel`).
     dp_rank = mesh["dp"].get_local_rank() * spec.cp + mesh["cp"].get_local_rank()

@@ -7,7 +7,6 @@ against one process: tests/parallel/test_equivalence.py; against transformers: t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,7 @@ def _mixtral(path: Path, **overrides) -> Path:
 
 
 def _run_json(directory: Path, init: Path, tokens: Path, **overrides) -> Path:
-    path = write_run(directory, tokens, eval={"every": 6, "iters": 1}, **overrides)
-    run = json.loads(path.read_text())
-    run["model"] = {"init": str(init)}
-    path.write_text(json.dumps(run))
-    return path
+    return write_run(directory, tokens, init=init, eval={"every": 6, "iters": 1}, **overrides)
 
 
 @pytest.mark.dist

@@ -86,12 +86,17 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
     )
 
 
+# Mixtral's switches on the tiny Llama: 2 experts of ffn 64, top-1.
+MOE = {"family": "mixtral", "num_experts": 2, "experts_per_token": 1}
+
+
 @pytest.mark.dist
 def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
     """tp2 x pp2, tp2 x dp2 (FSDP2 over tensor-parallel shards), pp2 x dp2, tp4 (kv heads
     replicated), dp4 with chunks of 17, 17, 17 and 14 rows (ffn 65) and of 2, 2, 2 and none
     (hidden 6); dp2 x cp2, FSDP2 over both flattened, dp outer: chunks of 2, 2, 1 and none (ffn 5)
-    tell rank 1 (dp 0, cp 1) from rank 2; tp2 x cp2 with sequence parallel."""
+    tell rank 1 (dp 0, cp 1) from rank 2; tp2 x cp2 with sequence parallel; a mixture of 2
+    experts over dp 4 (FSDP2 cuts the experts' rows, not the 2 experts) and at ep 2."""
     launch(
         tmp_path,
         4,
@@ -104,6 +109,8 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
             {"config": {"ffn_hidden_size": 65, "hidden_size": 6, "num_heads": 1, "num_kv_heads": 1}},
             {"cp": 2, "config": {"ffn_hidden_size": 5, "hidden_size": 6, "num_heads": 1, "num_kv_heads": 1}},
             {"tp": 2, "cp": 2, "precision": "bf16", "sp": True},
+            {"config": MOE},
+            {"config": MOE, "ep": 2, "precision": "bf16"},
         ],
     )
 

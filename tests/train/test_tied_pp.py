@@ -6,7 +6,6 @@ process: tests/parallel/test_equivalence.py.)"""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -20,19 +19,16 @@ from runlib import assert_losses_close, losses, metrics, ok, torchrun, train, wr
 
 
 def _run_json(directory: Path, init: Path, tokens: Path, **overrides) -> Path:
-    path = write_run(
+    return write_run(
         directory,
         tokens,
+        init=init,
         batch={"micro_batch_size": 1},
         train_steps=4,
         checkpoint={"every": 2},
         eval={"every": 4, "iters": 1},
         **overrides,
     )
-    run = json.loads(path.read_text())
-    run["model"] = {"init": str(init)}
-    path.write_text(json.dumps(run))
-    return path
 
 
 @pytest.mark.dist

@@ -88,11 +88,7 @@ def trained(tmp_path_factory, tokens: Path) -> Path:
 
 
 def _run_json(directory: Path, init: Path, tokens: Path) -> Path:
-    path = write_run(directory, tokens)
-    run = json.loads(path.read_text())
-    run["model"] = {"init": str(init)}
-    path.write_text(json.dumps(run))
-    return path
+    return write_run(directory, tokens, init=init)
 
 
 @pytest.mark.parametrize("form", ["converted", "trained"])

@@ -346,6 +346,17 @@ def model_tensors(
     return out
 
 
+def parameter_counts(config: ModelConfig) -> tuple[int, int]:
+    """(every parameter, the parameters one token passes through): they differ for a mixture of
+    experts, whose token uses `experts_per_token` of each layer's experts."""
+    tensors = model_tensors(config)
+    total = sum(math.prod(s) for s in tensors.values())
+    stacked = sum(math.prod(s) for s in tensors.values() if len(s) == 3)  # experts
+    if config.num_experts is None:
+        return total, total
+    return total, total - stacked + stacked * config.experts_per_token // config.num_experts
+
+
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward and backward, recompute not counted), PaLM's count: 6 x the
     matmul parameters (the output projection, not the embedding lookup) + 12 x layers x heads x

@@ -200,8 +200,13 @@ def _report(
     par, batch = summary["parallel"], summary["batch"]
     cp = f" x cp {par['cp']}" if par["cp"] > 1 else ""
     ep = f" (ep {par['ep']})" if par["ep"] > 1 else ""
+    model = summary["model"]
+    active = model["active_parameters"]
+    sizes = f"{model['parameters'] / 1e9:.3g}B parameters" + (
+        f", {active / 1e9:.3g}B active per token" if active != model["parameters"] else ""
+    )
     typer.echo(
-        f"{plan.path}: ok — {summary['model']['family']} {summary['model']['layers']} layers; "
+        f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
         f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']}{cp} x dp {par['dp']}{ep}; "
         f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",

@@ -20,7 +20,14 @@ from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manife
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import CONTEXT_FIELDS, ROUTER_LOSS_FIELDS, ModelConfig, RopeScaling, with_context
+from megacore.config import (
+    CONTEXT_FIELDS,
+    ROUTER_LOSS_FIELDS,
+    ModelConfig,
+    RopeScaling,
+    parameter_counts,
+    with_context,
+)
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 from megacore.parallel.layout import Parallelism, check_cp, check_parallelism, check_tp, check_world
@@ -105,6 +112,8 @@ class RunPlan:
                 "layers": self.config.num_layers,
                 "hidden": self.config.hidden_size,
                 "max_seq_len": self.config.max_seq_len,
+                "parameters": parameter_counts(self.config)[0],
+                "active_parameters": parameter_counts(self.config)[1],
             },
             "init": str(self.init[0]) if self.init is not None else None,
             "out": str(self.out),

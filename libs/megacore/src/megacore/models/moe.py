@@ -65,12 +65,13 @@ def grouped_swiglu(
     # unbind, not gate[e]: autograd stacks the experts' weight gradients once per projection,
     # where indexing would allocate (and zero) a whole stacked gradient per expert.
     gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
+    # Experts without rows too: an empty product keeps the output a function of x, so backward
+    # always reaches what made x (under ep an all-to-all whose peers wait for it).
     outs = [
         F.linear(F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e]), downs[e])
         for e, rows in enumerate(x.split(counts.tolist()))
-        if rows.shape[0]
     ]
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    return torch.cat(outs)
 
 
 def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

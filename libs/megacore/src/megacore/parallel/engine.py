@@ -3,8 +3,9 @@
 Only building and running happens here: what to build (stages, layers, schedule, checks) is
 decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
 on the meta device from the layer ModuleDict, tensor parallel is applied, then context parallel
-(`cp.apply_cp`), then data parallel (FSDP2 `fully_shard` per block and per stage over dp, or dp x cp
-with cp, or `replicate`; without either, bf16/fp16 compute copies instead:
+(`cp.apply_cp`), then expert parallel (`ep.apply_ep`), then data parallel (FSDP2 `fully_shard` per
+block and per stage over dp, or dp x cp with cp, a block's experts first over edp under ep; or
+`replicate`; without either, bf16/fp16 compute copies instead:
 `ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.checkpoint_io.load_checkpoint`, or
 `init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
 
@@ -16,7 +17,9 @@ weighted by dp x cp / count (data parallel averages the gradients over its ranks
 whose parts of the rows each give part of the gradient). Under cp every rank gets its dp share of
 whole rows and keeps its part of each (`_local`); the loss it returns is the whole rows'.
 `evaluate` runs the same microbatches forward only, and can hand each one's full-vocab logits to a
-callback (evaluation metrics).
+callback (evaluation metrics). A mixture of experts' router losses are each layer's mean over the
+global batch's microbatches, weighted into the same gradients (`_weigh_router_losses`), and every
+step's router statistics are gathered from every rank (`last_moe`).
 
 Tied embeddings under pipeline parallel, as Megatron shares them: the first stage holds the
 embedding, the last stage a copy of it as its output layer (`tied_copy`, filled from `embed.weight`
@@ -60,6 +63,7 @@ from megacore.parallel.layout import (
     check_microbatches,
     check_parallelism,
     compute_copies,
+    fsdp_dim,
     fsdp_wrapped,
 )
 from megacore.parallel.tp import apply_tp, lm_loss, loss_context
@@ -95,18 +99,22 @@ def apply_dp(
         replicate(model, mesh=dp_mesh, mp_policy=mp)
         return
     # With pipelining the parameters are needed again for backward after other microbatches.
-    reshard = par.spec.pp == 1
+    kw = {"mp_policy": mp, "reshard_after_forward": par.spec.pp == 1, "shard_placement_fn": _fsdp_placement}
     for block in model.layers.values():
         if experts is not None and isinstance(block.mlp, MoE):
-            fully_shard(block.mlp.experts, mesh=experts[0], mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(block.mlp.experts, mesh=experts[0], **kw)
             block.mlp.experts.set_gradient_divide_factor(experts[1])
             if experts[0].size() > 1:
                 # A division after a plain sum: NCCL's PreMulSum, which a custom factor takes
                 # otherwise, does not exist on gloo. (On a one-rank mesh torch 2.13 would then
                 # divide twice; there it divides once without communicating.)
                 block.mlp.experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, **kw)
+    fully_shard(model, mesh=dp_mesh, **kw)
+
+
+def _fsdp_placement(param: nn.Parameter) -> Shard:
+    return Shard(fsdp_dim(param.shape))
 
 
 class ComputeCopies:

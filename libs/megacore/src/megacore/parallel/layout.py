@@ -295,6 +295,13 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     return layers
 
 
+def fsdp_dim(shape: Sequence[int]) -> int:
+    """The dim FSDP2 shards a parameter of `shape` on: 0, but a stacked experts tensor's rows (dim
+    1): its dim 0, the experts (Mixtral's 8), is smaller than many dp sizes and would leave ranks
+    empty; its rows (ffn or hidden) split evenly. Under ep the experts dim is ep's."""
+    return 1 if len(shape) == 3 else 0
+
+
 # --- how the engine wraps a stage (engine.py applies them; memory.py counts their bytes) ----------
 
 

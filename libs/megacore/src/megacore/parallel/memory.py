@@ -12,8 +12,8 @@ width of k (kv heads x head_dim; one head where tp replicates them).
 State (exact: tests/train/test_planner.py sums a live run's tensors on every rank):
 - weights: the fp32 master parameters of the rank's stages (`model_tensors`), tp-local, then with
   FSDP2 (dp x cp > 1: parameters are replicated over cp as over dp, and FSDP2 shards them over
-  both, flattened) dim 0 cut in dp·cp chunks of ceil(rows / (dp·cp)) rows, the last ones shorter
-  or empty: what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows;
+  both, flattened) dim 0 (an experts tensor's rows: `layout.fsdp_dim`) cut in dp·cp chunks of
+  ceil(rows / (dp·cp)) rows, the last ones shorter or empty: what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows;
   the largest rank (dp rank 0), which decides whether a layout fits, holds exactly that.
 - grads: fp32, the same shapes, except the vocab-parallel embedding's under tp without FSDP2:
   DTensor's backward leaves the whole table's gradient on every tp rank.
@@ -126,6 +126,7 @@ from megacore.parallel.layout import (
     check_cp,
     check_parallelism,
     compute_copies,
+    fsdp_dim,
     fsdp_wrapped,
     kv_replicated,
     place,
@@ -179,11 +180,12 @@ def _rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> list[t
 
 
 def _dp_local(shape: tuple[int, ...], dp: int, dp_rank: int) -> int:
-    """Elements of a tp-local tensor on dp rank `dp_rank` under FSDP2: dim 0 in torch.chunk blocks
-    (`chunk_split`), computed for one rank."""
-    rows = shape[0]
+    """Elements of a tp-local tensor on dp rank `dp_rank` under FSDP2: its `fsdp_dim` (dim 0, an
+    experts tensor's rows) in torch.chunk blocks (`chunk_split`), computed for one rank."""
+    dim = fsdp_dim(shape)
+    rows = shape[dim]
     size = -(-rows // dp)
-    return max(0, min(size, rows - dp_rank * size)) * math.prod(shape[1:])
+    return max(0, min(size, rows - dp_rank * size)) * math.prod(shape) // rows
 
 
 def _state(
