@@ -71,7 +71,7 @@ SHAPES = {
         rf"^{NUM} tokens compared in \w+, .*: max abs logit error {NUM} \(tolerance {NUM}\), .*: PASS$",
     ],
     "mega-train --dry-run": [
-        rf"^run\.json: ok — \w+ {NUM} layers \({NUM}B parameters\); world {NUM} = tp {NUM} x pp {NUM} x dp {NUM}; batch {NUM} = micro {NUM} x dp {NUM} x accum {NUM}; 1 data source; {NUM} steps$",
+        rf"^run\.json: ok — \w+ {NUM} layers \({NUM}[BM]? parameters\); world {NUM} = tp {NUM} x pp {NUM} x dp {NUM}; batch {NUM} = micro {NUM} x dp {NUM} x accum {NUM}; 1 data source; {NUM} steps$",
         r"^memory per rank, GiB \(",
         rf"^  peak {NUM} GiB \+ {NUM} GiB allowance = {NUM} GiB per GPU, of {NUM} GiB: fits$",
         rf"^layouts of {NUM} GPUs of {NUM} GiB, by expected throughput",

@@ -96,7 +96,7 @@ def test_dry_run_accepts_a_good_manifest(run_dir: Path, capsys):
     p = dry_run(capsys, "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8", "--json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)
-    assert plan["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "cp": 1, "dp": 2}
+    assert plan["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "cp": 1, "dp": 2, "ep": 1}
     assert plan["batch"]["grad_accum"] == 4
 
 

@@ -202,8 +202,8 @@ def _report(
     ep = f" (ep {par['ep']})" if par["ep"] > 1 else ""
     model = summary["model"]
     active = model["active_parameters"]
-    sizes = f"{model['parameters'] / 1e9:.3g}B parameters" + (
-        f", {active / 1e9:.3g}B active per token" if active != model["parameters"] else ""
+    sizes = f"{_count(model['parameters'])} parameters" + (
+        f", {_count(active)} active per token" if active != model["parameters"] else ""
     )
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
@@ -219,4 +219,11 @@ def _report(
 
 
 # Under torchrun, when one worker fails torchrun stops the others: rank 0 says why, once.
+
+
+def _count(n: int) -> str:
+    """46.7B, 125M, or the number itself."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
+
+
 main = main_for(app, "mega-train", quiet_stop=lambda: int(os.environ.get("RANK", "0")) > 0)
