@@ -186,6 +186,57 @@ def reference(family: str, tokens, targets, positions=None):
     return out
 
 
+def first_step_checks(
+    pm: ParallelModel, ref: dict, loss, counted: float, dp_group, pp_group, label: str, tol: float
+) -> list[str]:
+    """After the first step: the loss (each dp rank's mean over its `counted` targets, weighted by
+    their number), the router losses, every gradient, the norm and the clipped gradients against
+    the reference; the gradients are left unclipped (the AdamW steps, like the reference's)."""
+    checks = []
+    if loss is not None:
+        if dp_group is not None:
+            both = torch.stack([loss * counted, torch.tensor(counted)])
+            dist.all_reduce(both, group=dp_group)
+            loss = both[0] / both[1]
+        assert rel(loss, ref["loss"]) < tol, (label, float(loss), float(ref["loss"]))
+        checks.append("loss")
+    if "router" in ref:  # every rank has the router report (a collective)
+        got = torch.tensor([pm.last_moe["aux_loss"], pm.last_moe["z_loss"]])
+        assert rel(got, ref["router"]) < tol, (label, got, ref["router"])
+        checks.append("router-losses")
+    names = []
+    for name, p in pm.loaded_parameters():  # a tied copy's gradient: the shared one
+        e = rel(full(p.grad), ref["grads"][name])
+        assert e < tol, (label, "grad", name, e)
+        names.append(name)
+    checks.append(f"grads({len(names)})")
+    with torch.no_grad():
+        unclipped = [p.grad.clone() for p in pm.parameters()]
+    norm = clip_grad_norm(pm.parameters(), ref["max_norm"], pp_group, pm.tied_copy)
+    assert rel(norm, ref["norm"]) < tol, (label, "norm", float(norm), float(ref["norm"]))
+    checks.append("grad-norm")
+    for name, p in pm.loaded_parameters():
+        e = rel(full(p.grad), ref["clipped"][name])
+        assert e < tol, (label, "clipped grad", name, e)
+    checks.append("clipped-grads")
+    with torch.no_grad():
+        for p, g in zip(pm.parameters(), unclipped, strict=True):
+            p.grad.copy_(g)
+    return checks
+
+
+def eval_checks(pm: ParallelModel, inputs: dict, want: torch.Tensor, label: str, tol: float) -> list[str]:
+    """`evaluate` hands out the whole vocab's logits once per dp rank, equal to the reference's."""
+    seen: list[torch.Tensor] = []
+    pm.evaluate(**inputs, on_logits=lambda logits, _: seen.append(logits.float()))
+    assert bool(seen) == pm.reports_logits, label
+    if not seen:
+        return []
+    e = rel(torch.cat(seen), want)
+    assert e < max(tol, ADAM_REL), (label, "eval logits", e)
+    return ["eval-logits"]
+
+
 def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     cfg = FAMILIES[sc["family"]]
     spec = ParallelSpec(
@@ -246,36 +297,9 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     for i in range(STEPS):
         loss = step(rows)
         if i == 0:
-            if loss is not None:
-                if dp > 1:  # each dp rank's mean over its counted targets, weighted by their number
-                    counted = float((targets[rows] != IGNORE).sum())
-                    both = torch.stack([loss * counted, torch.tensor(counted)])
-                    dist.all_reduce(both, group=mesh["dp"].get_group())
-                    loss = both[0] / both[1]
-                assert rel(loss, ref["loss"]) < tol, (label, float(loss), float(ref["loss"]))
-                checks.append("loss")
-            if "router" in ref:  # every rank has the router report (a collective)
-                got = torch.tensor([pm.last_moe["aux_loss"], pm.last_moe["z_loss"]])
-                assert rel(got, ref["router"]) < tol, (label, got, ref["router"])
-                checks.append("router-losses")
-            names = []
-            for name, p in pm.loaded_parameters():  # a tied copy's gradient: the shared one
-                e = rel(full(p.grad), ref["grads"][name])
-                assert e < tol, (label, "grad", name, e)
-                names.append(name)
-            checks.append(f"grads({len(names)})")
-            with torch.no_grad():
-                unclipped = [p.grad.clone() for p in pm.parameters()]
-            norm = clip_grad_norm(pm.parameters(), ref["max_norm"], pp_group, pm.tied_copy)
-            assert rel(norm, ref["norm"]) < tol, (label, "norm", float(norm), float(ref["norm"]))
-            checks.append("grad-norm")
-            for name, p in pm.loaded_parameters():
-                e = rel(full(p.grad), ref["clipped"][name])
-                assert e < tol, (label, "clipped grad", name, e)
-            checks.append("clipped-grads")
-            with torch.no_grad():  # the AdamW steps below, like the reference's, are unclipped
-                for p, g in zip(pm.parameters(), unclipped, strict=True):
-                    p.grad.copy_(g)
+            dp_group = mesh["dp"].get_group() if dp > 1 else None
+            counted = float((targets[rows] != IGNORE).sum())
+            checks += first_step_checks(pm, ref, loss, counted, dp_group, pp_group, label, tol)
         opt.step()
         opt.zero_grad()
     compare_params("params", "params-after-3-adamw")
@@ -283,13 +307,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     # once per dp rank. Not for compiled blocks without tp: they would recompile for no_grad (10 s a
     # scenario on CPU); with tp (autograd kept on: `evaluate`) they are checked.
     if not (par.compile and spec.tp == 1):
-        seen: list[torch.Tensor] = []
-        pm.evaluate(**mine(rows), on_logits=lambda logits, _: seen.append(logits.float()))
-        assert bool(seen) == pm.reports_logits, label
-        if seen:
-            e = rel(torch.cat(seen), ref["logits"][rows])
-            assert e < max(tol, ADAM_REL), (label, "eval logits", e)
-            checks.append("eval-logits")
+        checks += eval_checks(pm, mine(rows), ref["logits"][rows], label, tol)
     if "save" in sc:
         save_checkpoint(Path(sc["save"]), pm, opt, TrainingState(step=STEPS), force=True)
         checks.append("saved")
