@@ -84,9 +84,9 @@ def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mixtral's (Switch Transformer's) load-balancing loss of one layer's tokens: experts x the sum
-    over experts of (the fraction of top-k choices it got) x (its mean router probability). 1 per
-    chosen expert when balanced (k in all), up to k x experts when one expert takes every token;
-    the gradient flows through the probabilities only. transformers' `load_balancing_loss_func`
+    over experts of (the fraction of tokens that chose it) x (its mean router probability): k when
+    balanced, up to the number of experts when every token chooses the same experts and puts all
+    its probability on them; the gradient flows through the probabilities only. transformers' `load_balancing_loss_func`
     pools every layer's statistics before the product; this is its value for one layer, and a
     model's is the mean over its layers (the same for one layer), which pipeline stages can each
     compute for their own layers."""
