@@ -44,8 +44,8 @@ def test_mixtral_converts_trains_at_ep2_pp2_and_exports(tmp_path: Path, tokens: 
     first, last = records[0], records[-1]
     assert last["loss"] < first["loss"] - 0.5, (first["loss"], last["loss"])  # 6.2 -> 5.0 measured
     tokens_per_step = 8 * 32 * 2  # every token reaches 2 experts
-    for r in records:  # top-2 of 4 with the per-layer mean: between 2 (balanced) and 4 x 2
-        assert 1.9 < r["aux_loss"] < 8 and r["z_loss"] > 0, r
+    for r in records:  # top-2 of 4: between 2 (balanced) and 4 (the number of experts)
+        assert 1.9 < r["aux_loss"] <= 4 and r["z_loss"] > 0, r
         assert 0 <= r["expert_load_min"] <= tokens_per_step / 4 <= r["expert_load_max"], r
 
     final = run_json.parent / "run" / "checkpoints" / "latest"
