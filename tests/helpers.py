@@ -3,6 +3,9 @@ scripts as a user would, the one-line-error assertion, a tiny checkpoint writer.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import subprocess
 import sys
@@ -36,10 +39,6 @@ def run_in_process(tool: str, *args: str | os.PathLike, check: bool = False) -> 
     """`tool`'s command line run in this process, through the same `megacore.cli.run` its console
     script calls (exit code, one-line errors), its output captured: a tool's start costs seconds
     (torch, transformers), so tests that call a tool many times call it here."""
-    import contextlib
-    import importlib
-    import io
-
     from megacore.cli import run
 
     app = importlib.import_module(tool.replace("-", "_") + ".cli").app

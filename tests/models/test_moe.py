@@ -23,11 +23,12 @@ COEF = 0.02  # large enough that the aux loss's share of each router gradient sh
 def _pair(tmp_path: Path, experts: int, layers: int = 2) -> tuple[torch.nn.Module, Decoder]:
     path = build("mixtral", tmp_path / "hf", num_local_experts=experts, num_hidden_layers=layers,
                  router_aux_loss_coef=COEF, output_router_logits=True)  # fmt: skip
-    cfg = config_from_hf(load_hf(path).config)
+    hf = load_hf(path)
+    cfg = config_from_hf(hf.config)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == (experts, 2, COEF)
     ours = Decoder(cfg)
     ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
-    return load_hf(path).train(), ours.train()
+    return hf.train(), ours.train()
 
 
 def _hf_grads_as_saved(hf: torch.nn.Module, experts: int) -> dict[str, torch.Tensor]:

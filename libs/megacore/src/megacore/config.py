@@ -240,6 +240,8 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 # The router losses' weights (a mixture of experts): training settings a run may set on top of
 # its init checkpoint's config, which change no tensor either.
 ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
+# What a run from a checkpoint may set of its model, beside `init`.
+INIT_OVERRIDES = (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
 
 
 def with_context(
@@ -346,15 +348,22 @@ def model_tensors(
     return out
 
 
+def _experts(config: ModelConfig, tensors: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(the experts' parameters, those of them one token passes through: `experts_per_token` of
+    each layer's experts); the stacked experts tensors are the model's only 3-D ones."""
+    stacked = sum(math.prod(s) for s in tensors.values() if len(s) == 3)
+    if config.num_experts is None:
+        return stacked, stacked
+    return stacked, stacked * config.experts_per_token // config.num_experts
+
+
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     """(every parameter, the parameters one token passes through): they differ for a mixture of
-    experts, whose token uses `experts_per_token` of each layer's experts."""
+    experts."""
     tensors = model_tensors(config)
     total = sum(math.prod(s) for s in tensors.values())
-    stacked = sum(math.prod(s) for s in tensors.values() if len(s) == 3)  # experts
-    if config.num_experts is None:
-        return total, total
-    return total, total - stacked + stacked * config.experts_per_token // config.num_experts
+    stacked, active = _experts(config, tensors)
+    return total, total - stacked + active
 
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
@@ -364,9 +373,7 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     count as the `experts_per_token` a token passes through (the active parameters)."""
     tensors = model_tensors(config)
     matmul = sum(math.prod(s) for n, s in tensors.items() if len(s) == 2 and n != "embed.weight")
-    if config.num_experts is not None:
-        stacked = sum(math.prod(s) for s in tensors.values() if len(s) == 3)
-        matmul += stacked * config.experts_per_token // config.num_experts
+    matmul += _experts(config, tensors)[1]
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
     return 6.0 * matmul + 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length

@@ -22,6 +22,7 @@ from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest
 from megacore.artifacts.writer import sha256_bytes
 from megacore.config import (
     CONTEXT_FIELDS,
+    INIT_OVERRIDES,
     ROUTER_LOSS_FIELDS,
     ModelConfig,
     RopeScaling,
@@ -76,8 +77,7 @@ class RunPlan:
         from a checkpoint, the context fields beside `init` and the others in the init itself."""
         if self.init is None:
             return f"$.model.config.{name}"
-        beside = name in (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
-        return f"$.model.{name}" if beside else f"$.model.init (its config's {name})"
+        return f"$.model.{name}" if name in INIT_OVERRIDES else f"$.model.init (its config's {name})"
 
     @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
@@ -105,6 +105,7 @@ class RunPlan:
         """The plan as JSON-able data; every path is resolved the same way (against the manifest's
         directory) and printed as a usable path."""
         p = self.run.parallel
+        parameters, active = parameter_counts(self.config)
         return {
             "manifest": str(self.path),
             "model": {
@@ -112,8 +113,8 @@ class RunPlan:
                 "layers": self.config.num_layers,
                 "hidden": self.config.hidden_size,
                 "max_seq_len": self.config.max_seq_len,
-                "parameters": parameter_counts(self.config)[0],
-                "active_parameters": parameter_counts(self.config)[1],
+                "parameters": parameters,
+                "active_parameters": active,
             },
             "init": str(self.init[0]) if self.init is not None else None,
             "out": str(self.out),
@@ -259,7 +260,7 @@ def _model_config(
     router losses' coefficients."""
     m = run.model
     if init is None:
-        for name in (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS):
+        for name in INIT_OVERRIDES:
             if getattr(m, name) is not None:
                 raise UserError(
                     f"$.model.{name}: a run from `config` sets it in $.model.config (beside `init` it "

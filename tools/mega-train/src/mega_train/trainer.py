@@ -57,7 +57,7 @@ from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
 from megacore.artifacts.reader import parent_of
 from megacore.artifacts.writer import staging_dir
-from megacore.config import CONTEXT_FIELDS, ROUTER_LOSS_FIELDS, TOKEN_ID_FIELDS, flops_per_token
+from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
@@ -247,9 +247,7 @@ class Trainer:
         self.opt.state.clear()  # whatever a damaged checkpoint left there
         if self.plan.init is not None:
             # Weights only: fine-tuning starts a new optimizer; the run may set another context.
-            load_checkpoint(
-                self.plan.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
-            )
+            load_checkpoint(self.plan.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES))
         else:
             self.pm.init_weights(self.run.model.init_std, self.run.seed)
         self._open_reports(resumed=False)
