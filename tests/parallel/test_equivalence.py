@@ -168,6 +168,10 @@ MORE_FOUR = [
     {"family": "llama", "cp": 2, "pp": 2, "schedule": "gpipe"},
     {"family": "qwen2", "cp": 2, "pp": 2, "schedule": "1f1b"},  # tied: the pair group spans cp
     {"family": "falcon40b-tied", "cp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
+    {"family": "mixtral4", "ep": 2},  # ep 2 within dp 4: FSDP2 over the other 2 for the experts
+    {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "zbv"},
+    {"family": "mixtral", "tp": 2, "pp": 2, "sp": True, "schedule": "interleaved1f1b", "virtual_stages": 2},
+    {"family": "mixtral", "ep": 2, "tp": 2, "recompute": "full"},
 ]
 
 
@@ -199,8 +203,9 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
 def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
     """Mixtral (router losses on) under FSDP2 over dp 2, saved and resumed at pp 2; expert parallel
     ep 2 (packed documents too; a router sending every token to one rank's experts), saved and
-    resumed at ep 1; pipelined with full recompute (each
-    layer's statistics counted once). The ep 2 checkpoint reshards to one file bit-exactly."""
+    resumed at ep 1; the experts split over tp 2 with sequence parallel; pipelined with full
+    recompute (each layer's statistics counted once). The ep 2 checkpoint reshards to one file
+    bit-exactly."""
     dp2, ep2 = tmp_path / "ckpt-moe-dp2", tmp_path / "ckpt-moe-ep2"
     launch(tmp_path, 2, [
         {"family": "mixtral", "save": str(dp2)},
@@ -209,6 +214,7 @@ def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
         {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
         {"family": "mixtral", "ep": 2, "packed": True},
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
+        {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
     ])  # fmt: skip
     assert len(open_artifact(dp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"].pieces) == 2
@@ -220,14 +226,34 @@ def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path) -> None:
-    """ep 4 (one expert per rank), ep 2 within dp 4 (FSDP2 over the other 2 for the experts), and
-    ep 2 x pp 2 (1F1B and ZBV)."""
+    """ep 4 (one expert per rank); ep 2 x tp 2 (each expert's ffn split over tp; with sequence
+    parallel and packed documents too; a collapsed router), saved and resumed at tp 2 x pp 2
+    (ep 1); ep 2 x pp 2. The ep 2 x tp 2 checkpoint's pieces are each rank's experts and ffn
+    slice; mega-shard takes it to one file and back bit-exactly."""
+    ep2tp2 = tmp_path / "ckpt-ep2tp2"
     launch(tmp_path, 4, [
         {"family": "mixtral4", "ep": 4},
-        {"family": "mixtral4", "ep": 2},
+        {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
+        {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
+        {"family": "mixtral", "ep": 2, "tp": 2, "sp": True, "packed": True},
+        {"family": "mixtral-collapsed", "ep": 2, "tp": 2},
         {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "1f1b"},
-        {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "zbv"},
     ])  # fmt: skip
+    gate = open_artifact(ep2tp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"]
+    assert gate.shape == [4, 48, 32]
+    assert sorted((p.offset, p.shape) for p in gate.pieces) == [
+        ([2 * e, 24 * t, 0], [2, 24, 32]) for e in range(2) for t in range(2)
+    ]
+    assert_reshards_bit_exactly(ep2tp2, tmp_path / "one", 1, 1)
+    reshard(tmp_path / "one", tmp_path / "back", 2, 1, ep=2, log=lambda msg: None)
+    with TensorReader(ep2tp2) as a, TensorReader(tmp_path / "back") as b:
+        back = open_artifact(tmp_path / "back", "checkpoint")
+        for name, entry in open_artifact(ep2tp2, "checkpoint").tensors.items():
+            assert_bitwise_equal(a.read(name, entry), b.read(name, back.tensors[name]), name)
+            if "experts" in name:  # the same pieces as the run wrote
+                assert sorted(p.offset for p in back.tensors[name].pieces) == sorted(
+                    p.offset for p in entry.pieces
+                )
 
 
 @pytest.mark.dist

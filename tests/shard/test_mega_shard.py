@@ -20,6 +20,11 @@ CFG = ModelConfig(
     family="llama", vocab_size=60, padded_vocab_size=64, hidden_size=32, num_layers=5, num_heads=8,
     num_kv_heads=2, ffn_hidden_size=64,
 )  # fmt: skip
+# 4 experts of ffn 16, so tp 2 splits each expert's ffn and ep 2 or 4 the experts.
+MIXTRAL = ModelConfig(
+    family="mixtral", vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+    ffn_hidden_size=16, num_experts=4, experts_per_token=2,
+)  # fmt: skip
 FALCON = ModelConfig(
     family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
     ffn_hidden_size=128, norm="layernorm", norm_bias=True, activation="gelu", parallel_attn=True,
@@ -128,6 +133,38 @@ def test_falcon_style_biases_layernorm_tied_mqa(tmp_path: Path, shard) -> None:
     assert len(b.tensors["layers.1.mlp.down_proj.weight"].pieces) == 4
     assert "layers.1.mlp_norm.weight" not in b.tensors
     assert_bit_exact(orig, read_all(tmp_path / "b"))
+
+
+def test_experts_split_over_ep_and_tp_and_back_bit_exact(tmp_path: Path, shard) -> None:
+    orig = write_random(tmp_path / "a", MIXTRAL)
+    shard(tmp_path / "a", tmp_path / "b", "--tp", "2", "--ep", "2", "--pp", "2", check=True)
+    b = open_artifact(tmp_path / "b", "checkpoint")
+    assert (b.layout.tp, b.layout.dp) == (2, 2)  # an ep rank's experts in its own file, as a run saves
+    # gate [experts 4, ffn 16, hidden 16]: experts split by ep on dim 0, the ffn by tp on dim 1.
+    gate = b.tensors["optim.exp_avg.layers.1.mlp.experts.gate_proj.weight"].pieces
+    assert [(p.file, p.offset, p.shape) for p in gate] == [
+        (f"model-pp01-tp{t:02d}-dp{e:02d}.safetensors", [2 * e, 8 * t, 0], [2, 8, 16])
+        for t in range(2)
+        for e in range(2)
+    ]
+    down = b.tensors["layers.0.mlp.experts.down_proj.weight"].pieces  # [4, hidden, ffn]: tp on dim 2
+    assert sorted((p.offset, p.shape) for p in down) == [
+        ([2 * e, 0, 8 * t], [2, 16, 8]) for e in range(2) for t in range(2)
+    ]
+    router = b.tensors["layers.0.mlp.router.weight"].pieces  # replicated, with tp 0 and ep 0
+    assert [p.file for p in router] == ["model-pp00-tp00-dp00.safetensors"]
+    assert_bit_exact(orig, read_all(tmp_path / "b"))
+    shard(tmp_path / "b", tmp_path / "c", "--ep", "4", check=True)
+    assert (
+        len(open_artifact(tmp_path / "c", "checkpoint").tensors["layers.0.mlp.experts.up_proj.weight"].pieces)
+        == 4
+    )
+    shard(tmp_path / "c", tmp_path / "d", check=True)
+    assert_bit_exact(orig, read_all(tmp_path / "d"))
+    assert_one_line_error(shard(tmp_path / "a", tmp_path / "e", "--ep", "3"), "ep 3", "4 experts", "--ep")
+    write_random(tmp_path / "dense", CFG, optim=False)
+    assert_one_line_error(shard(tmp_path / "dense", tmp_path / "f", "--ep", "2"), "no experts", "--ep")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "f").exists()
 
 
 def test_rerun_is_idempotent_and_force_rebuilds(tmp_path: Path, shard) -> None:

@@ -37,6 +37,11 @@ def run(
     pp_layers: str | None = typer.Option(
         None, "--pp-layers", help="Layers per stage, comma-separated (default: an even split)."
     ),
+    ep: int = typer.Option(
+        1,
+        "--ep",
+        help="Expert-parallel size of the output: a mixture of experts' experts split into ep files.",
+    ),
     force: bool = typer.Option(
         False, "--force", help="Replace OUT when it is a checkpoint these tools wrote from other inputs."
     ),
@@ -51,6 +56,7 @@ def run(
     \b
     Example:
       mega-shard ckpt-tp1pp1 ckpt-tp8pp4 --tp 8 --pp 4 --pp-layers 10,10,6,6
+      mega-shard mixtral-ckpt mixtral-ep8tp2 --tp 2 --ep 8
     """
     if chunk_mb < 1:
         raise UserError(f"must be at least 1, got {chunk_mb}", "--chunk-mb")
@@ -62,6 +68,7 @@ def run(
         tp,
         pp,
         _counts(pp_layers),
+        ep=ep,
         force=force,
         verify=verify,
         chunk_bytes=chunk_mb << 20,
@@ -71,6 +78,7 @@ def run(
         "out": res.out,
         "tp": res.tp,
         "pp": res.pp,
+        "ep": res.ep,
         "stage_layers": res.stage_layers,
         "reused": res.reused,
         "tensors": res.tensors,
@@ -82,7 +90,7 @@ def run(
         typer.echo(json.dumps(summary))
     elif not res.reused:
         typer.echo(
-            f"wrote {out} (tp {tp}, pp {pp}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
+            f"wrote {out} (tp {tp}, pp {pp}{f', ep {ep}' if ep > 1 else ''}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
             f"{res.bytes_written / 1e9:.2f} GB in {res.seconds:.1f}s)",
             err=True,
         )

@@ -1,8 +1,11 @@
-"""Any tensor/pipeline layout to any other, offline, streaming.
+"""Any tensor/pipeline/expert layout to any other, offline, streaming.
 
 Each tensor is read once, in row blocks of at most `chunk_bytes`, from whatever pieces the source
 has (`CheckpointReader` reads only the bytes a block needs), and every tensor-parallel rank's part
-of the block (`layout.tp_box`) is appended to that rank's file, on a background writer per file so
+of the block (`layout.tp_box`) is appended to that rank's file; with expert parallel `ep`, a
+mixture of experts' stacked experts are cut on their experts dim too, each ep rank's experts in
+its own file (`model-pp{s}-tp{t}-dp{e}`, as an ep run writes them), the other tensors in ep rank
+0's, on a background writer per file so
 that reading, hashing and the disk overlap. Peak memory is a few blocks, whatever the model size;
 the source files are unmapped after every block so their pages never accumulate as resident. The
 source files are hashed while read and confirmed at the end of each stage, before it is reported
@@ -22,12 +25,15 @@ from pathlib import Path
 from megacore.artifacts import TORCH_DTYPES, parent_of
 from megacore.artifacts.manifest import Layout, TensorEntry
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
+from megacore.artifacts.pieces import Box, even_split
 from megacore.background import Background
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, shard_file
 from megacore.errors import UserError
 from megacore.parallel.layout import (
     TensorPlace,
+    check_ep,
     check_tp,
+    is_experts,
     place,
     split_optim_name,
     stage_layers,
@@ -46,6 +52,7 @@ class ShardResult:
     tp: int
     pp: int
     stage_layers: list[list[int]]
+    ep: int = 1
     reused: bool = False
     tensors: int = 0
     bytes_written: int = 0
@@ -66,6 +73,7 @@ def reshard(
     pp: int,
     pp_layers: Sequence[int] | None = None,
     *,
+    ep: int = 1,
     force: bool = False,
     verify: str = "size",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -73,7 +81,8 @@ def reshard(
     log: Callable[[str], None] | None = None,
     progress: bool | None = None,
 ) -> ShardResult:
-    """Write checkpoint `src` to `out` with tensor parallel `tp` and `pp` pipeline stages."""
+    """Write checkpoint `src` to `out` with tensor parallel `tp`, `pp` pipeline stages and the
+    experts split over `ep`."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -81,6 +90,7 @@ def reshard(
         manifest, cfg = ckpt.manifest, ckpt.config
         # Every check before anything is written.
         check_tp(cfg, tp, "--tp")
+        check_ep(cfg, ep, "--ep")
         layers = stage_layers(cfg.num_layers, pp, pp_layers, "--pp-layers" if pp_layers else "--pp")
         places = {name: place(name, cfg, tp) for name in manifest.tensors}
         for name, e in manifest.tensors.items():
@@ -90,12 +100,17 @@ def reshard(
                     f"tensor {name!r} shape {e.shape} does not split into {tp} along dim {dim}", "--tp"
                 )
         parent = parent_of(src)
-        result = ShardResult(out=str(out), tp=tp, pp=pp, stage_layers=layers)
-        recipe = recipe_sha256(checkpoint=parent.manifest_sha256, tp=tp, pp=pp, stage_layers=layers)
+        result = ShardResult(out=str(out), tp=tp, pp=pp, stage_layers=layers, ep=ep)
+        recipe = recipe_sha256(
+            checkpoint=parent.manifest_sha256,
+            tp=tp,
+            pp=pp,
+            stage_layers=layers,
+            **({"ep": ep} if ep > 1 else {}),
+        )
         if not force and reusable(out, "checkpoint", recipe) is not None:
-            log(
-                f"mega-shard: {out} already holds this checkpoint at tp {tp} pp {pp}; reusing it (--force rebuilds)"
-            )
+            at = f"tp {tp} pp {pp}" + (f" ep {ep}" if ep > 1 else "")
+            log(f"mega-shard: {out} already holds this checkpoint at {at}; reusing it (--force rebuilds)")
             result.reused, result.tensors = True, len(manifest.tensors)
             result.seconds = time.perf_counter() - t0
             return result
@@ -109,11 +124,11 @@ def reshard(
         with write_artifact(out, "checkpoint", inputs=[src], force=force, recipe=recipe) as w:
             cw = CheckpointWriter(w)
             for s, stage_names in enumerate(by_stage):
-                _write_stage(ckpt, cw, s, stage_names, places, tp, chunk_bytes, shown)
+                _write_stage(ckpt, cw, s, stage_names, places, (tp, ep), chunk_bytes, shown)
                 # The source's sums, hashed meanwhile, before a stage is said to be written: a
                 # damaged file is the one line of output, and leaves no output behind.
                 ckpt.confirm()
-                log(f"mega-shard: stage {s + 1}/{pp} written ({len(stage_names)} tensors, {tp} files)")
+                log(f"mega-shard: stage {s + 1}/{pp} written ({len(stage_names)} tensors, {tp * ep} files)")
             extra = list(manifest.tokenizer_files) + (
                 manifest.training.rng_files if manifest.training else []
             )
@@ -123,7 +138,7 @@ def reshard(
             cw.commit(
                 config=cfg,
                 dtype=manifest.dtype,
-                layout=Layout(tp=tp, pp=pp, dp=1, stage_layers=layers),
+                layout=Layout(tp=tp, pp=pp, dp=ep, stage_layers=layers),
                 producer=producer,
                 parents=[parent],
                 tokenizer_files=manifest.tokenizer_files,
@@ -138,31 +153,47 @@ def reshard(
     return result
 
 
+def _boxes(name: str, shape: Sequence[int], p: TensorPlace, tp: int, ep: int) -> list[tuple[int, Box]]:
+    """(file, part of the tensor) for each file of a stage holding part of it: files are ordered
+    by (tp rank, ep rank); a tensor replicated over tp goes to tp rank 0's, one that is not an
+    experts tensor to ep rank 0's."""
+    out, experts = [], ep if is_experts(name) else 1
+    for t in range(tp if p.tp_dim is not None else 1):
+        t_off, t_shape = tp_box(p, shape, tp, t)
+        for e in range(experts):
+            e_off, e_shape = even_split(shape, 0, experts)[e]
+            # The two cuts are on different dims: the box is each dim's narrower range.
+            box = tuple(map(max, t_off, e_off)), tuple(map(min, t_shape, e_shape))
+            out.append((t * ep + e, box))
+    return out
+
+
 def _write_stage(
     ckpt: CheckpointReader,
     cw: CheckpointWriter,
     stage: int,
     names: list[str],
     places: dict[str, TensorPlace],
-    tp: int,
+    sizes: tuple[int, int],
     chunk_bytes: int,
     shown: Progress,
 ) -> None:
-    """The tp files of one pipeline stage; replicated tensors are stored once, with tp rank 0."""
+    """The tp x ep files of one pipeline stage (`_boxes`)."""
+    tp, ep = sizes
+    files = [shard_file(stage, t, e if ep > 1 else None) for t in range(tp) for e in range(ep)]
+    boxes = {n: _boxes(n, ckpt.manifest.tensors[n].shape, places[n], tp, ep) for n in names}
     writers, lanes = [], []
-    for t in range(tp):
-        slices = []
-        for n in names:
-            e, p = ckpt.manifest.tensors[n], places[n]
-            if p.tp_dim is None and t:
-                continue
-            slices.append((n, e.shape, e.dtype, tp_box(p, e.shape, tp, t)))
-        writers.append(cw.open_file(shard_file(stage, t), slices))
+    for f, file in enumerate(files):
+        entries = ckpt.manifest.tensors
+        slices = [
+            (n, entries[n].shape, entries[n].dtype, box) for n in names for lane, box in boxes[n] if lane == f
+        ]
+        writers.append(cw.open_file(file, slices))
         lanes.append(Background.sink(lambda item, sw=writers[-1]: sw.write(*item), depth=QUEUED_BLOCKS))
     try:
         for n in names:
             e = ckpt.manifest.tensors[n]
-            _copy_tensor(ckpt, n, e, places[n], tp, lanes, chunk_bytes)
+            _copy_tensor(ckpt, n, e, boxes[n], lanes, chunk_bytes)
             shown.update(1, math.prod(e.shape) * TORCH_DTYPES[e.dtype].itemsize)
         for lane in lanes:
             lane.close()
@@ -172,44 +203,47 @@ def _write_stage(
         for sw in writers:
             sw.__exit__(type(e), e, None)  # closes the file without finishing it
         raise
-    for t, sw in enumerate(writers):
-        cw.close_file(shard_file(stage, t), sw)
+    for file, sw in zip(files, writers, strict=True):
+        cw.close_file(file, sw)
 
 
 def _copy_tensor(
-    ckpt: CheckpointReader, name: str, entry: TensorEntry, p: TensorPlace, tp: int, lanes, chunk_bytes: int
+    ckpt: CheckpointReader,
+    name: str,
+    entry: TensorEntry,
+    boxes: list[tuple[int, Box]],
+    lanes,
+    chunk_bytes: int,
 ) -> None:
-    """Stream one tensor in row blocks, appending each tp rank's part to its file."""
-    shape, dim = list(entry.shape), p.tp_dim
+    """Stream one tensor in row blocks, appending each file's part (`boxes`) to it."""
+    shape = list(entry.shape)
     if not shape:
-        lanes[0].put((name, ckpt.read(name)))
+        lanes[boxes[0][0]].put((name, ckpt.read(name)))
         ckpt.release()
         return
     itemsize = TORCH_DTYPES[entry.dtype].itemsize
     rows = max(1, chunk_bytes // max(1, math.prod(shape[1:]) * itemsize))
-    part = shape[dim] // tp if dim is not None else 0
-    # Blocks never straddle a source piece's rows (or a target rank's): a block then usually comes
+    # Blocks never straddle a source piece's rows (or a target file's): a block then usually comes
     # from one piece and is read with a single copy.
     cuts = {0, shape[0]}
     for piece in entry.pieces:
         cuts.update((piece.offset[0], piece.offset[0] + piece.shape[0]))
-    if dim == 0:
-        cuts.update(t * part for t in range(tp))
+    for _, (offset, size) in boxes:
+        cuts.update((offset[0], offset[0] + size[0]))
     blocks = [
         (r0, min(rows, b - r0)) for a, b in itertools.pairwise(sorted(cuts)) for r0 in range(a, b, rows)
     ]
     for r0, n in blocks:
         block = ckpt.read(name, ((r0, *[0] * (len(shape) - 1)), (n, *shape[1:])))
         ckpt.release()  # drop the memory maps: their touched pages would count as resident
-        if dim is None:
-            lanes[0].put((name, block))
-        elif dim == 0:
-            for t in range(tp):
-                lo, hi = max(r0, t * part), min(r0 + n, (t + 1) * part)
-                if hi > lo:
-                    lanes[t].put((name, block[lo - r0 : hi - r0]))
-        else:
-            for t in range(tp):
-                # A strided view: the writer's thread makes it contiguous, off the reading thread.
-                lanes[t].put((name, block.narrow(dim, t * part, part)))
+        for lane, (offset, size) in boxes:
+            lo, hi = max(r0, offset[0]), min(r0 + n, offset[0] + size[0])
+            if hi <= lo:
+                continue
+            part = block[lo - r0 : hi - r0]
+            for d in range(1, len(shape)):
+                if size[d] != shape[d]:
+                    # A strided view: the writer's thread makes it contiguous, off the reading thread.
+                    part = part.narrow(d, offset[d], size[d])
+            lanes[lane].put((name, part))
         del block

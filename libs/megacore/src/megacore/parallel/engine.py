@@ -3,7 +3,7 @@
 Only building and running happens here: what to build (stages, layers, schedule, checks) is
 decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
 on the meta device from the layer ModuleDict, tensor parallel is applied, then context parallel
-(`cp.apply_cp`), then expert parallel (`ep.apply_ep`), then data parallel (FSDP2 `fully_shard` per
+(`cp.apply_cp`), then expert parallel (`ep.apply_ep`: the experts over ep and tp), then data parallel (FSDP2 `fully_shard` per
 block and per stage over dp, or dp x cp with cp, a block's experts first over edp under ep; or
 `replicate`; without either, bf16/fp16 compute copies instead:
 `ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.checkpoint_io.load_checkpoint`, or
@@ -114,7 +114,8 @@ def apply_dp(
 
 
 def _fsdp_placement(param: nn.Parameter) -> Shard:
-    return Shard(fsdp_dim(param.shape))
+    tp_dims = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard) and p.dim > 0]
+    return Shard(fsdp_dim(param.shape, tp_dims[0] if tp_dims else None))
 
 
 class ComputeCopies:
@@ -176,6 +177,9 @@ class ParallelModel:
         self.tp_mesh = mesh["tp"] if par.spec.tp > 1 else None
         self.cp_mesh = mesh["cp"] if par.spec.cp > 1 else None
         self.ep_mesh = mesh["ep"] if par.spec.ep > 1 else None
+        # A mixture of experts' experts split over ep and tp (`ep.apply_ep`), either or both.
+        split = tuple(d for d, n in (("ep", par.spec.ep), ("tp", par.spec.tp)) if n > 1)
+        self.experts_mesh = mesh[split] if split and config.num_experts is not None else None
         self.dp = mesh["dp"].size()
         # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
         self.replicas = self.dp * par.spec.cp
@@ -192,8 +196,8 @@ class ParallelModel:
                 apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel)
             if self.cp_mesh is not None:
                 apply_cp(part, self.cp_mesh)
-            if self.ep_mesh is not None:
-                apply_ep(part, self.ep_mesh)
+            if self.experts_mesh is not None:
+                apply_ep(part, self.experts_mesh, config)
             part.set_recompute(par.recompute)
             if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
                 part.compile_blocks()

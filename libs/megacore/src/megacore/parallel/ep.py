@@ -10,6 +10,14 @@ then the rows), regroups the rows it receives by its local expert, and after the
 sends the results back the same way, so `MoE` sees the rows it sent come back in its own order.
 Backward runs the same all-to-alls the other way (`AllToAll`).
 
+Under tensor parallel the experts are split over tp as well, each expert's ffn (gate/up on their
+rows, down on its columns, `layout.place`), so the weights are DTensors on the (ep, tp) mesh. Every
+tp rank routes the same whole rows (the router is replicated; with sequence parallel the MoE's
+input is gathered, `tp.apply_tp`), exchanges them with the same tp rank of the other ep ranks, and
+runs its ffn slice: the down projection's partial sums are summed over tp before they go back
+(backward: the rows' gradients are summed over tp instead), so the outputs, and the router's
+gradient, are the same on every tp rank.
+
 Gradients: an expert's gradient on its rank sums the contributions of every ep rank's tokens. FSDP2
 shards experts over `edp` only, so its reduction divides by the whole data-parallel size (dp x cp,
 the engine's `replicas`) rather than edp's, as it divides every other gradient (engine.py).
@@ -23,7 +31,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
+from megacore.config import ModelConfig
 from megacore.models.moe import Experts, GroupedLinear
+from megacore.parallel.layout import place
+from megacore.parallel.tp import _SumGradOverGroup, _SumOverGroup
 
 
 class AllToAll(torch.autograd.Function):
@@ -65,7 +76,7 @@ def _dispatch(module: Experts, args: tuple, mesh: DeviceMesh) -> tuple[torch.Ten
     return got.index_select(0, order), by_source.sum(0)
 
 
-def _combine(module: Experts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def _combine(module: Experts, out: torch.Tensor) -> torch.Tensor:
     """The experts' outputs back to the ranks the rows came from, in their order."""
     order, send, recv, group = module._ep_state
     del module._ep_state
@@ -73,13 +84,27 @@ def _combine(module: Experts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tens
     return AllToAll.apply(back, recv, send, group)
 
 
-def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    if isinstance(module, GroupedLinear):
-        module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)]))
+def apply_ep(model: nn.Module, mesh: DeviceMesh, config: ModelConfig) -> None:
+    """Split every MoE layer's experts of a Decoder (or a pipeline stage of one) over `mesh`: its
+    `ep` dim (the experts) and its `tp` dim (each expert's ffn), either or both."""
+    names = mesh.mesh_dim_names
+    ep = mesh["ep"] if "ep" in names else None
+    tp = mesh["tp"] if "tp" in names else None
 
+    def shard(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if isinstance(module, GroupedLinear):
+            dim = place(f"layers.0.mlp.experts.{name}.weight", config, 1).tp_dim
+            placements = [Shard(0) if n == "ep" else Shard(dim) for n in names]
+            module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, placements))
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every MoE layer's experts of a Decoder (or a pipeline stage of one) over `ep_mesh`."""
+    def inputs(module: Experts, args: tuple, mesh: DeviceMesh) -> tuple:
+        rows, counts = _dispatch(module, args, ep) if ep is not None else args
+        return (_SumGradOverGroup.apply(rows, tp.get_group()) if tp is not None else rows), counts
+
+    def outputs(module: Experts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        out = _SumOverGroup.apply(out, tp.get_group()) if tp is not None else out
+        return _combine(module, out) if ep is not None else out
+
     for module in model.modules():
         if isinstance(module, Experts):
-            distribute_module(module, ep_mesh, _shard_experts, _dispatch, _combine)
+            distribute_module(module, mesh, shard, inputs, outputs)

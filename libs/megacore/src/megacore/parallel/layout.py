@@ -28,7 +28,9 @@ OPTIM_PREFIX = "optim."
 ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-# Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; the rest replicated,
+# Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; a mixture of experts'
+# stacked [experts, out, in] projections likewise on their ffn dim (1 for gate/up, 2 for down; the
+# experts dim is expert parallel's), its router replicated; the rest replicated,
 # the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads), and
 # the sandwich norms on the attention's and the MLP's outputs (Gemma: hidden-wide, like the others).
 _COLWISE = {"attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
@@ -36,10 +38,9 @@ _ROWWISE = {"attn.o_proj", "mlp.down_proj"}
 _KV = {"attn.k_proj", "attn.v_proj"}
 _LAYER_REPLICATED = re.compile(
     r"^(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.(weight|bias)$"
-    r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
-    # A mixture of experts' router and its stacked experts (tp 1 only for now: `check_tp`).
-    r"|^mlp\.router\.weight$|^mlp\.experts\.(gate|up|down)_proj\.weight$"
+    r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$|^mlp\.router\.weight$"
 )
+_EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.weight$")
 
 
 def optim_state_name(kind: str, param: str) -> str:
@@ -91,6 +92,8 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     module, _, kind = rest.rpartition(".")
     if _LAYER_REPLICATED.match(rest):
         return TensorPlace(layer, "layer", None)
+    if e := _EXPERTS.match(rest):
+        return TensorPlace(layer, "layer", 2 if e.group(1) == "down" else 1)
     if module in _COLWISE and kind in ("weight", "bias"):
         if module in _KV and kv_replicated(config, tp):
             return TensorPlace(layer, "layer", None)
@@ -98,6 +101,13 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     if module in _ROWWISE and kind == "weight":
         return TensorPlace(layer, "layer", 1)
     raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
+
+
+def is_experts(name: str) -> bool:
+    """Whether a checkpoint tensor is a mixture of experts' stacked experts (dim 0: the experts,
+    expert parallel's split)."""
+    m = _LAYER.match(split_optim_name(name)[1])
+    return m is not None and _EXPERTS.match(m.group(2)) is not None
 
 
 def tp_box(p: TensorPlace, shape: Sequence[int], tp: int, rank: int) -> Box:
@@ -128,8 +138,6 @@ def _positive(value: int, what: str, where: str) -> None:
 def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
     """tp must divide the heads, the kv heads (or be a multiple of them), the ffn and the padded vocab."""
     _positive(tp, "tp", where)
-    if config.num_experts is not None and tp > 1:
-        raise UserError("a mixture of experts trains at tp 1 for now (experts are not split over tp)", where)
     if config.num_heads % tp:
         raise UserError(f"tp {tp} does not divide the {config.num_heads} attention heads", where)
     kv = config.num_kv_heads
@@ -146,6 +154,14 @@ def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
             "(padded_vocab_size) when converting",
             where,
         )
+
+
+def check_ep(config: ModelConfig, ep: int, where: str = "ep") -> None:
+    """ep splits the experts of every MoE layer: a mixture of experts with a multiple of ep experts."""
+    _positive(ep, "ep", where)
+    if ep > 1 and (config.num_experts is None or config.num_experts % ep):
+        experts = "no experts" if config.num_experts is None else f"{config.num_experts} experts"
+        raise UserError(f"ep {ep} splits a mixture of experts' experts: the model has {experts}", where)
 
 
 def stage_layers(
@@ -272,11 +288,7 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     if par.recompute not in RECOMPUTE:
         raise UserError(f"recompute must be one of {list(RECOMPUTE)}, got {par.recompute!r}", "recompute")
     check_tp(config, spec.tp, f"{where}.tp")
-    if spec.ep > 1 and (config.num_experts is None or config.num_experts % spec.ep):
-        experts = "no experts" if config.num_experts is None else f"{config.num_experts} experts"
-        raise UserError(
-            f"ep {spec.ep} splits a mixture of experts' experts: the model has {experts}", f"{where}.ep"
-        )
+    check_ep(config, spec.ep, f"{where}.ep")
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
     if config.num_experts is not None and spec.cp > 1:
@@ -295,11 +307,15 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     return layers
 
 
-def fsdp_dim(shape: Sequence[int]) -> int:
-    """The dim FSDP2 shards a parameter of `shape` on: 0, but a stacked experts tensor's rows (dim
-    1): its dim 0, the experts (Mixtral's 8), is smaller than many dp sizes and would leave ranks
-    empty; its rows (ffn or hidden) split evenly. Under ep the experts dim is ep's."""
-    return 1 if len(shape) == 3 else 0
+def fsdp_dim(shape: Sequence[int], tp_dim: int | None = None) -> int:
+    """The dim FSDP2 shards a parameter of `shape` on: 0, but a stacked experts tensor's rows or
+    columns: its dim 0, the experts (Mixtral's 8), is smaller than many dp sizes and would leave
+    ranks empty (and is expert parallel's); its other dims split evenly. Dim 1, or 2 where tp
+    splits dim 1 (`tp_dim`, when tp > 1): two splits of one dim would interleave (FSDP2's strided
+    shards), which a checkpoint's boxes cannot say."""
+    if len(shape) != 3:
+        return 0
+    return 2 if tp_dim == 1 else 1
 
 
 # --- how the engine wraps a stage (engine.py applies them; memory.py counts their bytes) ----------

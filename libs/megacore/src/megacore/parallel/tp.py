@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from megacore.config import ModelConfig
+from megacore.models.moe import GroupedLinear, MoE
 from megacore.parallel.layout import place
 
 
@@ -55,6 +57,21 @@ class _SumGradOverGroup(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward over a process group; identity backward: partial sums (each rank's
+    part of a row-split product) made whole, whose consumers then hold the same gradient everywhere."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
         return grad, None
 
 
@@ -146,6 +163,8 @@ def apply_tp(
             return ColwiseParallel()
         if isinstance(module, nn.Linear) and dim == 1:
             return RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp)
+        if isinstance(module, GroupedLinear) or name.endswith("mlp.router"):
+            return None  # experts: split by `ep.apply_ep` (over tp too); the router replicated
         if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
             return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
         if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard
@@ -173,11 +192,24 @@ def apply_tp(
                     input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
             )
+            moe = isinstance(block.mlp, MoE)  # takes and gives whole plain rows: `ep.apply_ep`
             parallelize_module(
                 block.mlp,
                 tp_mesh,
-                PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=moe
+                ),
             )
+            if moe:
+                parallelize_module(
+                    block.mlp,
+                    tp_mesh,
+                    PrepareModuleOutput(
+                        output_layouts=(Replicate(),),
+                        desired_output_layouts=(Shard(1),),
+                        use_local_output=False,
+                    ),
+                )
     if model.embed is None and sp:
         # A later pipeline stage receives its sequence shard as a plain tensor.
         model.register_forward_pre_hook(
