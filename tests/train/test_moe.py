@@ -1,6 +1,6 @@
 """A mixture of experts through the chain: a tiny Mixtral from transformers converted and verified,
-resharded to pp 2, trained under torchrun on 4 processes at ep 2 x pp 2 (router losses and expert
-load in the metrics), exported
+resharded to ep 2 x tp 2, trained under torchrun on 4 processes at ep 2 x tp 2 with sequence
+parallel (router losses and expert load in the metrics), exported
 to a directory transformers loads with every key, whose logits are the checkpoint's; and a router
 that sends every token to the same experts, which trains and whose load says so. (The numbers
 against one process: tests/parallel/test_equivalence.py; against transformers: tests/models.)"""
@@ -27,17 +27,18 @@ def _run_json(directory: Path, init: Path, tokens: Path, **overrides) -> Path:
 
 
 @pytest.mark.dist
-def test_mixtral_converts_trains_at_ep2_pp2_and_exports(tmp_path: Path, tokens: Path) -> None:
+def test_mixtral_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: Path) -> None:
     hf = _mixtral(tmp_path / "hf")
-    ckpt, pp2 = tmp_path / "ckpt", tmp_path / "ckpt-pp2"
+    ckpt, ep2tp2 = tmp_path / "ckpt", tmp_path / "ckpt-ep2tp2"
     run_in_process("mega-convert", "hf", hf, ckpt, check=True)
     verified = run_in_process("mega-convert", "verify", ckpt, hf, "--seq-len", "16", check=True)
     assert verified.stdout.rstrip().endswith("PASS"), verified.stdout
-    run_in_process("mega-shard", ckpt, pp2, "--pp", "2", check=True)
+    run_in_process("mega-shard", ckpt, ep2tp2, "--tp", "2", "--ep", "2", check=True)
 
-    run_json = _run_json(tmp_path / "train", pp2, tokens, parallel={"pp": 2, "ep": 2})
+    parallel = {"tp": 2, "ep": 2, "sequence_parallel": True}
+    run_json = _run_json(tmp_path / "train", ep2tp2, tokens, parallel=parallel)
     out = ok(torchrun(4, run_json))
-    assert "world 4 = tp 1 x pp 2 x dp 2 (ep 2)" in out.stdout
+    assert "world 4 = tp 2 x pp 1 x dp 2 (ep 2)" in out.stdout
     assert "aux loss" in out.stdout and "expert load" in out.stdout
     records = metrics(run_json.parent / "run")
     assert [r["step"] for r in records] == list(range(1, 13))
