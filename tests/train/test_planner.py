@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 
 from helpers import assert_one_line_error, run_in_process
 from megacore.artifacts.manifest import ParallelSpec
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.parallel import memory
 from megacore.parallel.layout import Parallelism
@@ -96,7 +97,8 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
     replicated), dp4 with chunks of 17, 17, 17 and 14 rows (ffn 65) and of 2, 2, 2 and none
     (hidden 6); dp2 x cp2, FSDP2 over both flattened, dp outer: chunks of 2, 2, 1 and none (ffn 5)
     tell rank 1 (dp 0, cp 1) from rank 2; tp2 x cp2 with sequence parallel; a mixture of 2
-    experts over dp 4 (FSDP2 cuts the experts' rows, not the 2 experts) and at ep 2."""
+    experts over dp 4 (FSDP2 cuts the experts' rows, not the 2 experts), at ep 2, and at ep 2 x
+    tp 2 (each expert's ffn split over tp, FSDP2 then cuts its other dim)."""
     launch(
         tmp_path,
         4,
@@ -111,6 +113,7 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
             {"tp": 2, "cp": 2, "precision": "bf16", "sp": True},
             {"config": MOE},
             {"config": MOE, "ep": 2, "precision": "bf16"},
+            {"config": MOE, "ep": 2, "tp": 2},
         ],
     )
 
@@ -660,3 +663,46 @@ def test_the_plan_needs_no_torch(tmp_path: Path, tokens: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "memory per rank" in proc.stdout and "layouts of 8 GPUs of 1.0 GiB" in proc.stdout
+
+
+# Mixtral 8x7B's published shape (its config.json).
+MIXTRAL_8X7B = {
+    "family": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32, "num_heads": 32,
+    "num_kv_heads": 8, "ffn_hidden_size": 14336, "max_seq_len": 32768, "norm_eps": 1e-5,
+    "rope_theta": 1e6, "num_experts": 8, "experts_per_token": 2,
+}  # fmt: skip
+
+
+def test_readme_mixtral_layouts_are_the_planners(tmp_path: Path, tokens: Path, capsys) -> None:
+    """README's Mixtral 8x7B figures (the dense table's batch and conditions) are the planner's: on
+    16 GPUs its first pick and the first expert-parallel layout; on 8 that none fits, the
+    smallest peak, and the fp32 weights, gradients and AdamW moments per GPU worked out here
+    (16 bytes a parameter)."""
+    text = " ".join(README.read_text().split())
+    picks = {}
+    for gpus in (16, 8):
+        run_json = write_run(
+            tmp_path / str(gpus), tokens, model={"config": MIXTRAL_8X7B},
+            batch={"micro_batch_size": B, "global_batch_size": GLOBAL_BATCH, "seq_length": S},
+            parallel={"pp": gpus}, precision="bf16", recompute="none", attention="auto", eval={"every": 0},
+        )  # fmt: skip
+        argv = ["--manifest", run_json, "--dry-run", "--gpus", gpus, "--gpu-memory", "80GB", "--json"]
+        code, out, err = dry_run(capsys, *argv)
+        assert code == 0, err
+        picks[gpus] = json.loads(out)["layouts"]["candidates"]
+    first = picks[16][0]
+    assert first["fits"] and first["ep"] == 1, first
+    assert (
+        f"first pick is tp {first['tp']} × pp {first['pp']} without recompute ({first['peak'] / GiB:.1f} + 4 GiB)"
+        in text
+    )
+    ep = next(c for c in picks[16] if c["ep"] > 1)
+    assert ep["fits"] and ep["recompute"] == "full" and ep["pp"] == 1, ep
+    assert f"tp {ep['tp']} × dp {ep['dp']} with ep {ep['ep']} first ({ep['peak'] / GiB:.1f} + 4 GiB)" in text
+    assert not any(c["fits"] for c in picks[8])
+    least = min((c for c in picks[8] if c["peak"]), key=lambda c: c["peak"])
+    assert f"smallest peak is {least['peak'] / GiB:.1f} GiB, tp {least['tp']} with full recompute" in text
+    assert (least["pp"], least["recompute"]) == (1, "full"), least
+    params = sum(math.prod(s) for s in model_tensors(ModelConfig(**MIXTRAL_8X7B)).values())
+    assert f"{params / 1e9:.1f}B parameters" in text
+    assert f"alone are {16 * params / 8 / GiB:.1f} GiB per GPU" in text

@@ -10,10 +10,12 @@ context-parallel rank holds S / cp tokens of each row, `cp.py`), c = bytes of th
 width of k (kv heads x head_dim; one head where tp replicates them).
 
 State (exact: tests/train/test_planner.py sums a live run's tensors on every rank):
-- weights: the fp32 master parameters of the rank's stages (`model_tensors`), tp-local, then with
-  FSDP2 (dp x cp > 1: parameters are replicated over cp as over dp, and FSDP2 shards them over
-  both, flattened) dim 0 (an experts tensor's rows: `layout.fsdp_dim`) cut in dp·cp chunks of
-  ceil(rows / (dp·cp)) rows, the last ones shorter or empty: what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows;
+- weights: the fp32 master parameters of the rank's stages (`model_tensors`), tp-local (and an
+  experts tensor's experts / ep under expert parallel), then with FSDP2 (dp x cp > 1: parameters
+  are replicated over cp as over dp, and FSDP2 shards them over both, flattened) dim 0 (an
+  experts tensor's rows or columns: `layout.fsdp_dim`) cut in dp·cp chunks (an experts tensor's
+  in dp/ep chunks under ep: FSDP2 shards the experts over edp) of ceil(rows / (dp·cp)) rows, the
+  last ones shorter or empty: what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows;
   the largest rank (dp rank 0), which decides whether a layout fits, holds exactly that.
 - grads: fp32, the same shapes, except the vocab-parallel embedding's under tp without FSDP2:
   DTensor's backward leaves the whole table's gradient on every tp rank.
@@ -60,6 +62,7 @@ Buffers (transient or bookkeeping, counted at once, so an upper bound):
 - a pipeline stage's receive buffers, preallocated for every microbatch (activations in, gradients
   back: T·h·c each; a stage's first block reads its input from one);
 - context parallel: one layer's k and v gradients of the whole sequence before their reduce-scatter;
+- expert parallel: a layer's routed rows (T·k·h·c) as sent and as received by an all-to-all;
 - FSDP2's unsharded parameters in the compute dtype (the root's embedding, norm and head plus two
   blocks with prefetch; with a pipeline all of the stage, not resharded between microbatches), one
   block's gradient reduction (compute dtype + fp32), and with several microbatches the stage's
@@ -87,6 +90,10 @@ Ranking (`relative_throughput`, a deliberately simple model, not a measurement):
   group spans nodes; 20 µs a collective): k and v all-gathered in the forward (again when
   recomputed) and reduce-scattered in the backward, none overlapped, each moving (cp-1)·T·kv·c;
   the compute T·`flops_per_token`/(layers·tp). Short sequences pay the latency, long ones little;
+- expert parallel: 1 / (1 + r) likewise, r = a layer's all-to-alls' time over its compute: the
+  routed rows sent to their experts and back in the forward, their gradients in the backward (and
+  the forward's again with full recompute), each moving (ep-1)/ep·T·k·h·c, within a node while
+  tp·cp·ep fits one. Every ep dividing dp and the experts is a candidate;
 - data parallel: 0.97 for dp x cp > 1 (FSDP2's gathers and reductions, mostly overlapped).
 Every candidate keeps the run's micro batch, global batch, precision, schedule (pipelines) and
 sequence parallel; per layout the least recompute that fits is chosen. A cp > 1 layout is listed
@@ -128,6 +135,7 @@ from megacore.parallel.layout import (
     compute_copies,
     fsdp_dim,
     fsdp_wrapped,
+    is_experts,
     kv_replicated,
     place,
     tp_box,
@@ -168,21 +176,22 @@ class State:
 
 
 def _rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and tp-local shapes of the parameters of a pipeline rank's stages. Every tp rank holds
-    the same shapes: tp splits are even (`check_tp`) or the tensor is replicated."""
+    """Names and local shapes of the parameters of a pipeline rank's stages: tp-local, and an
+    experts tensor's experts / ep under expert parallel. Every tp and ep rank holds the same
+    shapes: the splits are even (`check_tp`, `check_ep`) or the tensor is replicated."""
     layers = check_parallelism(config, par)
-    tp, last = par.spec.tp, len(layers) - 1
+    tp, ep, last = par.spec.tp, par.spec.ep, len(layers) - 1
     out = []
     for s in par.rank_stages(pp_rank):
         for name, shape in model_tensors(config, layers[s], embed=s == 0, head=s == last).items():
-            out.append((name, tp_box(place(name, config, tp), shape, tp, 0)[1]))
+            local = tp_box(place(name, config, tp), shape, tp, 0)[1]
+            out.append((name, (local[0] // ep, *local[1:]) if is_experts(name) else local))
     return out
 
 
-def _dp_local(shape: tuple[int, ...], dp: int, dp_rank: int) -> int:
-    """Elements of a tp-local tensor on dp rank `dp_rank` under FSDP2: its `fsdp_dim` (dim 0, an
-    experts tensor's rows) in torch.chunk blocks (`chunk_split`), computed for one rank."""
-    dim = fsdp_dim(shape)
+def _dp_local(shape: tuple[int, ...], dim: int, dp: int, dp_rank: int) -> int:
+    """Elements of a local tensor on dp rank `dp_rank` under FSDP2: its dim `dim` in torch.chunk
+    blocks (`chunk_split`), computed for one rank."""
     rows = shape[dim]
     size = -(-rows // dp)
     return max(0, min(size, rows - dp_rank * size)) * math.prod(shape) // rows
@@ -191,11 +200,21 @@ def _dp_local(shape: tuple[int, ...], dp: int, dp_rank: int) -> int:
 def _state(
     config: ModelConfig, par: Parallelism, dp: int, dp_rank: int, tensors: list[tuple[str, tuple[int, ...]]]
 ) -> State:
-    shapes = Counter(shape for _, shape in tensors)
+    tp, ep = par.spec.tp, par.spec.ep
     sharded, replicas = _dp_sharded(par, dp), _replicas(par, dp)
-    numel = sum(n * (_dp_local(s, replicas, dp_rank) if sharded else math.prod(s)) for s, n in shapes.items())
+    # FSDP2's dim (`layout.fsdp_dim`); under ep the experts are sharded over edp (dp / ep), whose
+    # rank is the flattened dp index's quotient (the mesh's dp is edp x ep, ep inner).
+    shards = Counter(
+        (shape, fsdp_dim(shape, place(name, config, tp).tp_dim if tp > 1 else None), is_experts(name))
+        for name, shape in tensors
+    )
+    numel = sum(
+        n * (_dp_local(s, d, replicas // ep, dp_rank // ep) if e else _dp_local(s, d, replicas, dp_rank))
+        if sharded
+        else n * math.prod(s)
+        for (s, d, e), n in shards.items()
+    )
     grads = numel
-    tp = par.spec.tp
     if (
         tp > 1
         and not fsdp_wrapped(par, replicas)
@@ -271,12 +290,13 @@ def _cp_attention(
     return gathered + max(sum(n * end * c for end in pair if end > window) for pair in ends)
 
 
-def _moe_activations(config: ModelConfig, tokens: int, c: int) -> int:
+def _moe_activations(config: ModelConfig, tokens: int, c: int, tp: int) -> int:
     """What a mixture-of-experts MLP saves (models/moe.py): each routed (token, expert) row's input,
-    gate, up, silu and product, and its output before the routing weight; the router's logits and
-    fp32 probabilities, and the int64 indices and fp32 weights of the top-k choices."""
+    gate, up, silu and product (tp-local: each expert's ffn is split over tp), and its output
+    before the routing weight; the router's logits and fp32 probabilities, and the int64 indices
+    and fp32 weights of the top-k choices."""
     routed, experts = tokens * config.experts_per_token, config.num_experts
-    h, f = config.hidden_size, config.ffn_hidden_size
+    h, f = config.hidden_size, config.ffn_hidden_size // tp
     return routed * (4 * f + 2 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
 
 
@@ -337,7 +357,7 @@ def layer_activations(
         kernel += seq * seq * c  # SDPA's additive mask
     mlp = (4 if config.activation in GATED_ACTIVATIONS else 2) * tokens * f * c
     if config.num_experts is not None:
-        mlp = _moe_activations(config, tokens, c)
+        mlp = _moe_activations(config, tokens, c, tp)
     total = norms + qkv + o_proj_in + mlp + weights
     return total if mode == "selective" else total + kernel
 
@@ -483,7 +503,8 @@ def _param_buffers(
 
 
 def _token_buffers(config: ModelConfig, par: Parallelism, pp_rank: int, micro: int, seq: int) -> int:
-    """The buffers the tokens size: a pipeline's receive buffers, cp's gradients, the loss's."""
+    """The buffers the tokens size: a pipeline's receive buffers, cp's gradients, ep's all-to-all
+    buffers, the loss's."""
     num_stages, stages = par.spec.pp * par.stages_per_rank, par.rank_stages(pp_rank)
     c, tp, cp = COMPUTE_BYTES[par.precision], par.spec.tp, par.spec.cp
     tokens = micro * seq // cp
@@ -494,6 +515,8 @@ def _token_buffers(config: ModelConfig, par: Parallelism, pp_rank: int, micro: i
             total += ((s > 0) + (s < num_stages - 1)) * par.microbatches * residual
     if cp > 1:  # a layer's gathered k and v gradients, the whole sequence's, before the reduce-scatter
         total += 2 * micro * seq * _kv_width(config, tp) * c
+    if par.spec.ep > 1:  # a layer's routed rows as sent and as received, in each all-to-all
+        total += 2 * tokens * config.experts_per_token * config.hidden_size * c
     if num_stages - 1 in stages:
         vocab = config.padded_vocab_size
         if fused_loss(par):
@@ -536,12 +559,12 @@ Tensors = Callable[[Parallelism], list[list[tuple[str, tuple[int, ...]]]]]
 
 
 def _tensor_cache(config: ModelConfig) -> Tensors:
-    """Each pipeline rank's tensors by tp x pp, for a search of many layouts: they do not depend on
-    cp, dp, recompute or the microbatches (the caller checks those: `check_parallelism`)."""
-    cache: dict[tuple[int, int], list[list[tuple[str, tuple[int, ...]]]]] = {}
+    """Each pipeline rank's tensors by tp x pp x ep, for a search of many layouts: they do not
+    depend on cp, dp, recompute or the microbatches (the caller checks those: `check_parallelism`)."""
+    cache: dict[tuple[int, int, int], list[list[tuple[str, tuple[int, ...]]]]] = {}
 
     def tensors(par: Parallelism) -> list[list[tuple[str, tuple[int, ...]]]]:
-        key = (par.spec.tp, par.spec.pp)
+        key = (par.spec.tp, par.spec.pp, par.spec.ep)
         if key not in cache:
             cache[key] = [_rank_tensors(config, par, r) for r in range(par.spec.pp)]
         return cache[key]
@@ -648,6 +671,21 @@ def _cp_cost(config: ModelConfig, par: Parallelism, seq: int, micro: int, gpus_p
     return comm / compute
 
 
+def _ep_cost(config: ModelConfig, par: Parallelism, seq: int, micro: int, gpus_per_node: int) -> float:
+    """Time of a layer's ep all-to-alls over the time of its compute, for one microbatch on a rank:
+    the routed rows (T x k) sent to their experts and back in the forward, and their gradients in
+    the backward (again in the forward when recomputed in full), each moving the (ep-1)/ep of
+    the rows that leave the rank; none overlapped. ep's ranks are tp x cp apart (`build_mesh`)."""
+    ep, tp, c = par.spec.ep, par.spec.tp, COMPUTE_BYTES[par.precision]
+    tokens = micro * seq
+    passes = 6 if par.recompute == "full" else 4
+    bandwidth = NODE_BANDWIDTH if tp * par.spec.cp * ep <= gpus_per_node else NETWORK_BANDWIDTH
+    moved = (ep - 1) / ep * tokens * config.experts_per_token * config.hidden_size * c
+    comm = passes * (COLLECTIVE_LATENCY + moved / bandwidth)
+    compute = tokens * flops_per_token(config, seq) / (config.num_layers * tp * ACHIEVED_FLOPS)
+    return comm / compute
+
+
 def relative_throughput(
     config: ModelConfig,
     par: Parallelism,
@@ -671,14 +709,18 @@ def relative_throughput(
         eff /= 1.0 + attention_forward / flops_per_token(config, seq)
     if par.spec.cp > 1:
         eff /= 1.0 + _cp_cost(config, par, seq, micro, gpus_per_node)
+    if par.spec.ep > 1:
+        eff /= 1.0 + _ep_cost(config, par, seq, micro, gpus_per_node)
     if _replicas(par, dp) > 1:  # FSDP2 over dp x cp
         eff *= DP_EFFICIENCY
     return eff
 
 
-def layout_label(tp: int, pp: int, dp: int, cp: int = 1) -> str:
-    """'tp 2 x pp 1 x dp 4'; 'tp 2 x pp 1 x cp 4 x dp 1' with context parallel (the mesh's order)."""
-    return f"tp {tp} x pp {pp} x " + (f"cp {cp} x " if cp > 1 else "") + f"dp {dp}"
+def layout_label(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> str:
+    """'tp 2 x pp 1 x dp 4'; 'tp 2 x pp 1 x cp 4 x dp 1' with context parallel (the mesh's order);
+    'tp 1 x pp 2 x dp 8 (ep 8)' with expert parallel, ep ranks being dp ranks."""
+    cp_part = f"cp {cp} x " if cp > 1 else ""
+    return f"tp {tp} x pp {pp} x {cp_part}dp {dp}" + (f" (ep {ep})" if ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -695,10 +737,11 @@ class Candidate:
     fits: bool
     reason: str = ""  # why it does not fit or is refused
     cp: int = 1
+    ep: int = 1
 
     @property
     def label(self) -> str:
-        return f"{layout_label(self.tp, self.pp, self.dp, self.cp)}, recompute {self.recompute}"
+        return f"{layout_label(self.tp, self.pp, self.dp, self.cp, self.ep)}, recompute {self.recompute}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -706,11 +749,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_parallelism(
-    base: Parallelism, tp: int, pp: int, microbatches: int, recompute: str, cp: int = 1
+    base: Parallelism, tp: int, pp: int, microbatches: int, recompute: str, cp: int = 1, ep: int = 1
 ) -> Parallelism:
-    """The run's settings with another tp/pp/cp: no pipeline settings without a pipeline, the run's
-    per-stage layer counts only with its own pp."""
-    spec = msgspec.structs.replace(base.spec, cp=cp)
+    """The run's settings with another tp/pp/cp/ep: no pipeline settings without a pipeline, the
+    run's per-stage layer counts only with its own pp."""
+    spec = msgspec.structs.replace(base.spec, cp=cp, ep=ep)
     if pp == 1:
         spec = msgspec.structs.replace(spec, tp=tp, pp=1, pp_layers=None, schedule="1f1b", virtual_stages=1)
     else:
@@ -719,8 +762,12 @@ def candidate_parallelism(
     return dataclasses.replace(base, spec=spec, microbatches=microbatches, recompute=recompute)
 
 
-def _layouts(base: Parallelism, gpus: int, seq: int | None) -> list[tuple[int, int, int, int]]:
-    """(tp, pp, cp, dp) of `gpus`, cp only where it can split `seq` (`check_cp`; any with None)."""
+Layout = tuple[int, int, int, int, int]  # tp, pp, cp, dp, ep
+
+
+def _layouts(config: ModelConfig, base: Parallelism, gpus: int, seq: int | None) -> list[Layout]:
+    """(tp, pp, cp, dp, ep) of `gpus`, cp only where it can split `seq` (`check_cp`; any with
+    None), ep > 1 for a mixture of experts whose experts and dp it divides (FSDP2's dp mode)."""
     out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
@@ -730,14 +777,17 @@ def _layouts(base: Parallelism, gpus: int, seq: int | None) -> list[tuple[int, i
                         check_cp(seq, cp, tp, base.spec.sequence_parallel)
                     except UserError:
                         continue
-                out.append((tp, pp, cp, gpus // (tp * pp * cp)))
+                dp = gpus // (tp * pp * cp)
+                experts = config.num_experts if base.spec.dp_mode == "fsdp" else None
+                for ep in _divisors(math.gcd(dp, experts)) if experts else [1]:
+                    out.append((tp, pp, cp, dp, ep))
     return out
 
 
 def _candidate(
     config: ModelConfig,
     base: Parallelism,
-    layout: tuple[int, int, int, int],
+    layout: Layout,
     gpu_memory: int,
     micro: int,
     seq: int,
@@ -747,24 +797,24 @@ def _candidate(
     tensors: Tensors,
 ) -> Candidate:
     """A layout with the least recompute that fits, or its largest peak, or why it is refused."""
-    tp, pp, cp, dp = layout
+    tp, pp, cp, dp, ep = layout
     if global_batch % (micro * dp):
         why = f"batch {global_batch} does not divide into micro {micro} x dp {dp}"
-        return Candidate(tp, pp, dp, "-", 0, 0, 0.0, False, why, cp)
+        return Candidate(tp, pp, dp, "-", 0, 0, 0.0, False, why, cp, ep)
     m = global_batch // (micro * dp)
-    par = candidate_parallelism(base, tp, pp, m, "none", cp)
+    par = candidate_parallelism(base, tp, pp, m, "none", cp, ep)
     try:
         check_parallelism(config, par)
     except UserError as e:
-        return Candidate(tp, pp, dp, "-", m, 0, 0.0, False, str(e), cp)
+        return Candidate(tp, pp, dp, "-", m, 0, 0.0, False, str(e), cp, ep)
     fixed = _fixed_bytes(config, par, dp, tensors(par))
     for recompute in RECOMPUTE:
-        par = candidate_parallelism(base, tp, pp, m, recompute, cp)
+        par = candidate_parallelism(base, tp, pp, m, recompute, cp, ep)
         need = _peak_bytes(config, par, fixed, micro, seq, attention)
         if need + ALLOWANCE <= gpu_memory:
             eff = relative_throughput(config, par, dp, seq, gpus_per_node, micro)
-            return Candidate(tp, pp, dp, recompute, m, need, eff, True, "", cp)
-    return Candidate(tp, pp, dp, recompute, m, need, 0.0, False, "does not fit", cp)
+            return Candidate(tp, pp, dp, recompute, m, need, eff, True, "", cp, ep)
+    return Candidate(tp, pp, dp, recompute, m, need, 0.0, False, "does not fit", cp, ep)
 
 
 def _rank(c: Candidate) -> tuple:
@@ -783,20 +833,30 @@ def search(
     attention: str = "sdpa",
     gpus_per_node: int = GPUS_PER_NODE,
 ) -> list[Candidate]:
-    """Every tp x pp x cp x dp = `gpus` layout with the least recompute that fits `gpu_memory`
-    (with ALLOWANCE); the fitting ones first, best expected throughput first, then the others. A
-    cp > 1 layout only where it beats the same tp x pp with its cp ranks as dp ones (same state
-    sharding; cp costs its collectives): it fits where that does not, or runs faster."""
+    """Every tp x pp x cp x dp = `gpus` layout (and every ep of a mixture of experts) with the
+    least recompute that fits `gpu_memory` (with ALLOWANCE); the fitting ones first, best expected
+    throughput first, then the others. A cp > 1 layout only where it beats the same tp x pp with
+    its cp ranks as dp ones (same state sharding; cp costs its collectives): it fits where that
+    does not, or runs faster."""
     if gpus < 1:
         raise UserError(f"must be at least 1, got {gpus}", "--gpus")
     tensors = _tensor_cache(config)
     found = {
-        layout[:3]: _candidate(
-            config, base, layout, gpu_memory, micro, seq, global_batch, attention, gpus_per_node, tensors
+        (tp, pp, cp, ep): _candidate(
+            config,
+            base,
+            (tp, pp, cp, dp, ep),
+            gpu_memory,
+            micro,
+            seq,
+            global_batch,
+            attention,
+            gpus_per_node,
+            tensors,
         )
-        for layout in _layouts(base, gpus, seq)
+        for tp, pp, cp, dp, ep in _layouts(config, base, gpus, seq)
     }
-    out = [c for (tp, pp, cp), c in found.items() if cp == 1 or _rank(c) < _rank(found[tp, pp, 1])]
+    out = [c for (tp, pp, cp, ep), c in found.items() if cp == 1 or _rank(c) < _rank(found[tp, pp, 1, ep])]
     return sorted(out, key=_rank)
 
 
@@ -871,10 +931,11 @@ class Longest:
     microbatches: int
     seq: dict[str, int]  # by recompute: none, selective, full
     throughput: float  # `relative_throughput` at the longest sequence, recompute full
+    ep: int = 1
 
     @property
     def label(self) -> str:
-        return layout_label(self.tp, self.pp, self.dp, self.cp)
+        return layout_label(self.tp, self.pp, self.dp, self.cp, self.ep)
 
 
 def longest_sequences(
@@ -887,14 +948,14 @@ def longest_sequences(
     attention: str = "sdpa",
     gpus_per_node: int = GPUS_PER_NODE,
 ) -> list[Longest]:
-    """Every tp x pp x cp x dp = `gpus` layout the batch divides into, longest sequence first (full
+    """Every tp x pp x cp x dp (x ep) = `gpus` layout the batch divides into, longest sequence first (full
     recompute's; then the faster at it); the run's micro batch, global batch and other settings."""
     out, tensors = [], _tensor_cache(config)
-    for tp, pp, cp, dp in _layouts(base, gpus, None):
+    for tp, pp, cp, dp, ep in _layouts(config, base, gpus, None):
         if global_batch % (micro * dp):
             continue
         m = global_batch // (micro * dp)
-        pars = {r: candidate_parallelism(base, tp, pp, m, r, cp) for r in RECOMPUTE}
+        pars = {r: candidate_parallelism(base, tp, pp, m, r, cp, ep) for r in RECOMPUTE}
         try:
             check_parallelism(config, pars["full"])
         except UserError:  # fewer microbatches than stages, say
@@ -909,7 +970,7 @@ def longest_sequences(
             if r != "full"
         }
         eff = relative_throughput(config, pars["full"], dp, full, gpus_per_node, micro) if full else 0.0
-        out.append(Longest(tp, pp, cp, dp, m, seq | {"full": full}, eff))
+        out.append(Longest(tp, pp, cp, dp, m, seq | {"full": full}, eff, ep))
     return sorted(out, key=lambda c: (-c.seq["full"], -c.throughput))
 
 
