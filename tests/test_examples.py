@@ -143,6 +143,7 @@ def test_airflow_dag_loads_with_airflows_own_loader(tmp_path: Path, airflow_venv
     assert "mega-train) --manifest $run --json" in tasks["train"]["bash_command"]
 
 
+@pytest.mark.slow  # 42 s; in make test: the DAG's structure (above) and the same tools' chain by make
 def test_airflow_dag_runs_the_chain(tmp_path: Path, sp_model: Path, airflow_venv: Path) -> None:
     """`airflow dags test` runs the DAG end to end on tiny inputs (Airflow from its venv, the tools
     from this one on PATH): every task succeeds, each hands the next its artifact's path, and the
