@@ -316,3 +316,48 @@ def test_examples_plan(tmp_path: Path, tokens: Path) -> None:
     for name in ("finetune.json", "instruct.json"):  # valid up to the checkpoint `make demo` writes
         proc = run_tool("mega-train", "--manifest", tmp_path / "examples" / name, "--dry-run")
         assert_one_line_error(proc, "demo-out/ckpt-tp2pp2", "no such artifact directory")
+
+
+# bench_train's 125M Llama: 12 layers, hidden 768, 12 heads (4 kv), ffn 2048, vocab 32000, untied.
+LLAMA_125M = {"family": "llama", "vocab_size": 32000, "hidden_size": 768, "num_layers": 12, "num_heads": 12,
+              "num_kv_heads": 4, "ffn_hidden_size": 2048, "max_seq_len": 512}  # fmt: skip
+
+
+def test_compile_auto_compiles_on_a_gpu_and_on_a_cpu_where_it_pays(tmp_path: Path, tokens: Path) -> None:
+    """ "compile": "auto", the default: compiled on a GPU; on a CPU only when the run's compute,
+    estimated at 0.36 TFLOP/s, reaches 10 minutes: not a tiny run, but 1,000 steps of 8 x 512
+    tokens of a 125M Llama (its FLOPs worked out here from its shapes); true and false as given."""
+    from mega_train.run_plan import plan_run
+
+    tiny = plan_run(write_run(tmp_path / "tiny", tokens), 1)
+    assert tiny.run.compile == "auto" and not tiny.compiles(gpu=False) and tiny.compiles(gpu=True)
+    for given in (True, False):
+        plan = plan_run(write_run(tmp_path / str(given), tokens, compile=given), 1)
+        assert plan.compiles(gpu=False) is given and plan.compiles(gpu=True) is given
+    batch = {"micro_batch_size": 4, "global_batch_size": 8, "seq_length": 512}
+    big = write_run(tmp_path / "125m", tokens, model={"config": LLAMA_125M}, batch=batch, train_steps=1000)
+    plan = plan_run(big, 1)
+    h, kv, f, layers, vocab = 768, 256, 2048, 12, 32000
+    matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * f) + vocab * h  # q, o, k, v, gate/up/down, head
+    flops = 6 * matmul + 12 * layers * h * 512  # per token: PaLM's count, attention at S 512
+    seconds = 1000 * 8 * 512 * flops / 0.36e12
+    assert plan.cpu_run_seconds() == pytest.approx(seconds) and seconds > 600
+    if not any(map(shutil.which, ("c++", "g++", "clang++"))):
+        pytest.skip("no C++ compiler: compiling on a CPU cannot work here")
+    assert plan.compiles(gpu=False)
+    note = ok(run_tool("mega-train", "--manifest", big, "--dry-run")).stdout
+    assert f"on a CPU it compiles (about {seconds / 60:.3g} minutes of compute estimated" in note
+
+
+def test_a_compiled_run_reports_its_compile_time_apart(tmp_path: Path, tokens: Path) -> None:
+    """With "compile": true the first step's record holds the seconds torch.compile took
+    (`compile_s`), which its tokens/s leaves out; the later steps compile nothing."""
+    run_json = write_run(tmp_path, tokens, compile=True, train_steps=3, checkpoint={"every": 3})
+    out = ok(train(run_json)).stdout
+    rows = metrics(tmp_path / "run")
+    first, later = rows[0], rows[1:]
+    assert 1.0 < first["compile_s"] < first["step_time_s"], first
+    assert all(r["compile_s"] < 0.05 for r in later), later
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(8 * 32 / (r["step_time_s"] - r["compile_s"]))
+    assert f"compiled in {first['compile_s']:.1f}s" in out

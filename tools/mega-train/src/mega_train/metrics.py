@@ -2,7 +2,8 @@
 `logging.every` steps, and the numbers behind them (tokens/s, TFLOP/s, MFU, memory).
 
 metrics.jsonl holds one JSON object per line with `step` and `kind`: `train` (loss, lr, grad_norm,
-tokens_per_s, tflops, mfu, skipped, nan_steps, loss_scale, memory_gb, step_time_s) or `eval` (loss,
+tokens_per_s, tflops, mfu, skipped, nan_steps, loss_scale, memory_gb, step_time_s, compile_s: the
+seconds of the step torch.compile took, which tokens/s, TFLOP/s and MFU leave out) or `eval` (loss,
 ppl, accuracy and the user's `eval.metrics`: `evaluation.py`). A resumed run first drops the lines
 after the step it resumes from, so the file reads as one uninterrupted run.
 """
@@ -21,6 +22,7 @@ from megacore.artifacts.writer import write_file_atomic
 
 # Dense bf16/fp16 tensor-core peaks in TFLOP/s (vendor datasheets), matched against the device name.
 PEAK_TFLOPS = {
+    "B200": 2250.0,
     "H200": 989.0,
     "H100 PCIe": 756.0,
     "H100": 989.0,
@@ -45,6 +47,18 @@ def peak_tflops(given: float | None, precision: str) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far, as dynamo's own timers count them:
+    the forward graphs' compiles and the backward graphs' (compiled in the first backward). 0
+    where a torch version names its timers otherwise: tokens/s then includes the compile."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(
+        sum(compilation_time_metrics.get(k, ()))
+        for k in ("_compile.compile_inner", "backward._backward_impl")
+    )
 
 
 def memory_gb() -> float:
@@ -88,6 +102,7 @@ def train_line(r: dict, total_steps: int) -> str:
         f"lr {r['lr']:.3g}",
         f"grad norm {r['grad_norm']:.3g}",
         f"{r['tokens_per_s']:,.0f} tok/s",
+        *([f"compiled in {r['compile_s']:.1f}s"] if r.get("compile_s", 0) >= 0.1 else []),
         f"{r['tflops']:.3g} TFLOP/s",
     ]
     if r["mfu"] is not None:

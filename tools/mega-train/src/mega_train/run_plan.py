@@ -8,6 +8,7 @@ seconds with one line instead of after a torchrun launch.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from megacore.config import (
     ROUTER_LOSS_FIELDS,
     ModelConfig,
     RopeScaling,
+    flops_per_token,
     parameter_counts,
     with_context,
 )
@@ -93,8 +95,41 @@ class RunPlan:
 
     @property
     def parallelism(self) -> Parallelism:
-        """What the engine builds for this run (every rank alike)."""
+        """What the engine builds for this run (every rank alike); "compile": "auto" is decided on
+        the machine that trains (`compiles`)."""
         return parallelism(self.run, self.grad_accum)
+
+    def compiles(self, gpu: bool) -> bool:
+        """Whether the blocks are compiled: `compile` when it is true or false; "auto" (the
+        default) compiles on a GPU (bench/bench_gpu.py: 1.36x the eager step of a 1.1B Llama on an
+        H200), and on a CPU when the run's compute is long enough to repay the compile: measured on
+        2 cores, compiling a 125M Llama's blocks costs about 15 s on the first step and saves 7%
+        (fp32) to 15% (bf16) of every later step, so it pays after about 3.5 minutes of steps;
+        COMPILE_PAYS_S (10 minutes) of estimated compute (`cpu_run_seconds`) leaves a margin. A
+        CPU also needs a C++ compiler, which Inductor's code for it is built with."""
+        if self.run.compile != "auto":
+            return self.run.compile
+        if gpu:
+            return True
+        return self.cpu_run_seconds() >= COMPILE_PAYS_S and any(map(shutil.which, ("c++", "g++", "clang++")))
+
+    def compile_note(self) -> str | None:
+        """What "compile": "auto" will do, for the dry run (which needs no torch to know the GPU)."""
+        if self.run.compile != "auto":
+            return None
+        minutes = self.cpu_run_seconds() / 60
+        cpu = "compiles" if self.compiles(gpu=False) else "runs eager"
+        return (
+            f"compile auto: compiles the blocks on a GPU; on a CPU it {cpu} (about {minutes:.3g} "
+            f"minutes of compute estimated, compiling pays from {COMPILE_PAYS_S // 60})"
+        )
+
+    def cpu_run_seconds(self) -> float:
+        """The run's compute on one rank at CPU_TFLOPS: train steps x the step's FLOPs (`flops_per_token`
+        x the global batch's tokens) over the world."""
+        b = self.run.batch
+        step = flops_per_token(self.config, b.seq_length) * b.global_batch_size * b.seq_length
+        return self.run.train_steps * step / self.world_size / (CPU_TFLOPS * 1e12)
 
     @property
     def inputs(self) -> list[Path]:
@@ -372,8 +407,14 @@ def _check_layout(
 
 def parallelism(run: RunManifest, microbatches: int) -> Parallelism:
     """The engine's layout settings of a run whose step has `microbatches` microbatches per rank."""
-    return Parallelism(run.parallel, run.precision, microbatches, run.compile, run.recompute)
+    return Parallelism(run.parallel, run.precision, microbatches, run.compile is True, run.recompute)
 
+
+# "compile": "auto" on a CPU (`RunPlan.compiles`): what a bf16 step of a 125M Llama achieves on 2
+# cores (bench_train: about 550 tokens/s at 0.66 GFLOP a token), and the estimated compute from
+# which compiling pays with a margin.
+CPU_TFLOPS = 0.36
+COMPILE_PAYS_S = 600
 
 RUN_MARK = ".mega-train"  # in a run directory this tool made: a rerun resumes there
 

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import sys
@@ -50,7 +51,16 @@ from mega_train.checkpoints import (
 from mega_train.evaluation import EvalSums
 from mega_train.faults import Faults
 from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher
-from mega_train.metrics import MetricsLog, eval_line, memory_gb, peak_tflops, perplexity, say, train_line
+from mega_train.metrics import (
+    MetricsLog,
+    compile_seconds,
+    eval_line,
+    memory_gb,
+    peak_tflops,
+    perplexity,
+    say,
+    train_line,
+)
 from mega_train.run_plan import RUN_MARK, RunPlan
 from mega_train.schedule import LossScale, Schedule
 from mega_train.wandb_run import WandbLog
@@ -148,7 +158,10 @@ class Trainer:
         self.stop = StopRequest()
         watch_launcher()
         self._open_data()
-        self.pm = ParallelModel(self.plan.config, self.plan.parallelism, self.mesh, self.device)
+        par = dataclasses.replace(
+            self.plan.parallelism, compile=self.plan.compiles(torch.cuda.is_available())
+        )
+        self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
         for part in self.pm.parts:
             part.set_attention(run.attention)
         self.params = list(self.pm.parameters())
@@ -358,7 +371,7 @@ class Trainer:
 
     def step(self) -> tuple[dict, bool]:
         """Train one step; returns its record and whether any rank was asked to stop."""
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), compile_seconds()
         pos = self.position
         lr = self.schedule.lr(pos.step)
         for group in self.opt.param_groups:
@@ -381,18 +394,20 @@ class Trainer:
             self.opt.step()
             pos.optimizer_steps += 1
         self.opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        return self._record(loss, lr, norm, count, dt), bool(stopping)
+        dt, compiled = time.perf_counter() - t0, compile_seconds() - compiled
+        return self._record(loss, lr, norm, count, dt, compiled), bool(stopping)
 
-    def _record(self, loss: float, lr: float, norm: float, count: int, dt: float) -> dict:
-        tps, flops, peak = self.G * self.S / dt, self.flops, self.peak_flops
+    def _record(self, loss: float, lr: float, norm: float, count: int, dt: float, compiled: float) -> dict:
+        # A compiling step's speed is that of its steps' work: the compile is reported apart.
+        tps, flops, peak = self.G * self.S / max(dt - compiled, 1e-9), self.flops, self.peak_flops
         c = self.scaler.counters
         return {
             "step": self.position.step, "kind": "train", "loss": loss, "lr": lr, "grad_norm": norm,
             "tokens_per_s": tps, "counted_tokens": count, "tflops": tps * flops / 1e12,
             "mfu": tps * flops / 1e12 / peak if peak else None,
             "skipped": c["skipped"], "nan_steps": c["nan_steps"], "loss_scale": self.scaler.scale,
-            "memory_gb": memory_gb(), "step_time_s": dt, "world_size": dist.get_world_size(),
+            "memory_gb": memory_gb(), "step_time_s": dt, "compile_s": compiled,
+            "world_size": dist.get_world_size(),
             **(self.pm.last_moe or {}),  # a mixture of experts: router losses and expert load
         }  # fmt: skip
 

@@ -396,7 +396,9 @@ class RunManifest(Header, tag="run", kw_only=True):
     precision: FloatName = "bf16"  # either spelling; held as the short one (fp32, bf16, fp16)
     recompute: Literal["none", "full", "selective"] = "none"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
-    compile: bool = False  # torch.compile each transformer block (Decoder.compile_blocks)
+    # torch.compile each transformer block (Decoder.compile_blocks): "auto" where it pays
+    # (mega_train.run_plan.RunPlan.compiles), or always / never.
+    compile: bool | Literal["auto"] = "auto"
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
     nan: NanSpec = msgspec.field(default_factory=NanSpec)
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
