@@ -16,6 +16,7 @@ from transformers import (
     MixtralConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
@@ -189,6 +190,21 @@ CASES: dict[str, tuple[type, dict, int]] = {
         MixtralConfig,
         {**_LLAMA, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
          "sliding_window": 8},
+        24,
+    ),
+    # Qwen 3 MoE (Qwen3MoeForCausalLM): Qwen 3's q/k norms and explicit head_dim, every MLP experts
+    # of moe_intermediate_size (not intermediate_size, which only dense layers would use), top-2 of
+    # 4 renormalised (Qwen3-30B-A3B's norm_topk_prob), or top-3 of 8 not (transformers' default).
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32, "rope_theta": 1e6,
+         "moe_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True},
+        24,
+    ),
+    "qwen3-moe-unnormed": (
+        Qwen3MoeConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32, "rope_theta": 1e6,
+         "moe_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 3},
         24,
     ),
 }  # fmt: skip

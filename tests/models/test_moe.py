@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP (models/moe.py) against transformers' Mixtral: logits, every gradient,
-the load-balancing loss (transformers' own `load_balancing_loss_func`) and its gradient, the
-z-loss against its closed form, and a router that sends every token to the same experts."""
+"""The mixture-of-experts MLP (models/moe.py) against transformers' Mixtral and Qwen 3 MoE (top-k
+renormalised or not): logits, every gradient, the load-balancing loss (transformers' own
+`load_balancing_loss_func`) and its gradient, the z-loss against its closed form, and a router
+that sends every token to the same experts."""
 
 from __future__ import annotations
 
@@ -20,20 +21,34 @@ from megacore.models.moe import MoE
 COEF = 0.02  # large enough that the aux loss's share of each router gradient shows
 
 
-def _pair(tmp_path: Path, experts: int, layers: int = 2) -> tuple[torch.nn.Module, Decoder]:
-    path = build("mixtral", tmp_path / "hf", num_local_experts=experts, num_hidden_layers=layers,
-                 router_aux_loss_coef=COEF, output_router_logits=True)  # fmt: skip
+# hf_cases' case -> its experts, top-k, and the names its checkpoints give a layer's router and
+# experts: the module holding `gate` and `experts.<j>`, each expert's gate, up and down projections.
+CASES = {
+    "mixtral": (4, 2, "block_sparse_moe", ("w1", "w3", "w2")),
+    "mixtral8": (8, 2, "block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3-moe": (4, 2, "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3-moe-unnormed": (8, 3, "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _pair(tmp_path: Path, case: str = "mixtral", layers: int = 2) -> tuple[torch.nn.Module, Decoder]:
+    experts, k = CASES[case][:2]
+    n = {"num_local_experts": experts} if case.startswith("mixtral") else {}
+    path = build(case.removesuffix("8"), tmp_path / "hf", num_hidden_layers=layers, router_aux_loss_coef=COEF,
+                 output_router_logits=True, **n)  # fmt: skip
     hf = load_hf(path)
     cfg = config_from_hf(hf.config)
-    assert (cfg.num_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == (experts, 2, COEF)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == (experts, k, COEF)
+    assert cfg.renormalize_top_k == (case != "qwen3-moe-unnormed")
     ours = Decoder(cfg)
     ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
     return hf.train(), ours.train()
 
 
-def _hf_grads_as_saved(hf: torch.nn.Module, experts: int) -> dict[str, torch.Tensor]:
+def _hf_grads_as_saved(hf: torch.nn.Module, case: str) -> dict[str, torch.Tensor]:
     """transformers' gradients under the names its checkpoints use (what our export writes): its
-    in-memory fused gate_up_proj [E, 2f, h] cut into each expert's w1 (gate) and w3 (up)."""
+    in-memory fused gate_up_proj [E, 2f, h] cut into each expert's gate and up projections."""
+    experts, _, module, (w_gate, w_up, w_down) = CASES[case]
     out = {}
     for name, p in hf.named_parameters():
         m = re.match(
@@ -42,28 +57,29 @@ def _hf_grads_as_saved(hf: torch.nn.Module, experts: int) -> dict[str, torch.Ten
         if m is None:
             out[name] = p.grad
             continue
-        moe = f"{m.group(1)}.block_sparse_moe"
+        moe = f"{m.group(1)}.{module}"
         if m.group(2) == "gate.weight":
             out[f"{moe}.gate.weight"] = p.grad
         for j in range(experts):
             if m.group(2) == "experts.gate_up_proj":
                 gate, up = p.grad[j].chunk(2, dim=0)
-                out[f"{moe}.experts.{j}.w1.weight"], out[f"{moe}.experts.{j}.w3.weight"] = gate, up
+                out[f"{moe}.experts.{j}.{w_gate}.weight"], out[f"{moe}.experts.{j}.{w_up}.weight"] = gate, up
             elif m.group(2) == "experts.down_proj":
-                out[f"{moe}.experts.{j}.w2.weight"] = p.grad[j]
+                out[f"{moe}.experts.{j}.{w_down}.weight"] = p.grad[j]
     return out
 
 
-@pytest.mark.parametrize("experts", [4, 8])
-def test_logits_losses_and_every_gradient_match_transformers(experts: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_losses_and_every_gradient_match_transformers(case: str, tmp_path: Path) -> None:
     """Language-model loss plus COEF x the load-balancing loss, as transformers' function gives
     each layer's (the mean over the layers: `load_balancing_loss`'s docstring): same logits, same
     losses, same gradients in every tensor (fp32, < 1e-4 absolute up to magnitude 1)."""
-    hf, ours = _pair(tmp_path, experts)
+    hf, ours = _pair(tmp_path, case)
+    experts, k = CASES[case][:2]
     ids = tokens(101, 17)
     x, y = ids[:, :-1], ids[:, 1:]
     out = hf(x)
-    per_layer = [load_balancing_loss_func((g,), experts, 2) for g in out.router_logits]
+    per_layer = [load_balancing_loss_func((g,), experts, k) for g in out.router_logits]
     aux_ref = torch.stack(per_layer).mean()
     (F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + COEF * aux_ref).backward()
 
@@ -80,18 +96,18 @@ def test_logits_losses_and_every_gradient_match_transformers(experts: int, tmp_p
     assert abs(sum(float(m.stats.totals()[1][1]) for m in layers) / len(layers) - z_ref.item()) < 1e-4
 
     got = dict(export_tensors(ours.config, {n: p.grad for n, p in ours.named_parameters()}.__getitem__))
-    ref = _hf_grads_as_saved(hf, experts)
+    ref = _hf_grads_as_saved(hf, case)
     assert sorted(got) == sorted(ref)
     for name, g in ref.items():
         err = (got[name] - g).abs().max().item()
         assert err < 1e-4 * max(1.0, g.abs().max().item()), (name, err)
-    routers = [n for n in ref if n.endswith("block_sparse_moe.gate.weight")]
+    routers = [n for n in ref if n.endswith(f"{CASES[case][2]}.gate.weight")]
     assert all(ref[n].abs().max() > 0 for n in routers)
 
 
 def test_one_layer_aux_loss_is_transformers_models(tmp_path: Path) -> None:
     """With one layer the per-layer mean is exactly what MixtralForCausalLM reports as aux_loss."""
-    hf, ours = _pair(tmp_path, 4, layers=1)
+    hf, ours = _pair(tmp_path, layers=1)
     ids = tokens(101, 16)
     with torch.no_grad():
         ref = hf(ids).aux_loss
@@ -105,7 +121,7 @@ def test_a_router_sending_every_token_to_the_same_experts_still_trains(tmp_path:
     other experts get no rows (and a zero gradient); forward, backward and the statistics work,
     and the load-balancing loss is experts x sum(fraction x mean probability) = 4 x (1 x 1/4 +
     1 x 1/4) = 2."""
-    _, ours = _pair(tmp_path, 4)
+    _, ours = _pair(tmp_path)
     with torch.no_grad():
         for m in ours.modules():
             if isinstance(m, MoE):
@@ -120,3 +136,25 @@ def test_a_router_sending_every_token_to_the_same_experts_still_trains(tmp_path:
         idle = [e for e, n in enumerate(load) if n == 0]
         assert all(m.experts.down_proj.weight.grad[e].abs().max() == 0 for e in idle)
         assert m.router.weight.grad.abs().max() > 0  # the balancing loss pushes the router
+
+
+def test_what_the_decoder_cannot_express_is_refused() -> None:
+    """Experts outside the families whose checkpoints carry them, router settings without experts,
+    and a Qwen 3 MoE with dense layers among the sparse ones (one line naming the key)."""
+    from megacore.config import ModelConfig
+    from megacore.errors import UserError
+
+    small = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "ffn_hidden_size": 48}  # fmt: skip
+    with pytest.raises(ValueError, match="mixtral or qwen3"):
+        ModelConfig(family="llama", num_experts=4, experts_per_token=2, **small)
+    with pytest.raises(ValueError, match="need a mixture of experts"):
+        ModelConfig(family="qwen3", renormalize_top_k=False, **small)
+    assert ModelConfig(family="qwen3", num_experts=4, experts_per_token=2, **small).renormalize_top_k
+    hf = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "head_dim": 8,
+          "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+    assert config_from_hf(hf).ffn_hidden_size == 16  # the experts', not intermediate_size
+    for bad in ({"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}):
+        with pytest.raises(UserError, match="mlp_only_layers"):
+            config_from_hf({**hf, **bad})

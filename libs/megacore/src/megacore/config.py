@@ -141,13 +141,15 @@ class ModelConfig(Struct):
     # (Gemma).
     scale_embeddings: bool = False
     tie_embeddings: bool = False
-    # Sparse mixture of experts (Mixtral): every block's MLP is `num_experts` SwiGLU experts of
-    # ffn_hidden_size each, a bias-free router choosing `experts_per_token` of them per token
-    # (softmax, top-k, renormalised); None: the dense MLP. The load-balancing loss (Mixtral's,
-    # per layer, averaged over layers) and the router's z-loss join the training loss times
-    # these coefficients (0: not at all).
+    # Sparse mixture of experts (Mixtral, Qwen 3 MoE): every block's MLP is `num_experts` SwiGLU
+    # experts of ffn_hidden_size each, a bias-free router choosing `experts_per_token` of them per
+    # token (softmax, top-k, the chosen probabilities renormalised to sum to 1 unless
+    # `renormalize_top_k` is false, as Qwen 3 MoE's norm_topk_prob); None: the dense MLP. The
+    # load-balancing loss (Mixtral's, per layer, averaged over layers) and the router's z-loss join
+    # the training loss times these coefficients (0: not at all).
     num_experts: Positive | None = None
     experts_per_token: Positive | None = None
+    renormalize_top_k: bool = True
     router_aux_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     router_z_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     bos_id: int | None = None
@@ -196,13 +198,15 @@ class ModelConfig(Struct):
                 "num_experts and experts_per_token are set together (a mixture of experts) or not at all"
             )
         if self.num_experts is None:
-            if self.router_aux_loss_coef or self.router_z_loss_coef:
-                raise ValueError("router loss coefficients need a mixture of experts (num_experts)")
+            if self.router_aux_loss_coef or self.router_z_loss_coef or not self.renormalize_top_k:
+                raise ValueError("router settings need a mixture of experts (num_experts)")
             if self.family == "mixtral":
                 raise ValueError("a mixtral config needs num_experts and experts_per_token")
             return
-        if self.family != "mixtral":  # the family whose config.json and names carry experts
-            raise ValueError(f"family {self.family} has no experts; a mixture of experts is family mixtral")
+        if self.family not in EXPERT_FAMILIES:  # those whose config.json and names carry experts
+            raise ValueError(
+                f"family {self.family} has no experts; a mixture of experts is family mixtral or qwen3"
+            )
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}"
@@ -240,6 +244,7 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 # The router losses' weights (a mixture of experts): training settings a run may set on top of
 # its init checkpoint's config, which change no tensor either.
 ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
+EXPERT_FAMILIES = ("mixtral", "qwen3")  # Mixtral, and Qwen 3 MoE (model_type qwen3_moe)
 # What a run from a checkpoint may set of its model, beside `init`.
 INIT_OVERRIDES = (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
 

@@ -1,7 +1,8 @@
 """Sparse mixture of experts, the MLP of a block when the config has `num_experts` (Mixtral).
 
-Routing as transformers' Mixtral computes it: router logits from a bias-free linear, an fp32
-softmax, the top `experts_per_token` probabilities renormalised to sum to 1. Dropless: every
+Routing as transformers' Mixtral and Qwen 3 MoE compute it: router logits from a bias-free
+linear, an fp32 softmax, the top `experts_per_token` probabilities, renormalised to sum to 1
+(Mixtral; Qwen 3 MoE when its norm_topk_prob is set: `renormalize_top_k`). Dropless: every
 token reaches its experts whatever the load. The (token, expert) pairs are sorted by expert, so
 each expert runs its SwiGLU as one matmul per projection over a contiguous block of rows
 (`grouped_swiglu`: `torch._grouped_mm` on a GPU in bf16, a loop over the experts elsewhere); each
@@ -74,12 +75,15 @@ def grouped_swiglu(
     return torch.cat(outs)
 
 
-def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(probabilities [T, E] in fp32, the top-k weights renormalised [T, k], the chosen experts
-    [T, k]) from router logits, as transformers' MixtralTopKRouter."""
+def route(
+    logits: torch.Tensor, k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probabilities [T, E] in fp32, the top-k weights [T, k], renormalised to sum to 1 or not,
+    the chosen experts [T, k]) from router logits, as transformers' MixtralTopKRouter and
+    Qwen3MoeTopKRouter."""
     probs = F.softmax(logits.float(), dim=-1)
     top, chosen = torch.topk(probs, k, dim=-1)
-    return probs, top / top.sum(dim=-1, keepdim=True), chosen
+    return probs, top / top.sum(dim=-1, keepdim=True) if renormalize else top, chosen
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -141,7 +145,7 @@ class MoE(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.top_k = config.experts_per_token
+        self.top_k, self.renormalize = config.experts_per_token, config.renormalize_top_k
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config)
         self.stats = MoEStats()
@@ -149,7 +153,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.router(flat)
-        probs, weights, chosen = route(logits, self.top_k)
+        probs, weights, chosen = route(logits, self.top_k, self.renormalize)
         counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1])
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, expert) pairs grouped by expert
         token = order // self.top_k

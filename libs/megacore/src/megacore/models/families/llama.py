@@ -93,13 +93,22 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def mixtral_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
-    """One layer's router and experts under Mixtral's checkpoint names (`block_sparse_moe.gate`,
-    `block_sparse_moe.experts.<j>.w1/w3/w2` for gate/up/down, what the Hub's checkpoints and
-    transformers' save_pretrained write), each projection stacked over the experts."""
-    moe, experts = f"{hf}.block_sparse_moe", range(config.num_experts)
+# The checkpoint names of a layer's mixture of experts, by family (what the Hub's checkpoints and
+# transformers' save_pretrained write): the module holding `gate` (the router) and `experts.<j>`,
+# and each expert's gate, up and down projections.
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
+    """One layer's router and experts under its family's checkpoint names (`EXPERT_NAMES`), each
+    projection stacked over the experts."""
+    module, projections = EXPERT_NAMES[config.family]
+    moe, experts = f"{hf}.{module}", range(config.num_experts)
     maps = [rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight")]
-    for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+    for w, p in zip(projections, ("gate_proj", "up_proj", "down_proj"), strict=True):
         names = [f"{moe}.experts.{j}.{w}.weight" for j in experts]
         maps.append(stacked(names, f"{ours}.mlp.experts.{p}.weight"))
     return maps
@@ -118,7 +127,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
         if config.num_experts is not None:
-            maps.extend(mixtral_experts(config, hf, ours))
+            maps.extend(moe_experts(config, hf, ours))
             continue
         for p in ("gate_proj", "up_proj", "down_proj"):
             linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", config.mlp_bias)

@@ -3,7 +3,7 @@
 HF layout (MixtralForCausalLM, as the Hub's checkpoints and transformers' save_pretrained write
 it): Llama's names, and per layer `block_sparse_moe.gate` (the router) and
 `block_sparse_moe.experts.<j>.{w1,w3,w2}` (gate, up, down), stacked per projection in ours
-(`llama.mixtral_experts`). transformers 5 fuses w1/w3 into `mlp.experts.gate_up_proj` in memory
+(`llama.moe_experts`). transformers 5 fuses w1/w3 into `mlp.experts.gate_up_proj` in memory
 and writes the per-expert names back when saving. The router's load-balancing coefficient is the
 config's `router_aux_loss_coef`; the router jitter noise transformers can add in training is not
 implemented, and a config that sets it is refused.
@@ -27,16 +27,13 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     jitter = c.data.get("router_jitter_noise") or 0.0
     if jitter:
         raise UserError(f"$.router_jitter_noise: {jitter!r} is not supported (0)", where)
-    coef = c.data.get("router_aux_loss_coef", 0.001)
-    if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-        raise UserError(f"$.router_aux_loss_coef: expected a number >= 0, got {coef!r}", where)
     return llama.config_from_hf(
         hf,
         where,
         family="mixtral",
         num_experts=c.int("num_local_experts", 8),
         experts_per_token=c.int("num_experts_per_tok", 2),
-        router_aux_loss_coef=float(coef),
+        router_aux_loss_coef=c.router_aux_loss_coef(),
     )
 
 

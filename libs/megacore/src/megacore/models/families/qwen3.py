@@ -4,6 +4,15 @@ RoPE (`qk_norm`), and an explicit head_dim (128 when a config.json has none, as 
 HF layout (Qwen3ForCausalLM): Llama's tensor names plus model.layers.N.self_attn.{q,k}_norm.weight,
 each of shape (head_dim,). `attention_bias` (false in published configs) puts a bias on all four
 attention projections; the sliding-window keys read as Qwen 2's (`qwen2.sliding_window`).
+
+Qwen 3 MoE (Qwen3MoeForCausalLM, model_type qwen3_moe) is the same decoder whose every MLP is a
+mixture of experts (`models/moe.py`): `num_experts` SwiGLU experts of `moe_intermediate_size`,
+`num_experts_per_tok` chosen per token, renormalised when `norm_topk_prob` is set (Qwen3-30B-A3B
+and 235B-A22B set it; transformers' default does not): `renormalize_top_k`. Per layer the
+checkpoint holds `mlp.gate` (the router) and `mlp.experts.<j>.{gate,up,down}_proj`, stacked per
+projection in ours (`llama.moe_experts`). Dense layers among the sparse ones (`mlp_only_layers`,
+`decoder_sparse_step` > 1) are refused: every published Qwen 3 MoE is sparse throughout. Qwen 2
+MoE's shared expert is no switch of the decoder: that model type is not covered.
 """
 
 from __future__ import annotations
@@ -15,17 +24,19 @@ from megacore.errors import UserError
 from megacore.models.families import llama, qwen2
 from megacore.models.families.common import HFConfig, TensorMap, build_config
 
-MODEL_TYPES = ("qwen3",)
+MODEL_TYPES = ("qwen3", "qwen3_moe")
 ARCHITECTURE = "Qwen3ForCausalLM"
+MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     c = HFConfig(hf, where)
     bias = c.bool("attention_bias", False)
+    fields = qwen2.common_fields(c) | (_moe_fields(c) if hf.get("model_type") == "qwen3_moe" else {})
     return build_config(
         where,
         family="qwen3",
-        **qwen2.common_fields(c),
+        **fields,
         head_dim=c.int("head_dim", 128),
         qk_norm=True,
         attn_bias=bias,
@@ -34,15 +45,45 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
+def _moe_fields(c: HFConfig) -> dict[str, Any]:
+    """A Qwen 3 MoE config's experts (defaults as Qwen3MoeConfig's)."""
+    if c.int("decoder_sparse_step", 1) != 1 or c.data.get("mlp_only_layers"):
+        raise UserError(
+            "$.mlp_only_layers: dense layers among the experts' (or decoder_sparse_step > 1) are not supported",
+            c.where,
+        )
+    return {
+        "ffn_hidden_size": c.int("moe_intermediate_size", 768),
+        # config.json says num_experts; transformers 5's to_dict, num_local_experts
+        "num_experts": c.int("num_experts" if "num_experts" in c.data else "num_local_experts", 128),
+        "experts_per_token": c.int("num_experts_per_tok", 8),
+        "renormalize_top_k": c.bool("norm_topk_prob", False),
+        "router_aux_loss_coef": c.router_aux_loss_coef(),
+    }
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if not config.qk_norm or config.attn_bias != config.attn_out_bias:
         raise UserError("Qwen 3 has q/k norms and one attention bias switch; this config differs", "config")
-    return {
+    out = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         **qwen2.common_hf(config, "Qwen 3"),
         "head_dim": config.head_dim,
         "attention_bias": config.attn_bias,
+    }
+    if config.num_experts is None:
+        return out
+    return out | {
+        "architectures": [MOE_ARCHITECTURE],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": config.ffn_hidden_size,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+        "norm_topk_prob": config.renormalize_top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": config.router_aux_loss_coef,
     }
 
 
