@@ -3,7 +3,8 @@
 One process, 2 threads, bf16 compute with fp32 master weights, AdamW, the same Llama for every
 configuration (full size: hidden 768, 12 layers, 12 heads, 4 kv heads, ffn 2048, the tokenizer's
 vocab (32000), about 125M parameters; `--quick`: 2 layers, hidden 128, seq 128), the same batch
-(micro batch 4 x 2 accumulation = 8 sequences of 512 tokens per step) and the same data: token ids
+(micro batch 4 x 2 accumulation = 8 sequences of 512 tokens per step; and, for mega-train, the
+bare step and the Trainer, micro batch 4 without accumulation) and the same data: token ids
 that `mega-tokenize` wrote from the Python standard library's sources (the Mistral tokenizer in
 ../shared/assets, else a 1k SentencePiece trained here), cut into rows of seq + 1 tokens.
 
@@ -11,13 +12,19 @@ Configurations, each run in its own fresh subprocess (OMP_NUM_THREADS=2 and torc
 2 warm-up optimizer steps, then 6 timed steps (`--quick`: 1 and 2); tokens/s = timed steps x 8 x seq /
 their wall time (from the end of the last warm-up step to the end of the last step):
 - bare: megacore's `ParallelModel` (a 1-process gloo group, precision bf16: bf16 compute copies of
-  fp32 master weights): one `forward_backward` per step over its accum micro batches, fused torch
-  AdamW step, zero_grad, under the trainer's allocator setting (mega_train/allocator.py). No
-  clipping, scheduler, logging or data pipeline: the floor of a trainer built on this engine.
+  fp32 master weights): the copies' refresh, one `forward_backward` per step over its accum micro
+  batches, clipping at 1.0 (`clip_grad_norm`), fused torch AdamW step, zero_grad, under the
+  trainer's allocator setting (mega_train/allocator.py), each phase timed (the "where a step's
+  time goes" row: each phase's median over the timed steps). No scheduler, logging or data
+  pipeline: the floor of a trainer built on this engine.
 - hf: transformers' `Trainer` on `LlamaForCausalLM` (random init, SDPA attention), `bf16=True`
-  (autocast), `use_cpu=True`, its default optimizer (fused torch AdamW), otherwise its defaults
-  (clipping at 1.0, linear schedule, progress bar); no eval or saving, report_to none, 0 dataloader
-  workers. Steps timed by a `TrainerCallback` (on_step_end).
+  (autocast), `use_cpu=True`, its default optimizer (fused torch AdamW), a cosine schedule (as
+  mega-train's), otherwise its defaults (clipping at 1.0, progress bar); no eval or saving,
+  report_to none, 0 dataloader workers. Steps timed by a `TrainerCallback` two ways: wall time
+  between on_step_end calls (what the tokens/s rows use: everything the loop does), and the sum of
+  on_step_begin -> on_step_end (the "callbacks" rows: leaves out the loop's work between steps,
+  fetching and counting the next batch and logging, as a user timing the Trainer with its own
+  callbacks measures it).
 - litgpt: litgpt's `pretrain` (its own loop, which torch.compiles the whole model; foreach AdamW on
   CPU, clipping at 1.0, cosine schedule, a csv logger, logging every step) on the equivalent litgpt
   `Config`, precision "bf16-mixed" (autocast, fp32 weights), the same rows through a `DataModule`.
@@ -111,6 +118,8 @@ class Setup:
 
 FULL = Setup(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, seq=512)
 QUICK = Setup(hidden=128, layers=2, heads=4, kv_heads=2, ffn=384, seq=128, warmup=1, timed=2, rounds=1)
+NO_ACCUM = {"accum": 1}  # and as many timed tokens as FULL's: accum x its timed steps
+NO_ACCUM_KINDS = ("bare", "mega", "hf")
 
 
 def log(msg: str) -> None:
@@ -358,12 +367,17 @@ def tokens_per_s(setup: Setup, step_ends: list[float]) -> float:
     return setup.timed_tokens / (step_ends[-1] - step_ends[setup.warmup - 1])
 
 
+# The bare step's phases, in order: the compute copies' refresh (bf16 casts of the fp32 weights),
+# forward and backward over the accum microbatches, clipping, AdamW's step with zero_grad.
+PHASES = ("copies", "forward+backward", "clip", "adamw")
+
+
 def child_bare(setup: Setup, spec: dict) -> dict:
     import torch
 
     from mega_train.allocator import configure_allocator
     from megacore.config import ModelConfig
-    from megacore.parallel.engine import ParallelModel
+    from megacore.parallel.engine import ParallelModel, clip_grad_norm
     from megacore.parallel.layout import Parallelism
     from megacore.parallel.mesh import build_mesh, shutdown
 
@@ -374,17 +388,32 @@ def child_bare(setup: Setup, spec: dict) -> dict:
     par = Parallelism(precision="bf16", microbatches=setup.accum)
     model = ParallelModel(ModelConfig(**ours_config(setup)), par, build_mesh(), "cpu")
     model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    ends = []
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=3e-4, fused=True)
+    ends, phases = [], {k: [] for k in PHASES}
     for step in range(setup.steps):
         batch = rows[step * setup.global_batch :][: setup.global_batch]
+        t = [time.perf_counter()]
+        for copies in model.copies:  # what forward_backward does first, timed apart
+            copies.refresh()
+        t.append(time.perf_counter())
         model.forward_backward(batch[:, :-1], batch[:, 1:])  # accum microbatches of setup.micro
+        t.append(time.perf_counter())
+        clip_grad_norm(params, 1.0)
+        t.append(time.perf_counter())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-    params = sum(p.numel() for p in model.parameters())
+        t.append(time.perf_counter())
+        ends.append(t[-1])
+        for k, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
+            phases[k].append(b - a)
     shutdown()
-    return {"tokens_per_s": tokens_per_s(setup, ends), "params": params}
+    timed = {k: statistics.median(v[setup.warmup :]) for k, v in phases.items()}
+    return {
+        "tokens_per_s": tokens_per_s(setup, ends),
+        "params": sum(p.numel() for p in params),
+        "phases": timed,
+    }
 
 
 def child_hf(setup: Setup, spec: dict) -> dict:
@@ -403,9 +432,14 @@ def child_hf(setup: Setup, spec: dict) -> dict:
     class StepEnds(TrainerCallback):
         def __init__(self) -> None:
             self.ends: list[float] = []
+            self.spans: list[float] = []  # on_step_begin -> on_step_end
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(time.perf_counter())
+            self.spans.append(self.ends[-1] - self.begin)
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -418,11 +452,14 @@ def child_hf(setup: Setup, spec: dict) -> dict:
         output_dir=spec["work"], max_steps=setup.steps, per_device_train_batch_size=setup.micro,
         gradient_accumulation_steps=setup.accum, learning_rate=3e-4, bf16=True, use_cpu=True,
         report_to="none", dataloader_num_workers=0, save_strategy="no", eval_strategy="no", seed=0,
+        lr_scheduler_type="cosine",
     )  # fmt: skip
     callback = StepEnds()
     Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[callback]).train()
     params = sum(p.numel() for p in model.parameters())
-    return {"tokens_per_s": tokens_per_s(setup, callback.ends), "params": params, "optim": args.optim}
+    spans = setup.timed_tokens / sum(callback.spans[setup.warmup :])
+    return {"tokens_per_s": tokens_per_s(setup, callback.ends), "params": params, "optim": args.optim,
+            "tokens_per_s_callbacks": spans}  # fmt: skip
 
 
 def child_litgpt(setup: Setup, spec: dict) -> dict:
@@ -507,16 +544,20 @@ OURS = (
 )  # a failure of ours fails the run; a peer's failure is only its row's note
 
 
-def compare(results: dict[str, list[dict]], ours: str, peer: str, target: str, note: str) -> Row:
-    """A tokens/s row: best round of each side; ratio: median over rounds of ours / peer."""
-    metric = f"tokens/s, {LABELS[ours]} vs {LABELS[peer]}"
+def compare(
+    results: dict[str, list[dict]], ours: str, peer: str, target: str, note: str, suffix: str = "",
+    peer_key: str = "tokens_per_s",
+) -> Row:  # fmt: skip
+    """A tokens/s row: best round of each side; ratio: median over rounds of ours / peer (the
+    peer's `peer_key` figure). `suffix`: what sets the row apart (no accumulation, the timing)."""
+    metric = f"tokens/s, {LABELS[ours]} vs {LABELS[peer]}{suffix}"
     for side in (ours, peer):
         failed = [r["error"] for r in results[side] if "error" in r]
         if failed:
             passed = False if side in OURS else None
             return Row("train", metric, "-", "-", None, target, f"{LABELS[side]} failed: {failed[0]}", passed)
     o = [r["tokens_per_s"] for r in results[ours]]
-    p = [r["tokens_per_s"] for r in results[peer]]
+    p = [r[peer_key] for r in results[peer]]
     n = min(len(o), len(p))  # the rounds both ran (the pairs with a target run PAIR_ROUNDS)
     o, p = o[:n], p[:n]
     ratio = statistics.median(a / b for a, b in zip(o, p, strict=True))
@@ -573,34 +614,62 @@ PAIR_ROUNDS = 6
 PAIRED = ("bare", "mega", "litgpt", "mega-compiled")
 
 
-def measure_rounds(setup: Setup, tokens: Path, rows: Path) -> dict[str, list[dict]]:
-    """Every configuration once per round, in ORDER, reversed every other round (so no configuration
-    always runs first); then the pairs with a target alone, alternating, up to PAIR_ROUNDS."""
-    pythons = {"bare": Path(sys.executable), "hf": peer_python("hf"), "litgpt": peer_python("litgpt")}
-    results: dict[str, list[dict]] = {k: [] for k in ORDER}
-    pairs = max(setup.rounds, PAIR_ROUNDS if setup.rounds > 1 else 1)
+def measure_rounds(
+    setup: Setup, tokens: Path, rows: Path, kinds: tuple[str, ...] = ORDER, paired: tuple[str, ...] = PAIRED
+) -> dict[str, list[dict]]:
+    """Every configuration of `kinds` once per round, in ORDER, reversed every other round (so no
+    configuration always runs first); then the pairs with a target alone, alternating, up to
+    PAIR_ROUNDS."""
+    kinds = tuple(k for k in ORDER if k in kinds)
+    pythons = {"bare": Path(sys.executable)} | {k: peer_python(k) for k in PEER_VENVS if k in kinds}
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    pairs = max(setup.rounds, PAIR_ROUNDS if setup.rounds > 1 and paired else 1)
+    tag = "" if setup.accum > 1 else "-noaccum"
     for r in range(pairs):
-        order = ORDER if r < setup.rounds else PAIRED
+        order = kinds if r < setup.rounds else paired
         for kind in order if r % 2 == 0 else order[::-1]:
             t = time.perf_counter()
             if kind.startswith("mega"):
                 compiled = kind == "mega-compiled"
-                res = measure_mega_train(setup, tokens, OUT / "work" / f"{kind}-{r}", compile=compiled)
+                res = measure_mega_train(setup, tokens, OUT / "work" / f"{kind}{tag}-{r}", compile=compiled)
             elif isinstance(pythons[kind], str):  # its venv could not be made
                 res = {"error": pythons[kind]}
             else:
-                res = measure(kind, setup, rows, pythons[kind], OUT / "work" / f"{kind}-{r}")
+                res = measure(kind, setup, rows, pythons[kind], OUT / "work" / f"{kind}{tag}-{r}")
             results[kind].append(res)
             shown = {k: v for k, v in res.items() if k not in ("rss", "records")}
-            log(f"round {r + 1}/{pairs} {kind}: {shown} ({time.perf_counter() - t:.0f}s)")
+            log(f"round {r + 1}/{pairs} {kind}{tag}: {shown} ({time.perf_counter() - t:.0f}s)")
     return results
 
 
-def run(quick: bool) -> list[Row]:
+def phase_row(accumulated: dict[str, list[dict]], single: dict[str, list[dict]]) -> Row:
+    """Where the bare step's time goes, with and without accumulation: each phase's seconds (the
+    median over its rounds of each round's median step) and its share of the step."""
+    parts = []
+    for name, results in (("accumulation 2", accumulated), ("no accumulation", single)):
+        runs = [r["phases"] for r in results.get("bare", []) if "phases" in r]
+        if not runs:
+            continue
+        phases = {k: statistics.median(r[k] for r in runs) for k in PHASES}
+        total = sum(phases.values())
+        shares = ", ".join(f"{k} {v:.2f}s ({100 * v / total:.0f}%)" for k, v in phases.items())
+        parts.append(f"{name}: {shares}")
+    return Row(
+        "train", "where a bare step's time goes", "-", "-", None, note="; ".join(parts) or "bare failed"
+    )
+
+
+def run(quick: bool, peers: tuple[str, ...] = ORDER) -> list[Row]:
+    """Every configuration with accumulation (FULL), and mega-train, the bare step and the Trainer
+    without (NO_ACCUM); `peers`: a subset of ORDER (`--trainer-only`: the Trainer's rows)."""
     setup = QUICK if quick else FULL
     tokens, rows, vocab = prepare_data(setup)
     setup = Setup(**{**asdict(setup), "vocab": vocab})
-    results = measure_rounds(setup, tokens, rows)
+    single = Setup(**{**asdict(setup), **NO_ACCUM, "timed": setup.timed * setup.accum})
+    paired = tuple(k for k in PAIRED if k in peers)
+    results = measure_rounds(setup, tokens, rows, peers, paired)
+    _, single_rows, _ = prepare_data(single)
+    no_accum = measure_rounds(single, tokens, single_rows, tuple(k for k in NO_ACCUM_KINDS if k in peers), ())
     note = (
         f"{'quick: tiny Llama' if quick else '125M Llama'}, {setup.micro}x{setup.accum}x{setup.seq} tokens/step, "
         f"bf16, {THREADS} threads, {setup.timed} timed steps"
@@ -608,17 +677,44 @@ def run(quick: bool) -> list[Row]:
     params = {k: v[0]["params"] for k, v in results.items() if v and "params" in v[0]}
     if len(set(params.values())) > 1:
         note += f"; parameter counts differ: {params}"
+    single_note = f"{note.replace(f'x{setup.accum}x', 'x1x')}; no accumulation ({single.timed} timed steps)"
     lit = "litgpt: bf16-mixed, its pretrain torch.compiles the model"
-    return [
-        compare(results, "mega", "bare", ">= 0.95x (< 5% overhead)", f"{note}; mega-train: its step_time_s"),
-        compare(results, "mega", "hf", ">= 1.3x", note),
+    out = []
+    if "bare" in peers:
+        out.append(
+            compare(
+                results, "mega", "bare", ">= 0.95x (< 5% overhead)", f"{note}; mega-train: its step_time_s"
+            )
+        )
+    if "hf" in peers:
+        callbacks = "; the Trainer timed by its callbacks, on_step_begin -> on_step_end"
+        out += [
+            compare(results, "mega", "hf", ">= 1.3x", note),
+            compare(no_accum, "mega", "hf", ">= 1.3x", single_note, ", no accumulation"),
+            compare(results, "mega", "hf", "", note + callbacks, " (callbacks)", "tokens_per_s_callbacks"),
+            compare(
+                no_accum,
+                "mega",
+                "hf",
+                "",
+                single_note + callbacks,
+                ", no accumulation (callbacks)",
+                "tokens_per_s_callbacks",
+            ),
+        ]
+    if "litgpt" in peers:
         # litgpt compiles its model: the like-for-like row is the compiled one; this one is shown.
-        compare(results, "mega", "litgpt", "", f"{note}; {lit}; mega-train eager"),
-        compare(results, "mega-compiled", "litgpt", ">= 1.3x", f"{note}; {lit}; both compile"),
-        rss_row(setup, tokens, results, note),
-        compare(results, "bare", "hf", "", note),
-        compare(results, "bare", "litgpt", "", f"{note}; {lit}"),
-    ]
+        out.append(compare(results, "mega", "litgpt", "", f"{note}; {lit}; mega-train eager"))
+        out.append(compare(results, "mega-compiled", "litgpt", ">= 1.3x", f"{note}; {lit}; both compile"))
+    if "hf" in peers:
+        out.append(rss_row(setup, tokens, results, note))
+    if "bare" in peers:
+        if "hf" in peers:
+            out.append(compare(results, "bare", "hf", "", note))
+        if "litgpt" in peers:
+            out.append(compare(results, "bare", "litgpt", "", f"{note}; {lit}"))
+        out.append(phase_row(results, no_accum))
+    return out
 
 
 if __name__ == "__main__":
@@ -627,4 +723,6 @@ if __name__ == "__main__":
     else:
         from run import table
 
-        print(table(run("--quick" in sys.argv)))
+        # --trainer-only: mega-train, the bare step and the HF Trainer (no litgpt, nothing compiled).
+        peers = ("bare", "mega", "hf") if "--trainer-only" in sys.argv else ORDER
+        print(table(run("--quick" in sys.argv, peers)))

@@ -33,7 +33,14 @@ from megacore.config import (
 )
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.layout import Parallelism, check_cp, check_parallelism, check_tp, check_world
+from megacore.parallel.layout import (
+    FP8_EMULATE_ENV,
+    Parallelism,
+    check_cp,
+    check_parallelism,
+    check_tp,
+    check_world,
+)
 from megacore.tokenizer_files import first_difference, recorded_vocabulary
 
 
@@ -407,7 +414,9 @@ def _check_layout(
 
 def parallelism(run: RunManifest, microbatches: int) -> Parallelism:
     """The engine's layout settings of a run whose step has `microbatches` microbatches per rank."""
-    return Parallelism(run.parallel, run.precision, microbatches, run.compile is True, run.recompute)
+    return Parallelism(
+        run.parallel, run.precision, microbatches, run.compile is True, run.recompute, run.fp8_scaling
+    )
 
 
 # "compile": "auto" on a CPU (`RunPlan.compiles`): what a bf16 step of a 125M Llama achieves on 2
@@ -431,10 +440,32 @@ def start_checks(plan: RunPlan, machine: bool = True) -> None:
                 "$.attention: 'flash' runs on a GPU and this machine has none; use auto or sdpa",
                 str(plan.path),
             )
+    if machine and plan.run.precision == "fp8":
+        check_fp8(str(plan.path))
     split = plan.run.data.split
     if abs(sum(split) - 1) > 1e-6:
         used = [round(f / sum(split), 4) for f in split]
         plan.notes.append(f"$.data.split {split} sums to {sum(split):g}: the fractions used are {used}")
+
+
+def check_fp8(where: str) -> None:
+    """precision fp8 needs torchao, and float8 matmuls: a GPU of compute capability 8.9 or newer
+    (torchao's emulation elsewhere, for tests only: FP8_EMULATE_ENV=1)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("$.precision: fp8 needs torchao, which is not installed (pip install torchao)", where)
+    if os.environ.get(FP8_EMULATE_ENV) == "1":
+        return
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise UserError(
+            "$.precision: fp8 needs a GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
+            "Hopper, Blackwell) and this machine has none; use bf16",
+            where,
+        )
 
 
 def check_run_dir(out: Path, where: str) -> None:

@@ -393,7 +393,10 @@ class RunManifest(Header, tag="run", kw_only=True):
     train_steps: Positive
     parallel: ParallelSpec = msgspec.field(default_factory=ParallelSpec)
     optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
-    precision: FloatName = "bf16"  # either spelling; held as the short one (fp32, bf16, fp16)
+    # Either spelling; held as the short one (fp32, bf16, fp16); or fp8: bf16 whose block linears
+    # run float8 matmuls with `fp8_scaling` (megacore.parallel.fp8).
+    precision: FloatName | Literal["fp8"] = "bf16"
+    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
     recompute: Literal["none", "full", "selective"] = "none"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
     # torch.compile each transformer block (Decoder.compile_blocks): "auto" where it pays
@@ -406,7 +409,8 @@ class RunManifest(Header, tag="run", kw_only=True):
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        self.precision = precision_name(self.precision)
+        if self.precision != "fp8":
+            self.precision = precision_name(self.precision)
 
 
 Manifest = TokensManifest | CheckpointManifest | RunManifest | HFManifest

@@ -2,7 +2,8 @@
 
 Only building and running happens here: what to build (stages, layers, schedule, checks) is
 decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
-on the meta device from the layer ModuleDict, tensor parallel is applied, then context parallel
+on the meta device from the layer ModuleDict, float8 linears swapped in (`fp8.apply_fp8`, precision
+fp8), tensor parallel is applied, then context parallel
 (`cp.apply_cp`), then expert parallel (`ep.apply_ep`: the experts over ep and tp), then data parallel (FSDP2 `fully_shard` per
 block and per stage over dp, or dp x cp with cp, a block's experts first over edp under ep; or
 `replicate`; without either, bf16/fp16 compute copies instead:
@@ -56,6 +57,7 @@ from megacore.models.attention import document_ids
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.ep import apply_ep
+from megacore.parallel.fp8 import apply_fp8
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
@@ -78,7 +80,7 @@ SCHEDULE_CLASSES = {
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def apply_dp(
@@ -192,8 +194,10 @@ class ParallelModel:
         for s in self.stage_ids:
             with torch.device("meta"):
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
+            if par.precision == "fp8":  # before tp: its styles for Float8Linear are torchao's
+                apply_fp8(part, par.fp8_scaling)
             if par.spec.tp > 1:
-                apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel)
+                apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel, par.precision == "fp8")
             if self.cp_mesh is not None:
                 apply_cp(part, self.cp_mesh)
             if self.experts_mesh is not None:

@@ -243,7 +243,9 @@ MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")  # several stages per 
 ZERO_BUBBLE = ("interleavedzb", "zbv")
 
 
-PRECISIONS = tuple(FLOAT_DTYPES.values())  # as a run manifest holds them: fp32, bf16, fp16
+PRECISIONS = (*FLOAT_DTYPES.values(), "fp8")  # as a run manifest holds them: fp32, bf16, fp16, fp8
+# fp8 where no GPU has float8 matmuls: torchao's emulation, for tests only (megacore.parallel.fp8).
+FP8_EMULATE_ENV = "MEGA_FP8_EMULATE"
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -257,6 +259,7 @@ class Parallelism:
     microbatches: int = 1  # per step: a pipeline's microbatches, or gradient accumulation without one
     compile: bool = False  # torch.compile each transformer block
     recompute: str = "none"  # activation recompute: none, selective (attention core), full (per block)
+    fp8_scaling: str = "tensorwise"  # precision fp8: tensorwise or rowwise (megacore.parallel.fp8)
 
     @property
     def stages_per_rank(self) -> int:
@@ -289,6 +292,16 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         raise UserError(f"recompute must be one of {list(RECOMPUTE)}, got {par.recompute!r}", "recompute")
     check_tp(config, spec.tp, f"{where}.tp")
     check_ep(config, spec.ep, f"{where}.ep")
+    if (
+        par.precision == "fp8"
+        and spec.tp > 1
+        and (par.fp8_scaling != "tensorwise" or kv_replicated(config, spec.tp))
+    ):
+        raise UserError(
+            "fp8 under tensor parallel takes tensorwise scaling and tp up to the kv heads "
+            f"({config.num_kv_heads}): torchao's float8 styles",
+            "fp8_scaling" if par.fp8_scaling != "tensorwise" else f"{where}.tp",
+        )
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
     if config.num_experts is not None and spec.cp > 1:

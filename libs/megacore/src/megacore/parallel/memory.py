@@ -143,7 +143,7 @@ from megacore.parallel.layout import (
 
 GiB = 1 << 30
 ALLOWANCE = 4 * GiB  # per GPU, for what the model leaves out (module docstring)
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 but the float8 matmuls
 GPUS_PER_NODE = 8
 TP_COST = 0.05  # throughput lost per doubling of tp within a node
 DP_EFFICIENCY = 0.97

@@ -132,6 +132,16 @@ class HeadNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
+def _linear_styles(module: nn.Module, float8: bool) -> tuple[type, type]:
+    """(colwise, rowwise) styles for `module`: torchao's for a Float8Linear, else torch's."""
+    if float8:
+        from megacore.parallel import fp8
+
+        if fp8.is_float8(module):
+            return fp8.tp_styles()
+    return ColwiseParallel, RowwiseParallel
+
+
 def _to_local_hook(module, args, out):
     return out.to_local() if isinstance(out, DTensor) else out
 
@@ -143,26 +153,30 @@ def _to_local_copy_hook(module, args, out):
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, config: ModelConfig, sequence_parallel: bool = False
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    config: ModelConfig,
+    sequence_parallel: bool = False,
+    float8: bool = False,
 ) -> None:
-    """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`."""
+    """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`. `float8`: its
+    block linears are torchao's Float8Linear (`fp8.apply_fp8`), which take torchao's styles."""
     sp, tp = sequence_parallel, tp_mesh.size()
     hidden_layout = Shard(1) if sp else Replicate()
 
     def style(name: str, module: nn.Module) -> ParallelStyle | None:
         dim = place(f"{name}.weight", config, tp).tp_dim
+        colwise, rowwise = _linear_styles(module, float8)
         if isinstance(module, nn.Embedding) and dim == 0:  # vocab-parallel: rowwise over the rows
             return RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=hidden_layout, use_local_output=not sp
             )
         if isinstance(module, nn.Linear) and dim == 0:
             if name == "lm_head":  # logits stay sharded on the vocab for the vocab-parallel loss
-                return ColwiseParallel(
-                    input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True
-                )
-            return ColwiseParallel()
+                return colwise(input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True)
+            return colwise()
         if isinstance(module, nn.Linear) and dim == 1:
-            return RowwiseParallel(output_layouts=hidden_layout, use_local_output=not sp)
+            return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
         if isinstance(module, GroupedLinear) or name.endswith("mlp.router"):
             return None  # experts: split by `ep.apply_ep` (over tp too); the router replicated
         if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):

@@ -1,0 +1,74 @@
+"""float8 training, `precision: "fp8"`: bf16 compute (as "bf16": fp32 master weights, bf16 compute
+copies or FSDP2's bf16 policy) whose transformer blocks' linears (q/k/v/o, gate/up/down) run
+their three matmuls (forward, input gradient, weight gradient) in float8 through torchao's float8
+training (`Float8Linear`), with `tensorwise` scaling (one scale per tensor, the fastest) or
+`rowwise` (one per row, closer to bf16). The output layer, the embedding, the norms, a mixture of
+experts' router and experts stay in bf16 (the router's choices and the vocab's logits are where
+float8's rounding would matter most). Parameters are untouched, so checkpoints are those of a bf16
+run: a run resumes in bf16 and exports as usual.
+
+On a GPU float8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell): the dry run
+refuses others (`mega_train.run_plan.start_checks`). torchao's emulation (float8 rounding with
+bf16 matmuls) runs anywhere and is what the CPU tests use, with MEGA_FP8_EMULATE=1.
+
+Under tensor parallel torchao's float8 styles replace the plain ones for these linears
+(`tp_styles`): tensorwise only, which layout.check_parallelism holds. torchao is an optional
+dependency, imported only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import nn
+
+from megacore.parallel.layout import FP8_EMULATE_ENV
+
+BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# float8 matmul kernels need both dims of a weight to be multiples of 16.
+DIM_MULTIPLE = 16
+
+
+def emulated() -> bool:
+    """Whether float8 is emulated: asked for (tests), or no GPU that has float8 matmuls."""
+    if os.environ.get(FP8_EMULATE_ENV) == "1":
+        return True
+    return not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
+
+
+def _block_linear(module: nn.Module, name: str) -> bool:
+    return (
+        isinstance(module, nn.Linear)
+        and name.startswith("layers.")
+        and name.rsplit(".", 1)[-1] in BLOCK_LINEARS
+        and all(d % DIM_MULTIPLE == 0 for d in module.weight.shape)
+    )
+
+
+def apply_fp8(model: nn.Module, scaling: str) -> None:
+    """Swap a Decoder's (or a stage's) block linears for torchao's Float8Linear, in place, before
+    tensor parallel and FSDP2 wrap them; their blocks run each projection on its own (unfused), so
+    that every matmul goes through its Float8Linear."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(scaling)
+    if emulated():
+        config = dataclasses.replace(config, emulate=True)
+    convert_to_float8_training(model, module_filter_fn=_block_linear, config=config)
+    for block in model.layers.values():
+        block.attn.fused = block.mlp.fused = False
+
+
+def is_float8(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def tp_styles() -> tuple[type, type]:
+    """torchao's (colwise, rowwise) tensor-parallel styles for Float8Linear modules."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    return Float8ColwiseParallel, Float8RowwiseParallel
