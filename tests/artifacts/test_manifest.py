@@ -51,7 +51,7 @@ def test_valid_run_manifest_round_trips():
         ({"format_version": FORMAT_VERSION + 1}, "is newer than this megacore supports"),
         ({"format_version": 0}, "$.format_version: 0 is not a valid version"),
         ({"kind": "weights"}, "$.kind: expected one of"),
-        ({"precision": "fp8"}, "$.precision: invalid enum value 'fp8'"),
+        ({"precision": "fp4"}, "$.precision: invalid enum value 'fp4'"),
     ],
 )
 def test_bad_manifest_names_the_field(patch: dict, message: str):
@@ -64,7 +64,7 @@ def test_bad_manifest_names_the_field(patch: dict, message: str):
 
 @pytest.mark.parametrize(
     ("given", "held"), [("fp32", "fp32"), ("float32", "fp32"), ("bf16", "bf16"), ("bfloat16", "bf16"),
-                        ("fp16", "fp16"), ("float16", "fp16")],
+                        ("fp16", "fp16"), ("float16", "fp16"), ("fp8", "fp8")],
 )  # fmt: skip
 def test_precision_takes_either_spelling_and_is_written_short(given: str, held: str):
     """The tools' --dtype spellings are a run's too; what is held and written is the short one, so

@@ -134,6 +134,21 @@ def _split_debug(args: list[str]) -> tuple[list[str], bool]:
     return [a for i, a in enumerate(args) if not (a == "--debug" and i < end)], debug
 
 
+# Loggers of libraries our tools import (or that transformers imports for us) whose warnings are
+# not about anything the tool does: torchao, which transformers' quantizer registry imports
+# whenever it is installed, logs that its C++/CUDA kernels did not load (the float8 training it
+# serves us is Python), and torch's pytree logs the deprecation of what torchao registers. Errors
+# still show.
+FOREIGN_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_foreign_logs() -> None:
+    import logging
+
+    for name in FOREIGN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def run(
     app: typer.Typer | Callable[..., object],
     prog: str,
@@ -150,6 +165,7 @@ def run(
     _RECEIVED.clear()
     if argv is None:  # a console-script run owns the process and its signals
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+        _quiet_foreign_logs()
     _ARMED[0] = True
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)

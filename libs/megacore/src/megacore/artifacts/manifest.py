@@ -395,7 +395,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     optimizer: OptimizerSpec = msgspec.field(default_factory=OptimizerSpec)
     # Either spelling; held as the short one (fp32, bf16, fp16); or fp8: bf16 whose block linears
     # run float8 matmuls with `fp8_scaling` (megacore.parallel.fp8).
-    precision: FloatName | Literal["fp8"] = "bf16"
+    precision: Literal[(*FLOAT_DTYPES, *FLOAT_DTYPES.values(), "fp8")] = "bf16"
     fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
     recompute: Literal["none", "full", "selective"] = "none"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
