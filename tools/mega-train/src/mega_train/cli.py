@@ -212,8 +212,10 @@ def _report(
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",
         err=as_json,
     )
-    compile_note = [plan.compile_note()] if dry_run and plan.compile_note() else []
-    for note in plan.notes + compile_note + (plan.resume_notes(verify) if dry_run else []):
+    compile_note = plan.compile_note() if dry_run else None
+    for note in (
+        plan.notes + [compile_note] * bool(compile_note) + (plan.resume_notes(verify) if dry_run else [])
+    ):
         typer.echo(f"mega-train: {note}", err=as_json)
     if report is not None:
         typer.echo("\n".join(memory_lines(report)))
