@@ -51,6 +51,22 @@ def run_in_process(tool: str, *args: str | os.PathLike, check: bool = False) -> 
     return proc
 
 
+def torchrun_script(
+    nproc: int, script: Path, *args: str | os.PathLike, env: dict | None = None, timeout: int = 900
+) -> subprocess.CompletedProcess:
+    """A test worker script under torchrun (standalone, gloo, OMP_NUM_THREADS=1, tests/ on the
+    path); asserts it exited 0, showing the ends of its output if not."""
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = subprocess.run(
+        [*cmd, str(script), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str, code: int = 2) -> None:
     """The bad-input convention: exit code, one line on stderr naming what and where, no traceback."""
     assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)

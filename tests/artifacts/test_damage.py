@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import TINY, assert_one_line_error, run_in_process, write_checkpoint
+from helpers import TINY, assert_one_line_error, run_in_process, torchrun_script, write_checkpoint
 from mega_export.export import export_hf
 from mega_shard.reshard import reshard
 from megacore.artifacts import MANIFEST_NAME, TensorReader, check_model_tensors, open_artifact, sha256_file
@@ -362,18 +359,7 @@ def test_a_header_entry_unlike_the_manifest_is_damage(intact, tmp_path: Path):
 def test_a_two_process_training_save_records_every_piece_sum(tmp_path: Path):
     """`save_checkpoint` in 2 processes (tp 2, AdamW moments; rank 0 merges rank 1's records): every
     piece's sha256 is that of its tensor's bytes as the `safetensors` library reads them."""
-    tests = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = subprocess.run(
-        [*cmd, str(Path(__file__).with_name("save_worker.py")), str(tmp_path / "ckpt")],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_script(2, Path(__file__).with_name("save_worker.py"), tmp_path / "ckpt", timeout=600)
     m = open_artifact(tmp_path / "ckpt", "checkpoint")
     pieces = [p for e in m.tensors.values() for p in e.pieces]
     assert {p.file for p in pieces} == {shard_file(0, 0), shard_file(0, 1)}

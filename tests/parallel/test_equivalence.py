@@ -21,14 +21,11 @@ packed documents, windows and bf16, and a checkpoint saved at cp 2 resumed at cp
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, torchrun_script
 from mega_shard.reshard import reshard
 from megacore.artifacts import TensorReader, open_artifact
 
@@ -38,19 +35,8 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 def launch(tmp_path: Path, nproc: int, scenarios: list[dict]) -> list[str]:
     spec = tmp_path / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKER),
-        str(spec),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    proc = torchrun_script(nproc, WORKER, spec)
     passed = [line for line in proc.stdout.splitlines() if line.startswith("PASS ")]
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-8000:]
     assert len(passed) == len(scenarios), proc.stdout
     return passed
 

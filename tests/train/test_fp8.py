@@ -55,13 +55,19 @@ def test_fp8_rowwise_follows_bf16_and_resumes_in_bf16(tmp_path: Path, tokens: Pa
     assert f"step {STEPS + 2}/{STEPS + 2}" in ok(train(resumed)).stdout
 
 
-@pytest.mark.slow  # 2 launches of 2 processes, 50-90 s; in make test: one process, rowwise
-@pytest.mark.parametrize("parallel", [{"tp": 2}, {}], ids=["tp2", "dp2"])
+@pytest.mark.slow  # 2-4 processes each, 15-40 s; in make test: one process, rowwise
+@pytest.mark.parametrize(
+    ("nproc", "parallel"),
+    [(2, {"tp": 2}), (2, {}), (4, {"tp": 2}), (4, {"pp": 2})],
+    ids=["tp2", "dp2", "tp2-dp2", "pp2-dp2"],
+)
 def test_fp8_tensorwise_follows_bf16_at_tp2_and_dp2(
-    tmp_path: Path, tokens: Path, bf16_losses, parallel: dict
+    tmp_path: Path, tokens: Path, bf16_losses, nproc: int, parallel: dict
 ) -> None:
+    """dp 2 (FSDP2) all-gathers the weights in float8 (tests/parallel/test_fp8_gather.py), under
+    tp 2 too (2-D weights) and under pp 2 (the weights stay gathered across microbatches)."""
     run_json = _run(tmp_path, tokens, "fp8", precision="fp8", parallel=parallel)
-    ok(torchrun(2, run_json, env=EMULATE))
+    ok(torchrun(nproc, run_json, env=EMULATE))
     _assert_follows(run_json, bf16_losses)
 
 

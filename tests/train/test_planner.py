@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from helpers import assert_one_line_error, run_in_process
+from helpers import assert_one_line_error, run_in_process, torchrun_script
 from megacore.artifacts.manifest import ParallelSpec
 from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
@@ -36,12 +35,7 @@ GiB = memory.GiB
 def launch(tmp_path: Path, nproc: int, scenarios: list[dict]) -> str:
     spec = tmp_path / f"scenarios-{nproc}.json"
     spec.write_text(json.dumps(scenarios))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, str(WORKER), str(spec)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    proc = torchrun_script(nproc, WORKER, spec, timeout=600)
     passed = [line for line in proc.stdout.splitlines() if " PASS on " in line]
     assert len(passed) == len(scenarios), proc.stdout
     return proc.stdout
@@ -706,3 +700,25 @@ def test_readme_mixtral_layouts_are_the_planners(tmp_path: Path, tokens: Path, c
     params = sum(math.prod(s) for s in model_tensors(ModelConfig(**MIXTRAL_8X7B)).values())
     assert f"{params / 1e9:.1f}B parameters" in text
     assert f"alone are {16 * params / 8 / GiB:.1f} GiB per GPU" in text
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fp8_tensorwise_gathers_the_projections_in_a_byte(pp: int) -> None:
+    """fp8 under FSDP2: tensorwise scaling all-gathers the blocks' projections in float8, rowwise in
+    bf16; their buffers differ by a byte per gathered element, worked out here from the shapes: two
+    blocks' projections with prefetch, a pipeline stage's every block without resharding."""
+    cfg = ModelConfig(family="llama", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                      num_kv_heads=2, ffn_hidden_size=128)  # fmt: skip
+    head = cfg.hidden_size // cfg.num_heads
+    projections = (
+        2 * cfg.hidden_size * cfg.num_heads * head  # q, o
+        + 2 * cfg.hidden_size * cfg.num_kv_heads * head  # k, v
+        + 3 * cfg.hidden_size * cfg.ffn_hidden_size  # gate, up, down
+    )
+    blocks = 2 if pp == 1 else cfg.num_layers // pp
+
+    def buffers(scaling: str) -> int:
+        par = Parallelism(ParallelSpec(pp=pp), precision="fp8", fp8_scaling=scaling, microbatches=2 * pp)
+        return memory.estimate(cfg, par, 2, 2, 64, all_dp_ranks=False)[0].buffers
+
+    assert buffers("rowwise") - buffers("tensorwise") == blocks * projections

@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 Impl = Literal["auto", "sdpa", "flash"]
 
@@ -167,6 +166,10 @@ def suffix_attention(
         out = _varlen_kernel(q.reshape(b * sq, hq, d), kf, vf, cu_q, cu_k, max_q, max_k, window_size, scale)
         return out.view(b, sq, hq, d)
     if q_segments is None and not windowed:
+        # Imported here: the module pulls in torch._dynamo (2 s on a CPU), which tools that only
+        # read or write checkpoints never need.
+        from torch.nn.attention.bias import causal_lower_right
+
         return _sdpa(q, k, v, causal_lower_right(sq, sk), scale)
     qi = torch.arange(sk - sq, sk, device=q.device)[:, None]
     kj = torch.arange(sk, device=q.device)[None, :]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from megacore.config import ModelConfig
 
@@ -48,6 +47,8 @@ class Experts(nn.Module):
         """Rows [N, hidden] grouped by expert, `counts` [experts] rows each -> [N, hidden]. Under
         expert parallel (`megacore.parallel.ep`) the rows are those sent to this rank's experts,
         whose weights are its shards (DTensors): the local tensors are the experts it holds."""
+        from torch.distributed.tensor import DTensor  # here: 1 s to import, tools reading weights skip it
+
         weights = [p.weight.to_local() if isinstance(p.weight, DTensor) else p.weight
                    for p in (self.gate_proj, self.up_proj, self.down_proj)]  # fmt: skip
         return grouped_swiglu(rows, counts, *weights)

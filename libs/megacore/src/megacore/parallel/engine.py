@@ -57,7 +57,7 @@ from megacore.models.attention import document_ids
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.ep import apply_ep
-from megacore.parallel.fp8 import apply_fp8
+from megacore.parallel.fp8 import apply_fp8, precompute_scales
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
@@ -65,6 +65,7 @@ from megacore.parallel.layout import (
     check_microbatches,
     check_parallelism,
     compute_copies,
+    float8_all_gather,
     fsdp_dim,
     fsdp_wrapped,
 )
@@ -191,11 +192,12 @@ class ParallelModel:
         self.copies: list[ComputeCopies] = []
         dtype = COMPUTE_DTYPES.get(par.precision)
         use_copies = compute_copies(par, self.replicas)
+        self.float8_gather = float8_all_gather(par, self.replicas)
         for s in self.stage_ids:
             with torch.device("meta"):
                 part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
             if par.precision == "fp8":  # before tp: its styles for Float8Linear are torchao's
-                apply_fp8(part, par.fp8_scaling)
+                apply_fp8(part, par.fp8_scaling, self.float8_gather)
             if par.spec.tp > 1:
                 apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel, par.precision == "fp8")
             if self.cp_mesh is not None:
@@ -285,6 +287,15 @@ class ParallelModel:
             self._report(logits, targets, on_logits)
         return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * weight
 
+    def _refresh(self) -> None:
+        """Before a step or an evaluation: the compute copies, and the float8 weights' scales for
+        FSDP2's float8 all-gather, from the fp32 parameters' current values."""
+        for copies in self.copies:
+            copies.refresh()
+        if self.float8_gather:
+            for part in self.parts:
+                precompute_scales(part)
+
     def _named_all(self) -> Iterator[tuple[str, nn.Parameter]]:
         if self.copies:
             for copies in self.copies:
@@ -351,8 +362,7 @@ class ParallelModel:
         # weighted up by them.
         weight = self.replicas * scale / max(count if count is not None else self.dp * counted, 1)
         tokens, targets, inputs = self._local(tokens, targets, positions)
-        for copies in self.copies:
-            copies.refresh()
+        self._refresh()
         self._weigh_router_losses(self.replicas * scale / (n * self.dp))
         with loss_context(self.tp_mesh):
             if self.schedule is None:
@@ -420,8 +430,7 @@ class ParallelModel:
         `reports_logits`, once per microbatch, with its logits [b, s, vocab_size] over the whole
         vocab (gathered over tp, vocab padding columns dropped; in the compute precision)."""
         n = self.par.microbatches
-        for copies in self.copies:
-            copies.refresh()
+        self._refresh()
         # Compiled blocks over DTensors fail without autograd (torch 2.13: "'Tensor' object has no
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None

@@ -12,8 +12,11 @@ refuses others (`mega_train.run_plan.start_checks`). torchao's emulation (float8
 bf16 matmuls) runs anywhere and is what the CPU tests use, with MEGA_FP8_EMULATE=1.
 
 Under tensor parallel torchao's float8 styles replace the plain ones for these linears
-(`tp_styles`): tensorwise only, which layout.check_parallelism holds. torchao is an optional
-dependency, imported only here.
+(`tp_styles`): tensorwise only, which layout.check_parallelism holds. Under FSDP2 with tensorwise
+scaling the weights are all-gathered in float8 (`layout.float8_all_gather`: half bf16's bytes), their
+scales worked out for every weight at once before each step (`precompute_scales`, one all-reduce
+of the amaxes instead of one a weight); rowwise scaling gathers bf16, as torchao supports no more.
+torchao is an optional dependency, imported only here.
 """
 
 from __future__ import annotations
@@ -24,11 +27,7 @@ import os
 import torch
 from torch import nn
 
-from megacore.parallel.layout import FP8_EMULATE_ENV
-
-BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# float8 matmul kernels need both dims of a weight to be multiples of 16.
-DIM_MULTIPLE = 16
+from megacore.parallel.layout import FP8_EMULATE_ENV, float8_weight
 
 
 def emulated() -> bool:
@@ -39,26 +38,29 @@ def emulated() -> bool:
 
 
 def _block_linear(module: nn.Module, name: str) -> bool:
-    return (
-        isinstance(module, nn.Linear)
-        and name.startswith("layers.")
-        and name.rsplit(".", 1)[-1] in BLOCK_LINEARS
-        and all(d % DIM_MULTIPLE == 0 for d in module.weight.shape)
-    )
+    return isinstance(module, nn.Linear) and float8_weight(f"{name}.weight", module.weight.shape)
 
 
-def apply_fp8(model: nn.Module, scaling: str) -> None:
+def apply_fp8(model: nn.Module, scaling: str, all_gather: bool = False) -> None:
     """Swap a Decoder's (or a stage's) block linears for torchao's Float8Linear, in place, before
     tensor parallel and FSDP2 wrap them; their blocks run each projection on its own (unfused), so
-    that every matmul goes through its Float8Linear."""
+    that every matmul goes through its Float8Linear. `all_gather` (`layout.float8_all_gather`): their
+    weights become torchao's tensors that FSDP2 all-gathers in float8."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(scaling)
-    if emulated():
-        config = dataclasses.replace(config, emulate=True)
+    config = dataclasses.replace(config, emulate=emulated(), enable_fsdp_float8_all_gather=all_gather)
     convert_to_float8_training(model, module_filter_fn=_block_linear, config=config)
     for block in model.layers.values():
         block.attn.fused = block.mlp.fused = False
+
+
+def precompute_scales(module: nn.Module) -> None:
+    """The float8 scales of every weight FSDP2 all-gathers in float8, from their current values in
+    one all-reduce (after an optimizer step or a load, before the next forward)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(module)
 
 
 def is_float8(module: nn.Module) -> bool:

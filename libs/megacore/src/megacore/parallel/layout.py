@@ -345,3 +345,23 @@ def fsdp_wrapped(par: Parallelism, dp: int) -> bool:
     """Whether the engine applies FSDP2 (or replicate): with dp (the replicas: dp x cp), or mixed
     precision without copies."""
     return dp > 1 or (par.precision != "fp32" and not compute_copies(par, dp))
+
+
+# precision fp8: the weights whose linears run float8 matmuls (megacore.parallel.fp8), the blocks'
+# projections, not a mixture's router or experts, the embedding or the output layer; float8 matmul
+# kernels need both dims a multiple of 16.
+_FLOAT8 = re.compile(r"^layers\.\d+\.(attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+FLOAT8_DIM_MULTIPLE = 16
+
+
+def float8_weight(name: str, shape: Sequence[int]) -> bool:
+    """Whether precision fp8 runs this weight's (checkpoint name, shape) matmuls in float8."""
+    return bool(_FLOAT8.match(name)) and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in shape)
+
+
+def float8_all_gather(par: Parallelism, dp: int) -> bool:
+    """Whether FSDP2 all-gathers the float8 weights in float8 (half bf16's bytes): fp8 with
+    tensorwise scaling (torchao supports no other), sharded over the replicas (dp x cp)."""
+    return (
+        par.precision == "fp8" and par.fp8_scaling == "tensorwise" and dp > 1 and par.spec.dp_mode == "fsdp"
+    )

@@ -64,7 +64,8 @@ Buffers (transient or bookkeeping, counted at once, so an upper bound):
 - context parallel: one layer's k and v gradients of the whole sequence before their reduce-scatter;
 - expert parallel: a layer's routed rows (T·k·h·c) as sent and as received by an all-to-all;
 - FSDP2's unsharded parameters in the compute dtype (the root's embedding, norm and head plus two
-  blocks with prefetch; with a pipeline all of the stage, not resharded between microbatches), one
+  blocks with prefetch; with a pipeline all of the stage, not resharded between microbatches; fp8
+  with tensorwise scaling gathers the blocks' projections in float8, a byte each), one
   block's gradient reduction (compute dtype + fp32), and with several microbatches the stage's
   unsharded fp32 gradients: gradient sync is off for all but the last microbatch, and FSDP2 then
   accumulates unsharded;
@@ -133,6 +134,8 @@ from megacore.parallel.layout import (
     check_cp,
     check_parallelism,
     compute_copies,
+    float8_all_gather,
+    float8_weight,
     fsdp_dim,
     fsdp_wrapped,
     is_experts,
@@ -481,17 +484,22 @@ def _param_buffers(
     num_stages, c = par.spec.pp * par.stages_per_rank, COMPUTE_BYTES[par.precision]
     replicas = _replicas(par, dp)
     if fsdp_wrapped(par, replicas):
-        root, blocks = 0, {}
+        root, blocks, float8 = 0, {}, {}
+        gathers8 = float8_all_gather(par, replicas)
         for name, shape in tensors:
             m = _BLOCK.match(name)
             if m:
                 blocks[m.group(1)] = blocks.get(m.group(1), 0) + math.prod(shape)
+                if gathers8 and float8_weight(name, shape):  # (by the rank's shapes: tp's pieces)
+                    float8[m.group(1)] = float8.get(m.group(1), 0) + math.prod(shape)
             else:
                 root += math.prod(shape)
         block = max(blocks.values(), default=0)
         unsharded = root + 2 * block if num_stages == 1 else root + sum(blocks.values())
-        # Unsharded parameters in the compute dtype; a reduction's gradients in it and in fp32.
-        total = unsharded * c + max(root, block) * (c + 4)
+        in_float8 = 2 * max(float8.values(), default=0) if num_stages == 1 else sum(float8.values())
+        # Unsharded parameters in the compute dtype (float8 weights gathered in 1 byte); a
+        # reduction's gradients in it and in fp32.
+        total = unsharded * c - in_float8 * (c - 1) + max(root, block) * (c + 4)
         if par.microbatches > 1:
             # Gradient sync is off for every microbatch but the last (`ParallelModel._grad_sync`, the
             # pipeline stage's no-sync backward): FSDP2 then accumulates unsharded fp32 gradients.
