@@ -2,21 +2,26 @@
 (FSDP2, tensorwise scaling, torchao's emulation). Every Float8Linear must see, in its forward, its
 whole weight as float8 data gathered by FSDP2, equal to the single-process weight rounded to
 e4m3 with the tensorwise scale worked out here (448 / amax); the step's loss within FP8_REL of
-the single-process fp32 loss. Rank 0 prints "PASS <linears checked>"."""
+the single-process fp32 loss; a checkpoint saved then (the weights are torchao's tensors inside
+FSDP2's shards) holds the single-process weights bit for bit. Rank 0 prints "PASS <linears>"."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from dist_worker import BATCH, FAMILIES, SEQ, load_state, reference_loss
 
 from megacore.artifacts.manifest import ParallelSpec
+from megacore.checkpoint import CheckpointReader
 from megacore.models import Decoder
 from megacore.parallel import fp8
+from megacore.parallel.checkpoint_io import save_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, init_distributed, shutdown
@@ -71,7 +76,12 @@ def main() -> None:
     dist.all_reduce(loss)
     want_loss = reference_loss(ref, cfg, tokens, targets).item()
     assert abs(loss.item() / 2 - want_loss) / want_loss < FP8_REL, (loss.item() / 2, want_loss)
+    ckpt = Path(sys.argv[1])
+    save_checkpoint(ckpt, pm)
     if rank == 0:
+        with CheckpointReader(ckpt) as saved:
+            for name, want in state.items():
+                assert torch.equal(saved.read(name), want), name
         print("PASS", len(seen), flush=True)
     shutdown()
 

@@ -1,8 +1,8 @@
 """precision "fp8" (megacore/parallel/fp8.py): bf16 whose block linears run float8 matmuls, here
 under torchao's emulation (this machine has no GPU with float8 matmuls). Its loss curve over 20
-steps stays within FP8_REL of bf16's at tp 2 and dp 2 (tensorwise) and in one process with rowwise
-scaling; its checkpoint resumes in bf16; the dry run refuses it where no GPU has float8 matmuls,
-and rowwise scaling under tensor parallel."""
+steps stays within FP8_REL of bf16's at tp 2, dp 2, tp 2 x dp 2 and pp 2 x dp 2 (tensorwise) and in
+one process with rowwise scaling, whose checkpoint resumes in bf16 (make test-slow); the dry run
+refuses it where no GPU has float8 matmuls, and rowwise scaling under tensor parallel."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def _assert_follows(run_json: Path, want: list[float]) -> None:
     assert got != want, run_json  # float8 really rounds: not the bf16 run again
 
 
+@pytest.mark.slow  # 20 s; in make test: tests/parallel/test_fp8_gather.py (dp 2, a step and a save)
 def test_fp8_rowwise_follows_bf16_and_resumes_in_bf16(tmp_path: Path, tokens: Path, bf16_losses) -> None:
     """One process, rowwise scaling; then the same run resumed in bf16 for 2 more steps: the
     checkpoint is a bf16 run's (the fp32 master weights)."""
@@ -55,7 +56,7 @@ def test_fp8_rowwise_follows_bf16_and_resumes_in_bf16(tmp_path: Path, tokens: Pa
     assert f"step {STEPS + 2}/{STEPS + 2}" in ok(train(resumed)).stdout
 
 
-@pytest.mark.slow  # 2-4 processes each, 15-40 s; in make test: one process, rowwise
+@pytest.mark.slow  # 2-4 processes each, 15-40 s
 @pytest.mark.parametrize(
     ("nproc", "parallel"),
     [(2, {"tp": 2}), (2, {}), (4, {"tp": 2}), (4, {"pp": 2})],
