@@ -40,6 +40,9 @@ def test_mixtral_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: 
     out = ok(torchrun(4, run_json))
     assert "world 4 = tp 2 x pp 1 x dp 2 (ep 2)" in out.stdout
     assert "aux loss" in out.stdout and "expert load" in out.stdout
+    # Nothing of torch's on the console: no deprecated slicing of the flattened dp (edp x ep), no
+    # advice on the gradient norm's per-dim all-reduces, no FSDP2 warning on the tp logits.
+    assert not out.stderr.strip(), out.stderr[-3000:]
     records = metrics(run_json.parent / "run")
     assert [r["step"] for r in records] == list(range(1, 13))
     first, last = records[0], records[-1]

@@ -73,7 +73,7 @@ from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
 from megacore.parallel.checkpoint_io import load_checkpoint, load_rank_state, save_checkpoint
 from megacore.parallel.engine import ParallelModel, clip_grad_norm
-from megacore.parallel.mesh import build_mesh, device_type, shutdown
+from megacore.parallel.mesh import build_mesh, device_type, dp_mesh, shutdown
 from megacore.progress import Progress
 
 T = TypeVar("T")
@@ -171,7 +171,7 @@ class Trainer:
             run.optimizer.initial_loss_scale if fp16 else None, run.optimizer.loss_scale_window
         )
         self.schedule = Schedule(run.optimizer, run.train_steps)
-        self.dp, self.dp_rank = self.mesh["dp"].size(), self.mesh["dp"].get_local_rank()
+        self.dp, self.dp_rank = dp_mesh(self.mesh).size(), dp_mesh(self.mesh).get_local_rank()
         self.pp_group = self.mesh["pp"].get_group() if run.parallel.pp > 1 else None
         # Once, not per step: the device's peak is a name lookup in a table.
         self.flops = flops_per_token(self.plan.config, self.S)
@@ -356,7 +356,7 @@ class Trainer:
         if not self.masked:
             return self.G * self.S
         c = torch.tensor([counted], dtype=torch.int64, device=self.device)
-        dist.all_reduce(c, group=self.mesh["dp"].get_group())
+        dist.all_reduce(c, group=dp_mesh(self.mesh).get_group())
         return int(c.item())
 
     def reduce_loss(self, loss: torch.Tensor | None, counted: int, flag: int = 0) -> tuple[float, int]:

@@ -29,6 +29,7 @@ from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
 from megacore.parallel.engine import ParallelModel, local_piece
 from megacore.parallel.layout import ADAMW_STATE_KINDS, optim_state_name
+from megacore.parallel.mesh import dp_mesh
 
 
 def _owner(t: torch.Tensor, mesh) -> bool:
@@ -92,7 +93,9 @@ def save_checkpoint(
     w = ArtifactWriter(decided[0], "checkpoint")
     try:
         cw = CheckpointWriter(w)
-        coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "dp", "cp")}
+        coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "cp")} | {
+            "dp": dp_mesh(mesh).get_local_rank()
+        }
         shard = coords["dp"] * mesh["cp"].size() + coords["cp"]  # of the weights' dp x cp shards
         file = shard_file(coords["pp"], coords["tp"], shard if pm.replicas > 1 else None)
         mine = []

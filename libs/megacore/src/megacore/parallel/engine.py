@@ -31,6 +31,8 @@ clipping counts the shared gradient once.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
@@ -69,6 +71,7 @@ from megacore.parallel.layout import (
     fsdp_dim,
     fsdp_wrapped,
 )
+from megacore.parallel.mesh import dp_mesh
 from megacore.parallel.tp import apply_tp, lm_loss, loss_context
 
 SCHEDULE_CLASSES = {
@@ -96,6 +99,9 @@ def apply_dp(
         if dtype is not None
         else MixedPrecisionPolicy()
     )
+    # Under tp the root's output is the vocab-sharded logits, a view of a DTensor's local tensor;
+    # FSDP2 warns that an in-place op on it would skip its pre-backward hook. The loss reads it only.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     if par.spec.dp_mode == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -183,10 +189,10 @@ class ParallelModel:
         # A mixture of experts' experts split over ep and tp (`ep.apply_ep`), either or both.
         split = tuple(d for d, n in (("ep", par.spec.ep), ("tp", par.spec.tp)) if n > 1)
         self.experts_mesh = mesh[split] if split and config.num_experts is not None else None
-        self.dp = mesh["dp"].size()
+        self.dp = dp_mesh(mesh).size()
         # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
         self.replicas = self.dp * par.spec.cp
-        dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp_mesh is not None else mesh["dp"]
+        data_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp_mesh is not None else dp_mesh(mesh)
         self.stage_ids = par.rank_stages(mesh["pp"].get_local_rank())
         self.parts: list[nn.Module] = []
         self.copies: list[ComputeCopies] = []
@@ -209,7 +215,7 @@ class ParallelModel:
                 part.compile_blocks()
             if fsdp_wrapped(par, self.replicas):
                 experts = (mesh["edp"], self.replicas) if self.ep_mesh is not None else None
-                apply_dp(part, dp_mesh, par, experts)
+                apply_dp(part, data_mesh, par, experts)
             part.to_empty(device=self.device)
             if use_copies:
                 self.copies.append(ComputeCopies(part, dtype))
@@ -606,6 +612,21 @@ def box_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of gradients sharing a mesh and placements (or plain ones). Over several
+    mesh dims (dp x tp, edp x ep x tp) DTensor all-reduces once per dim and warns that a flattened
+    mesh would take one all-reduce: for one scalar a step, not worth the process groups (NCCL
+    communicators) a flattened mesh costs, so that warning is kept off."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        return n.full_tensor() if isinstance(n, DTensor) else n
+    finally:
+        log.setLevel(level)
+
+
 def clip_grad_norm(
     params: Iterable[torch.Tensor], max_norm: float, pp_group=None, uncounted: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -624,10 +645,7 @@ def clip_grad_norm(
         groups.setdefault(key, []).append(g)
     total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for gs in groups.values():
-        n = torch.nn.utils.get_total_norm(gs, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        total_sq = total_sq + n.float() ** 2
+        total_sq = total_sq + _group_norm(gs).float() ** 2
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()

@@ -48,6 +48,15 @@ def build_mesh(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> DeviceMesh
     return mesh
 
 
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dim of a `build_mesh` mesh. Under expert parallel it is the flattened
+    (edp, ep), which torch deprecates slicing off the root mesh (a warning on every rank): flattening
+    again returns the same mesh and process group."""
+    if mesh.mesh_dim_names is not None and "ep" in mesh.mesh_dim_names:
+        return mesh["edp", "ep"]._flatten("dp")
+    return mesh["dp"]
+
+
 def shutdown() -> None:
     """A barrier before destroying the group: an exit without it can abort other ranks on gloo."""
     if dist.is_initialized():
