@@ -200,17 +200,32 @@ def _dp_local(shape: tuple[int, ...], dim: int, dp: int, dp_rank: int) -> int:
     return max(0, min(size, rows - dp_rank * size)) * math.prod(shape) // rows
 
 
-def _state(
-    config: ModelConfig, par: Parallelism, dp: int, dp_rank: int, tensors: list[tuple[str, tuple[int, ...]]]
-) -> State:
-    tp, ep = par.spec.tp, par.spec.ep
-    sharded, replicas = _dp_sharded(par, dp), _replicas(par, dp)
-    # FSDP2's dim (`layout.fsdp_dim`); under ep the experts are sharded over edp (dp / ep), whose
-    # rank is the flattened dp index's quotient (the mesh's dp is edp x ep, ep inner).
-    shards = Counter(
+def _shard_groups(
+    config: ModelConfig, par: Parallelism, tensors: list[tuple[str, tuple[int, ...]]]
+) -> Counter:
+    """A rank's tensors counted by (shape, FSDP2's dim (`layout.fsdp_dim`), whether experts): what
+    its state bytes depend on, the same on every dp rank."""
+    tp = par.spec.tp
+    return Counter(
         (shape, fsdp_dim(shape, place(name, config, tp).tp_dim if tp > 1 else None), is_experts(name))
         for name, shape in tensors
     )
+
+
+def _state(
+    config: ModelConfig,
+    par: Parallelism,
+    dp: int,
+    dp_rank: int,
+    tensors: list[tuple[str, tuple[int, ...]]],
+    shards: Counter | None = None,
+) -> State:
+    """`shards`: `_shard_groups` of `tensors`, worked out once for every dp rank of a pipeline rank."""
+    tp, ep = par.spec.tp, par.spec.ep
+    sharded, replicas = _dp_sharded(par, dp), _replicas(par, dp)
+    shards = shards if shards is not None else _shard_groups(config, par, tensors)
+    # Under ep the experts are sharded over edp (dp / ep), whose rank is the flattened dp index's
+    # quotient (the mesh's dp is edp x ep, ep inner).
     numel = sum(
         n * (_dp_local(s, d, replicas // ep, dp_rank // ep) if e else _dp_local(s, d, replicas, dp_rank))
         if sharded
@@ -629,8 +644,9 @@ def estimate(
             config, par, pp_rank, micro, seq
         )
         by_state: dict[State, list[int]] = {}
+        shards = _shard_groups(config, par, tensors)
         for dp_rank in range(replicas if _dp_sharded(par, dp) and all_dp_ranks else 1):
-            by_state.setdefault(_state(config, par, dp, dp_rank, tensors), []).append(dp_rank)
+            by_state.setdefault(_state(config, par, dp, dp_rank, tensors, shards), []).append(dp_rank)
         if not _dp_sharded(par, dp):  # whole parameters on every dp (and cp) rank
             by_state = {st: list(range(replicas)) for st in by_state}
         for st, dp_ranks in by_state.items():
