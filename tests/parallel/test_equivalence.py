@@ -172,10 +172,49 @@ def assert_reshards_bit_exactly(ckpt: Path, out: Path, tp: int, pp: int) -> None
             assert_bitwise_equal(a.read(name, entry), b.read(name, resharded.tensors[name]), name)
 
 
+def moe_two(dp2: Path, ep2: Path) -> list[dict]:
+    return [
+        {"family": "mixtral", "save": str(dp2)},
+        {"family": "mixtral", "pp": 2, "schedule": "1f1b", "load": str(dp2)},
+        {"family": "mixtral", "ep": 2, "save": str(ep2)},
+        {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
+        {"family": "mixtral", "ep": 2, "packed": True},
+        {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
+        {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
+        {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
+    ]
+
+
+def moe_four(ep2tp2: Path) -> list[dict]:
+    return [
+        {"family": "mixtral4", "ep": 4},
+        {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
+        {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
+        {"family": "mixtral", "ep": 2, "tp": 2, "sp": True, "packed": True},
+        {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "1f1b"},
+    ]
+
+
+# One launch per process count (a launch's start-up is seconds); the tests read its checkpoints.
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two")
+    launch(out, 2, two_process_core(out / "ckpt-dp2", out / "ckpt-tied-pp2")
+           + moe_two(out / "ckpt-moe-dp2", out / "ckpt-moe-ep2"))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("four")
+    launch(out, 4, four_process_core(out / "ckpt-tp2pp2", out / "ckpt-tp2-dp2", out / "ckpt-cp2-dp2")
+           + moe_four(out / "ckpt-ep2tp2"))  # fmt: skip
+    return out
+
+
 @pytest.mark.dist
-def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
-    ckpt, tied = tmp_path / "ckpt-dp2", tmp_path / "ckpt-tied-pp2"
-    launch(tmp_path, 2, two_process_core(ckpt, tied))
+def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path, two_processes: Path) -> None:
+    ckpt, tied = two_processes / "ckpt-dp2", two_processes / "ckpt-tied-pp2"
     # A tied checkpoint holds the embedding once, whatever layout saved it.
     assert "lm_head.weight" not in open_artifact(tied, "checkpoint").tensors
     # The live checkpoint (FSDP-sharded weights and AdamW moments) reshards like any other.
@@ -187,23 +226,13 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
+def test_mixture_of_experts_matches_one_process(tmp_path: Path, two_processes: Path) -> None:
     """Mixtral (router losses on) under FSDP2 over dp 2, saved and resumed at pp 2; expert parallel
     ep 2 (packed documents too; a router sending every token to one rank's experts), saved and
     resumed at ep 1; the experts split over tp 2 with sequence parallel; pipelined with full
-    recompute (each layer's statistics counted once). The ep 2 checkpoint reshards to one file
-    bit-exactly."""
-    dp2, ep2 = tmp_path / "ckpt-moe-dp2", tmp_path / "ckpt-moe-ep2"
-    launch(tmp_path, 2, [
-        {"family": "mixtral", "save": str(dp2)},
-        {"family": "mixtral", "pp": 2, "schedule": "1f1b", "load": str(dp2)},
-        {"family": "mixtral", "ep": 2, "save": str(ep2)},
-        {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
-        {"family": "mixtral", "ep": 2, "packed": True},
-        {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
-        {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
-        {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
-    ])  # fmt: skip
+    recompute (each layer's statistics counted once): `moe_two`, in the 2-process launch. The ep 2
+    checkpoint reshards to one file bit-exactly."""
+    dp2, ep2 = two_processes / "ckpt-moe-dp2", two_processes / "ckpt-moe-ep2"
     assert len(open_artifact(dp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"].pieces) == 2
     saved = open_artifact(ep2, "checkpoint")
     experts = saved.tensors["layers.0.mlp.experts.gate_proj.weight"].pieces
@@ -212,18 +241,12 @@ def test_mixture_of_experts_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path) -> None:
+def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path, four_processes: Path) -> None:
     """ep 4 (one expert per rank); ep 2 x tp 2 (each expert's ffn split over tp; with sequence
-    parallel and packed documents too), saved and resumed at tp 2 x pp 2 (ep 1); ep 2 x pp 2. The ep 2 x tp 2 checkpoint's pieces are each rank's experts and ffn
-    slice; mega-shard takes it to one file and back bit-exactly."""
-    ep2tp2 = tmp_path / "ckpt-ep2tp2"
-    launch(tmp_path, 4, [
-        {"family": "mixtral4", "ep": 4},
-        {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
-        {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
-        {"family": "mixtral", "ep": 2, "tp": 2, "sp": True, "packed": True},
-        {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "1f1b"},
-    ])  # fmt: skip
+    parallel and packed documents too), saved and resumed at tp 2 x pp 2 (ep 1); ep 2 x pp 2
+    (`moe_four`, in the 4-process launch). The ep 2 x tp 2 checkpoint's pieces are each rank's
+    experts and ffn slice; mega-shard takes it to one file and back bit-exactly."""
+    ep2tp2 = four_processes / "ckpt-ep2tp2"
     gate = open_artifact(ep2tp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"]
     assert gate.shape == [4, 48, 32]
     assert sorted((p.offset, p.shape) for p in gate.pieces) == [
@@ -242,9 +265,8 @@ def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path) -
 
 
 @pytest.mark.dist
-def test_four_processes_2d_layouts_match_one_process(tmp_path: Path) -> None:
-    tp_dp, cp_dp = tmp_path / "ckpt-tp2-dp2", tmp_path / "ckpt-cp2-dp2"
-    launch(tmp_path, 4, four_process_core(tmp_path / "ckpt-tp2pp2", tp_dp, cp_dp))
+def test_four_processes_2d_layouts_match_one_process(tmp_path: Path, four_processes: Path) -> None:
+    tp_dp, cp_dp = four_processes / "ckpt-tp2-dp2", four_processes / "ckpt-cp2-dp2"
     # The weights of a cp run: sharded over dp x cp like over dp alone.
     assert len(open_artifact(cp_dp, "checkpoint").tensors["layers.0.mlp.up_proj.weight"].pieces) == 4
     saved = open_artifact(tp_dp, "checkpoint")
