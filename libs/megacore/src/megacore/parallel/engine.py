@@ -627,6 +627,7 @@ def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         log.setLevel(level)
 
 
+@torch.no_grad()
 def clip_grad_norm(
     params: Iterable[torch.Tensor], max_norm: float, pp_group=None, uncounted: torch.Tensor | None = None
 ) -> torch.Tensor:
