@@ -212,10 +212,11 @@ def _report(
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",
         err=as_json,
     )
-    compile_note = plan.compile_note() if dry_run else None
-    for note in (
-        plan.notes + [compile_note] * bool(compile_note) + (plan.resume_notes(verify) if dry_run else [])
-    ):
+    notes = list(plan.notes)
+    if dry_run:
+        compile_note = plan.compile_note()
+        notes += ([compile_note] if compile_note else []) + plan.resume_notes(verify)
+    for note in notes:
         typer.echo(f"mega-train: {note}", err=as_json)
     if report is not None:
         typer.echo("\n".join(memory_lines(report)))

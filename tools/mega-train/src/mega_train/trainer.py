@@ -171,7 +171,8 @@ class Trainer:
             run.optimizer.initial_loss_scale if fp16 else None, run.optimizer.loss_scale_window
         )
         self.schedule = Schedule(run.optimizer, run.train_steps)
-        self.dp, self.dp_rank = dp_mesh(self.mesh).size(), dp_mesh(self.mesh).get_local_rank()
+        data = dp_mesh(self.mesh)
+        self.dp, self.dp_rank, self.dp_group = data.size(), data.get_local_rank(), data.get_group()
         self.pp_group = self.mesh["pp"].get_group() if run.parallel.pp > 1 else None
         # Once, not per step: the device's peak is a name lookup in a table.
         self.flops = flops_per_token(self.plan.config, self.S)
@@ -356,7 +357,7 @@ class Trainer:
         if not self.masked:
             return self.G * self.S
         c = torch.tensor([counted], dtype=torch.int64, device=self.device)
-        dist.all_reduce(c, group=dp_mesh(self.mesh).get_group())
+        dist.all_reduce(c, group=self.dp_group)
         return int(c.item())
 
     def reduce_loss(self, loss: torch.Tensor | None, counted: int, flag: int = 0) -> tuple[float, int]:
