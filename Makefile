@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup airflow-venv test test-slow test-all demo bench lint format schemas docs clean
+.PHONY: setup airflow-venv test test-slow test-all demo bench gpu-check lint format schemas docs clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,16 @@ demo: setup
 
 bench: setup
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# The GPU checks as one run of under 8 minutes on one GPU, one JSON report (bench/gpu_check.py, how
+# to run it on a lent GPU: bench/README.md). $(PYTHON) with the sources on PYTHONPATH, not $(VENV):
+# a GPU machine has its own torch and no network for `make setup`. Without CUDA every part skips.
+GPU_CHECK_OUT ?= bench-out/gpu-check.json
+empty :=
+SRC_PATH := $(subst $(empty) ,:,libs/megacore/src $(wildcard tools/mega-*/src))
+
+gpu-check:
+	PYTHONPATH=$(SRC_PATH)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) bench/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -78,9 +78,8 @@ def rmsnorm_cases(s: Sizes, dtype: torch.dtype) -> tuple[Step, dict[str, Step]]:
     fused = RMSNorm(s.hidden, eps=eps).to(dtype)
     with torch.no_grad():
         fused.weight.copy_(1 + 0.1 * torch.randn(s.hidden, generator=g))
-    plain = RMSNorm(s.hidden, eps=eps).to(dtype)
+    plain = RMSNorm(s.hidden, eps=eps, fused=False).to(dtype)  # nn.RMSNorm.forward
     plain.load_state_dict(fused.state_dict())
-    plain.fused = False  # nn.RMSNorm.forward
     w = plain.weight
 
     def llama() -> torch.Tensor:  # transformers' LlamaRMSNorm.forward

@@ -354,13 +354,14 @@ def bare_engine(corpus: Path, model: Path, engine: str) -> float:
     way the tool runs it (the tool's batch sizes, `engine.concurrency` batches at once)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from mega_tokenize.pipeline import Options, _batch_sizes
+    from mega_tokenize.parsing import batch_sizes
+    from mega_tokenize.pipeline import Options
     from mega_tokenize.tokenizer import load_tokenizer, set_threads
 
     set_threads(WORKERS)
     tok = load_tokenizer(model, threads=WORKERS)
     eng = tok.engine(engine)
-    next_size = _batch_sizes([corpus], Options.batch_bytes, WORKERS)[0]
+    next_size = batch_sizes([corpus], Options.batch_bytes, WORKERS)[0]
     left = corpus.stat().st_size
     batch_bytes = next_size(left)
     batches, cur, size = [], [], 0

@@ -377,7 +377,8 @@ def child_bare(setup: Setup, spec: dict) -> dict:
 
     from mega_train.allocator import configure_allocator
     from megacore.config import ModelConfig
-    from megacore.parallel.engine import ParallelModel, clip_grad_norm
+    from megacore.parallel.clip import clip_grad_norm
+    from megacore.parallel.engine import ParallelModel
     from megacore.parallel.layout import Parallelism
     from megacore.parallel.mesh import build_mesh, shutdown
 

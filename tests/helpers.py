@@ -51,6 +51,20 @@ def run_in_process(tool: str, *args: str | os.PathLike, check: bool = False) -> 
     return proc
 
 
+def dry_run_without_torch(*argv: str | os.PathLike) -> subprocess.CompletedProcess:
+    """`mega-train *argv` (a dry run) through its CLI in a fresh interpreter, which fails unless the
+    command exits 0 without importing torch."""
+    args = [str(a) for a in argv]
+    code = (
+        "import sys; from megacore.cli import run; from mega_train.cli import app; "
+        f"c = run(app, 'mega-train', {args!r}); "
+        "assert c == 0, c; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def torchrun_script(
     nproc: int, script: Path, *args: str | os.PathLike, env: dict | None = None, timeout: int = 900
 ) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """The docs stay true to the tools: each tool page holds its `--help` exactly as the tool prints it
 (docs/gen_help.py writes them), every relative link in README.md and docs/*.md points at a file that
-exists, and README.md stays a front door (at most 300 lines)."""
+exists, and README.md stays a front door (at most 150 lines)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 REGENERATE = ".venv/bin/python docs/gen_help.py"
-MAX_README_LINES = 300
+MAX_README_LINES = 150
 
 
 def _gen_help():

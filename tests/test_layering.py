@@ -1,8 +1,8 @@
 """The import layers of docs/architecture.md ("Layers"), checked on the source with `ast`, nothing imported.
 
 The layer order is parsed from the doc's code block, so reordering the doc reorders the test and the two
-cannot drift. The prose rules under it (`models` never imports `parallel`; the torch-free modules; no tool
-imports another) are encoded here, as `MODELS_NOT_PARALLEL`, `TORCH_FREE` and the tool rule in `check`.
+cannot drift. The prose rules under it (`models` never imports `parallel` nor `torch.distributed`: it holds no
+parallel code; the torch-free modules; no tool imports another) are encoded here, as `MODELS_NOT_PARALLEL`, `TORCH_FREE` and the tool rule in `check`.
 
 Every import counts, at module level or inside a function: a lazy import is still a dependency. Imports
 under `if TYPE_CHECKING:` count for the layers (a type from a lower layer still couples the code to it) but
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from sources import SKIP_DIRS, python_sources
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
-SKIP_DIRS = {"__pycache__", "build", "dist", "node_modules"}
 
 TOOLS = "tools/*"
 MODELS_NOT_PARALLEL = ("models", "parallel")
@@ -35,7 +36,8 @@ TORCH_FREE = (
     "megacore.tokenizer_files",
     "megacore.data",
     "megacore.parallel.layout",
-    "megacore.parallel.memory",
+    "megacore.planner",
+    "megacore.env",
 )
 TORCH_FREE_EXCEPT = ("megacore.artifacts.tensors",)
 
@@ -120,21 +122,15 @@ def scan(root: Path) -> tuple[dict[str, Module], list[Violation]]:
     """Every .py file under root/libs and root/tools, by dotted module name (the path below `src/`)."""
     files: dict[str, tuple[Path, str]] = {}
     problems = []
-    for top in ("libs", "tools"):
-        for path in sorted((root / top).rglob("*.py")):
-            rel = path.relative_to(root)
-            if any(p in SKIP_DIRS or p.startswith(".") for p in rel.parts):
-                continue
-            if "src" not in rel.parts[:-1]:
-                problems.append(
-                    Violation(rel, 1, "unplaced", "not under a package's src/: no layer to check")
-                )
-                continue
-            parts = list(rel.parts[rel.parts.index("src") + 1 :])
-            parts[-1] = parts[-1].removesuffix(".py")
-            if parts[-1] == "__init__":
-                parts.pop()
-            files[".".join(parts)] = (rel, path.read_text(encoding="utf-8"))
+    for path, rel in python_sources(root):
+        if "src" not in rel.parts[:-1]:
+            problems.append(Violation(rel, 1, "unplaced", "not under a package's src/: no layer to check"))
+            continue
+        parts = list(rel.parts[rel.parts.index("src") + 1 :])
+        parts[-1] = parts[-1].removesuffix(".py")
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = (rel, path.read_text(encoding="utf-8"))
 
     modules = {}
     for name, (rel, text) in files.items():
@@ -209,6 +205,8 @@ def check(root: Path, layers: list[tuple[str, ...]]) -> list[Violation]:
             if imp.target.split(".")[0] == "torch":
                 if _torch_free(mod.name) and not imp.type_only:
                     violations.append(Violation(*where, "no torch", f"{mod.name} imports {imp.target}"))
+                if _part(mod.name) == "models" and imp.target.startswith("torch.distributed"):
+                    violations.append(Violation(*where, "models", f"{mod.name} imports {imp.target}"))
                 continue
             dst_layer = _layer_of(imp.target, index)
             if dst_layer is None:
@@ -249,9 +247,11 @@ def layers() -> list[tuple[str, ...]]:
 def test_layer_table_parses(layers):
     # A parse that found nothing would make every import "in no layer" or, worse, pass vacuously.
     names = [n for layer in layers for n in layer]
-    assert layers[0] == ("errors", "config") and layers[-1] == (TOOLS,)
+    assert layers[0] == ("errors", "config", "env") and layers[-1] == (TOOLS,)
     assert len(names) == len(set(names))
-    assert {"artifacts", "tokenizer_files", "data", "models", "checkpoint", "parallel"} <= set(names)
+    assert {"artifacts", "tokenizer_files", "data", "models", "checkpoint", "parallel", "planner"} <= set(
+        names
+    )
 
 
 def test_imports_follow_the_layers(layers):
@@ -288,6 +288,12 @@ PLANTS = {
         "no torch",
         "megacore.parallel.engine -> torch",
     ),
+    "models to torch.distributed": (
+        f"{MEGACORE}/models/moe.py",
+        "def _planted():\n    from torch.distributed.tensor import DTensor",
+        "models",
+        "torch.distributed.tensor",
+    ),
     "lazy models to parallel": (
         f"{MEGACORE}/models/rope.py",
         "def _planted():\n    from megacore.parallel.layout import place",
@@ -295,7 +301,7 @@ PLANTS = {
         "megacore.parallel.layout",
     ),
     "lazy torch": (
-        f"{MEGACORE}/parallel/memory.py",
+        f"{MEGACORE}/planner/memory.py",
         "def _planted():\n    import torch.nn",
         "no torch",
         "torch.nn",

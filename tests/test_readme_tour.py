@@ -9,8 +9,10 @@ world size of run.json's layout (tp x pp, dp 1) and run.json's scale fields a fe
 command that needs the network or a secret is skipped by a rule naming it (SKIP), never silently.
 The tour changing shape fails the test, naming what it does not know: a block other than bash or
 json, a command of an unknown program, a run.json key without a rule, a rule that no longer applies.
-The `#` lines under a command are its output as printed; where their shape says something (a
-`PASS`, `run.json: ok — ...`), the same shape (SHAPES), not the numbers, must be in what it prints.
+The `#` lines under a command are its output as printed (the dry run's: tests/train/test_planner.py
+holds them to the planner's by value); here the same shape (SHAPES), not the numbers, must be in
+what the tour's run prints, and the commands without `#` lines print what the README says they do
+(ALSO_PRINTS).
 """
 
 from __future__ import annotations
@@ -64,12 +66,6 @@ KEPT = {
 # program (else the README changed and the shape here is stale) and a line that command prints.
 NUM = r"[\d,]+(?:\.\d+)?(?:e[+-]?\d+)?"
 SHAPES = {
-    "mega-tokenize": [
-        rf"^mega-tokenize: \S+: {NUM} documents, {NUM} tokens \(uint\d+\), {NUM} skipped lines, engine \S+, {NUM}s, {NUM} MB/s$",
-    ],
-    "mega-convert verify": [
-        rf"^{NUM} tokens compared in \w+, .*: max abs logit error {NUM} \(tolerance {NUM}\), .*: PASS$",
-    ],
     "mega-train --dry-run": [
         rf"^run\.json: ok — \w+ {NUM} layers \({NUM}[BM]? parameters\); world {NUM} = tp {NUM} x pp {NUM} x dp {NUM}; batch {NUM} = micro {NUM} x dp {NUM} x accum {NUM}; 1 data source; {NUM} steps$",
         r"^memory per rank, GiB \(",
@@ -77,14 +73,21 @@ SHAPES = {
         rf"^layouts of {NUM} GPUs of {NUM} GiB, by expected throughput",
         rf"^  1\. tp {NUM} x pp {NUM} x dp {NUM}, recompute \w+ +peak +{NUM} GiB +throughput {NUM}$",
     ],
+}
+# What commands the tour shows no output of print (checked against their output only): what the
+# README says they print (a line every logging step, eval lines, checkpoints; a verdict).
+ALSO_PRINTS = {
+    "mega-tokenize": [
+        rf"^mega-tokenize: \S+: {NUM} documents, {NUM} tokens \(uint\d+\), {NUM} skipped lines, engine \S+, {NUM}s, {NUM} MB/s$",
+    ],
+    "mega-convert verify": [
+        rf"^{NUM} tokens compared in \w+, .*: max abs logit error {NUM} \(tolerance {NUM}\), .*: PASS$",
+    ],
     "mega-train": [
         rf"^step {NUM}/{NUM} \| loss {NUM} \| lr {NUM} \| grad norm {NUM} \|",
         rf"^step {NUM} eval \| loss {NUM} \| ppl {NUM} \| accuracy {NUM}$",
         r"^mega-train: saved \S+/checkpoints/step-\d+$",
     ],
-}
-# What commands the tour shows no output of print (checked against their output only).
-ALSO_PRINTS = {
     "mega-export --dry-run": [r"^would upload to me/\S+ \(main\):$", rf"^ +{NUM} +model\.safetensors$"],
 }
 
@@ -260,7 +263,7 @@ def test_readme_tour_runs_as_written(tmp_path: Path, sp_model: Path) -> None:
 
 
 TOUR_CHANGES = {
-    "a new kind of block": ("**4. Train**:\n", "**4. Train**:\n\n```python\nprint(1)\n```\n"),
+    "a new kind of block": ("**5. Export**", "```python\nprint(1)\n```\n\n**5. Export**"),
     "an unknown program": ("mega-shard out/ckpt", "docker run megatron\nmega-shard out/ckpt"),
     "a run.json field without a rule": (
         '"precision": "bfloat16",',

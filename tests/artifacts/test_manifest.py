@@ -52,6 +52,29 @@ def test_valid_run_manifest_round_trips():
         ({"format_version": 0}, "$.format_version: 0 is not a valid version"),
         ({"kind": "weights"}, "$.kind: expected one of"),
         ({"precision": "fp4"}, "$.precision: invalid enum value 'fp4'"),
+        # Every enum error lists what the field takes, found through the manifest's type.
+        (
+            {"parallel": {"schedule": "1f2b"}},
+            '$.parallel.schedule: invalid enum value \'1f2b\'; choose one of "1f1b", "gpipe"',
+        ),
+        ({"data": {"sources": [{"path": "t"}], "loss_on": "me"}}, 'choose one of "all", "assistant"'),
+        ({"compile": "yes"}, "$.compile: invalid enum value 'yes'; choose one of true, false, \"auto\""),
+        (
+            {
+                "model": {
+                    "config": {
+                        "family": "gpt",
+                        "vocab_size": 8,
+                        "hidden_size": 8,
+                        "num_layers": 1,
+                        "num_heads": 1,
+                        "num_kv_heads": 1,
+                        "ffn_hidden_size": 8,
+                    }
+                }
+            },
+            '$.model.config.family: invalid enum value \'gpt\'; choose one of "falcon", "gemma3", "llama"',
+        ),
     ],
 )
 def test_bad_manifest_names_the_field(patch: dict, message: str):

@@ -98,6 +98,7 @@ def test_every_kind_has_its_path_fields_typed():
         "files.path": "file",
         "out": "ref",
         "model.init": "ref",
+        "model.hf_config": "ref",
         "data.sources.path": "ref",
         "checkpoint.dir": "ref",
     }

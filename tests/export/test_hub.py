@@ -135,4 +135,5 @@ def test_model_card_carries_the_lineage(tmp_path: Path, trained: Path) -> None:
     assert str(tmp_path.parent) not in card and "/tmp" not in card  # no local path is published
     assert "| final train loss |" in card and "| final valid loss |" in card
     assert "| layout | tp 1 x pp 1 x dp 1, float32 |" in card
+    assert "| experts |" not in card and "| parameters |" not in card  # a dense model: no experts rows
     assert f"vocab {TINY_LLAMA['vocab_size']}" in card

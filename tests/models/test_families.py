@@ -1,20 +1,26 @@
-"""The Qwen and Gemma 3 families' config maps, both directions: the sliding-window switches read
+"""The families' config maps, both directions: the Qwen and Gemma 3 sliding-window switches read
 as transformers reads them (Qwen: one window on all layers or none, the rest refused in one line;
 Gemma 3: local and global layers, a RoPE per layer type, published and transformers 5 forms),
-defaults as transformers', and configs a family's config.json cannot express refused on export."""
+defaults as transformers', and each family's allow-list: every ModelConfig switch a family does not
+list is refused on export (and on convert), every one it lists is written and read back."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
 from transformers import AutoConfig, Gemma3TextConfig
 
 from hf_cases import CASES
-from megacore.config import ModelConfig
+from megacore.config import EXPERT_FAMILIES, ModelConfig
 from megacore.errors import UserError
-from megacore.models import config_from_hf, config_to_hf
+from megacore.models import FAMILIES, config_from_hf, config_to_hf
+from megacore.models.families import SHARED_FIELDS, differences_from_hf
 
 _QWEN = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 64}  # fmt: skip
@@ -83,30 +89,10 @@ def test_qwen_defaults_as_transformers() -> None:
     assert biased.attn_bias and biased.attn_out_bias
 
 
+@functools.cache
 def _case(name: str) -> ModelConfig:
     cls, kwargs, _ = CASES[name]
     return config_from_hf(cls(**kwargs))
-
-
-@pytest.mark.parametrize(
-    ("case", "changes", "fragment"),
-    [
-        ("llama3.2", {"qk_norm": True}, "Llama"),
-        ("mistral-window", {"qk_norm": True}, "Llama"),
-        ("falcon-7b", {"qk_norm": True}, "Falcon"),
-        ("qwen2", {"attn_bias": False}, "Qwen 2"),
-        ("qwen2", {"attn_out_bias": True}, "Qwen 2"),
-        ("qwen2", {"qk_norm": True}, "Qwen 2"),
-        ("qwen2", {"mlp_bias": True}, "Qwen 2"),
-        ("qwen3", {"qk_norm": False}, "Qwen 3"),
-        ("qwen3", {"attn_out_bias": True}, "Qwen 3"),
-        ("qwen3", {"norm": "layernorm"}, "Qwen 3"),
-    ],
-)
-def test_export_refuses_what_the_family_cannot_express(case: str, changes: dict, fragment: str) -> None:
-    cfg = msgspec.structs.replace(_case(case), **changes)
-    with pytest.raises(UserError, match=fragment):
-        config_to_hf(cfg)
 
 
 def test_qwen2_head_dim_written_only_when_explicit() -> None:
@@ -202,32 +188,184 @@ def test_gemma3_configs_the_decoder_cannot_express_are_refused(what: str) -> Non
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+# --- what a family's config.json can express: its allow-list ---------------------------------------
+
+# One config per family (hf_cases), the base the allow-list tests vary.
+BASES = {"llama": "llama", "mistral": "mistral-window", "falcon": "falcon-7b", "qwen2": "qwen2",
+         "qwen3": "qwen3", "gemma3": "gemma3", "mixtral": "mixtral"}  # fmt: skip
+FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
+# The switches: every ModelConfig field but those every family writes (or none carries).
+SWITCHES = [name for name in FIELDS if name not in SHARED_FIELDS]
+_EXPERTS = {"num_experts": 4, "experts_per_token": 2}
+# Each switch at a value other than its default, with what that value needs to make a valid
+# ModelConfig on a family's base. A switch added to ModelConfig needs an entry here; it is then
+# refused by every family whose SWITCHES do not list it (and `check_expressible` refuses it
+# whether or not this table has it).
+NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
+    "norm": lambda c: {"norm": "layernorm"},
+    "activation": lambda c: {"activation": "gelu"},
+    "head_dim": lambda c: {"head_dim": 2 * c.hidden_size // c.num_heads},
+    "sliding_window": lambda c: {"sliding_window": 8},
+    "layer_types": lambda c: {"sliding_window": 8, "layer_types": [_SLIDING] + [_FULL] * (c.num_layers - 1)},
+    "local_rope_theta": lambda c: {"local_rope_theta": 20_000.0},
+    "attn_scalar": lambda c: {"attn_scalar": 24.0},
+    "parallel_attn": lambda c: {"parallel_attn": True, "sandwich_norm": False},
+    "num_ln_in_parallel_attn": lambda c: {"num_ln_in_parallel_attn": 2},
+    "attn_bias": lambda c: {"attn_bias": True},
+    "attn_out_bias": lambda c: {"attn_out_bias": True},
+    "mlp_bias": lambda c: {"mlp_bias": True},
+    "norm_bias": lambda c: {"norm_bias": True},
+    "qk_norm": lambda c: {"qk_norm": True},
+    "sandwich_norm": lambda c: {"sandwich_norm": True, "parallel_attn": False},
+    "scale_embeddings": lambda c: {"scale_embeddings": True},
+    "num_experts": lambda c: _EXPERTS,
+    "experts_per_token": lambda c: _EXPERTS,
+    "renormalize_top_k": lambda c: {**_EXPERTS, "renormalize_top_k": False},
+    "router_aux_loss_coef": lambda c: {**_EXPERTS, "router_aux_loss_coef": 0.01},
+}  # fmt: skip
+# Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 3,
+# and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
+_EXPERT_SWITCHES = ("num_experts", "experts_per_token", "renormalize_top_k", "router_aux_loss_coef")
+UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EXPERT_SWITCHES} | {
+    ("mixtral", "activation"),
+    ("mixtral", "mlp_bias"),
+}
+# Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
+VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "qwen3": [{"attn_bias": True, "attn_out_bias": True}],
+    "gemma3": [{"attn_bias": True, "attn_out_bias": True}],
+}
+OFF_LIST = [(f, s) for f in FAMILIES for s in SWITCHES if s not in FAMILIES[f].SWITCHES]
+ON_LIST = [(f, s) for f in FAMILIES for s in FAMILIES[f].SWITCHES]
+
+
+def _base(family: str) -> ModelConfig:
+    return _case(BASES[family])
+
+
+def _vary(family: str, switch: str) -> ModelConfig:
+    assert switch in NON_DEFAULT, f"give the new switch {switch} a non-default value in NON_DEFAULT"
+    base = _base(family)
+    return msgspec.structs.replace(base, **NON_DEFAULT[switch](base))
+
+
+def _non_default(cfg: ModelConfig, name: str) -> bool:
+    default = cfg.hidden_size // cfg.num_heads if name == "head_dim" else FIELDS[name].default
+    return getattr(cfg, name) != default
+
+
+@pytest.mark.parametrize(("family", "switch"), [p for p in OFF_LIST if p not in UNBUILDABLE])
+def test_export_refuses_every_switch_off_the_family_list(family: str, switch: str) -> None:
+    """Every ModelConfig field but the shared ones, set on a family that does not list it, is
+    refused on export in one line naming the family and the field: nothing is dropped silently."""
+    cfg = _vary(family, switch)
+    assert _non_default(cfg, switch)
+    with pytest.raises(UserError) as e:
+        config_to_hf(cfg)
+    message = str(e.value)
+    said = re.fullmatch(rf"config: a {FAMILIES[family].NAME} config\.json cannot express (.+)", message)
+    assert said and switch in said[1].split(", "), message
+
+
+@pytest.mark.parametrize(("family", "switch"), sorted(UNBUILDABLE))
+def test_unbuildable_pairs_are_no_configs(family: str, switch: str) -> None:
+    """The pairs the test above leaves out: ModelConfig itself refuses them."""
+    with pytest.raises(ValueError):
+        _vary(family, switch)
+
+
+def _samples(family: str, switch: str) -> list[ModelConfig]:
+    """The family's hf_cases, its VARIANTS and its base with `switch` set, as far as valid."""
+    cases = [_case(name) for name in CASES]
+    out = [c for c in cases if c.family == family]
+    base = _base(family)
+    for changes in [*VARIANTS.get(family, []), NON_DEFAULT[switch](base)]:
+        with contextlib.suppress(ValueError):
+            out.append(msgspec.structs.replace(base, **changes))
+    return out
+
+
+@pytest.mark.parametrize(("family", "switch"), ON_LIST)
+def test_every_switch_on_a_family_list_is_written_and_read_back(family: str, switch: str) -> None:
+    """A switch a family lists is one its config.json carries: some config of the family sets it,
+    its writer takes that config and its reader gives the switch back. A field listed that the
+    writer does not write (or refuses in every form) fails here."""
+    exported = []
+    for cfg in _samples(family, switch):
+        if _non_default(cfg, switch):
+            with contextlib.suppress(UserError):
+                exported.append((cfg, config_to_hf(cfg)))
+    assert exported, f"no {family} config with {switch} set exports: add one to VARIANTS"
+    for cfg, hf in exported:
+        assert getattr(config_from_hf(hf), switch) == getattr(cfg, switch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_case_reads_back_from_its_export(case: str) -> None:
+    cfg = _case(case)
+    assert differences_from_hf(cfg, config_from_hf(config_to_hf(cfg))) == []
+
+
+class _WithNewSwitch(ModelConfig):
+    """ModelConfig as it would be with a switch added that no family writes yet."""
+
+    new_switch: bool = False
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_new_switch_is_refused_by_every_family(family: str) -> None:
+    base = _base(family)
+    fields = msgspec.structs.asdict(base)
+    assert config_to_hf(_WithNewSwitch(**fields)) == config_to_hf(base)
+    with pytest.raises(
+        UserError, match=rf"a {FAMILIES[family].NAME} config\.json cannot express new_switch$"
+    ):
+        config_to_hf(_WithNewSwitch(**fields, new_switch=True))
+
+
+def test_convert_refuses_what_the_family_writer_cannot_write_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check on what a reader produced: a reader setting a switch off its family's list
+    (here: Llama's list emptied) is refused, not converted into a checkpoint that cannot go back."""
+    cls, kwargs, _ = CASES["llama-bias-tied"]
+    monkeypatch.setattr(FAMILIES["llama"], "SWITCHES", ())
+    with pytest.raises(
+        UserError, match="a Llama config.json cannot express attn_bias, attn_out_bias, mlp_bias"
+    ):
+        config_from_hf(cls(**kwargs))
+
+
+def test_mistral_and_mixtral_read_no_bias_keys() -> None:
+    """MistralConfig and MixtralConfig have no bias switches: transformers builds their projections
+    without biases whatever a config.json says, and so do we."""
+    for case in ("mistral-window", "mixtral"):
+        cls, kwargs, _ = CASES[case]
+        hf = {**cls(**kwargs).to_dict(), "attention_bias": True, "mlp_bias": True}
+        cfg = config_from_hf(hf)
+        assert not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias)
+        assert "attention_bias" not in config_to_hf(cfg) and "mlp_bias" not in config_to_hf(cfg)
+
+
 @pytest.mark.parametrize(
     ("case", "changes", "fragment"),
     [
-        ("gemma3", {"norm": "rmsnorm"}, "Gemma 3"),
-        ("gemma3", {"activation": "swiglu"}, "Gemma 3"),
-        ("gemma3", {"sandwich_norm": False}, "Gemma 3"),
-        ("gemma3", {"scale_embeddings": False}, "Gemma 3"),
-        ("gemma3", {"qk_norm": False}, "Gemma 3"),
+        ("llama", {"attn_bias": True}, "Llama has one attention bias switch"),
+        ("falcon-7b", {"mlp_bias": True}, "Falcon has one `bias` switch"),
+        ("falcon-7b", {"norm": "rmsnorm"}, "Falcon needs layernorm with bias and a gelu MLP"),
+        ("falcon-7b", {"activation": "swiglu"}, "Falcon needs layernorm with bias and a gelu MLP"),
+        ("qwen2", {"attn_bias": False}, "Qwen 2 always has biases on q, k and v"),
+        ("qwen3", {"qk_norm": False}, "Qwen 3 has q/k norms and one attention bias switch"),
+        ("qwen3", {"attn_out_bias": True}, "Qwen 3 has q/k norms and one attention bias switch"),
+        ("gemma3", {"norm": "rmsnorm"}, "Gemma 3 config.json always has norm 'rmsnorm_plus1'"),
+        ("gemma3", {"activation": "swiglu"}, "always has activation 'geglu_tanh'"),
+        ("gemma3", {"sandwich_norm": False, "scale_embeddings": False, "qk_norm": False},
+         "always has qk_norm True, sandwich_norm True, scale_embeddings True; this config differs"),
+        ("gemma3", {"attn_out_bias": True}, "Gemma 3 has one attention bias switch"),
         ("gemma3", {"local_rope_theta": None}, "local_rope_theta"),
-        # Gemma's switches on other families: their config.json has no key for them.
-        ("llama3.2", {"attn_scalar": 24.0}, "Llama config.json cannot express attn_scalar"),
-        (
-            "mistral-window",
-            {"layer_types": [_SLIDING, _FULL]},
-            "Mistral config.json cannot express layer_types",
-        ),
-        ("qwen3", {"sandwich_norm": True, "scale_embeddings": True}, "sandwich_norm, scale_embeddings"),
-        ("qwen2", {"local_rope_theta": 1e4}, "Qwen 2 config.json cannot express local_rope_theta"),
-        ("falcon-40b", {"scale_embeddings": True}, "Falcon config.json cannot express scale_embeddings"),
-        ("llama", {"norm": "rmsnorm_plus1"}, "Llama"),
-        ("qwen3", {"activation": "geglu_tanh"}, "Qwen 3"),
     ],
-)
-def test_gemma3_export_refuses_what_the_config_cannot_express(
-    case: str, changes: dict, fragment: str
-) -> None:
+)  # fmt: skip
+def test_export_refuses_values_the_family_cannot_take(case: str, changes: dict, fragment: str) -> None:
+    """Switches on a family's list whose values its config.json still fixes: each writer's checks."""
     cfg = msgspec.structs.replace(_case(case), **changes)
-    with pytest.raises(UserError, match=re.escape(fragment)):
+    with pytest.raises(UserError, match=re.escape(fragment)) as e:
         config_to_hf(cfg)
+    assert "\n" not in str(e.value)

@@ -31,10 +31,9 @@ REL = 1e-5  # fp32: the packed and the separate runs round differently (batched,
 LENGTHS = [(7, 12, 5), (24,), (3, 3, 9, 9)]  # documents per row; every row is 24 tokens
 
 
-def model(**overrides) -> Decoder:
-    m = Decoder(ModelConfig(**{**BASE, **overrides}))
+def model(recompute: str = "none", **overrides) -> Decoder:
+    m = Decoder(ModelConfig(**{**BASE, **overrides}), attention="sdpa", recompute=recompute)
     m.init_weights(std=0.2, seed=1)
-    m.set_attention("sdpa")
     return m
 
 
@@ -62,8 +61,7 @@ def packed_rows(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[li
 )  # fmt: skip
 def test_packed_documents_match_each_document_alone(overrides: dict, recompute: str) -> None:
     g = torch.Generator().manual_seed(0)
-    m = model(**overrides)
-    m.set_recompute(recompute)
+    m = model(recompute, **overrides)
     alone = copy.deepcopy(m)
     tokens, positions, docs = packed_rows(g)
     # Summed loss over each document's own targets; the token after a document is not its target.

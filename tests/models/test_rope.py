@@ -115,3 +115,20 @@ def test_rope_scaling_fields_are_checked() -> None:
             "num_kv_heads": 2, "ffn_hidden_size": 8}  # fmt: skip
     with pytest.raises(ValueError, match="yarn needs original_max_position_embeddings"):
         ModelConfig(**base, rope_scaling=RopeScaling(type="yarn", factor=4.0))
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])
+def test_a_factor_below_one_is_refused(kind: str) -> None:
+    """A scaling stretches the trained context: a factor below 1 is refused, in a run manifest's
+    RopeScaling and in a config.json (naming its field), and 1 is accepted."""
+    from megacore.errors import UserError
+    from megacore.models import config_from_hf
+
+    with pytest.raises(ValueError, match="factor 0.5 is below 1"):
+        RopeScaling(type=kind, factor=0.5, original_max_position_embeddings=64)
+    assert RopeScaling(type=kind, factor=1.0).factor == 1.0
+    hf = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "intermediate_size": 64,
+          "rope_scaling": {"rope_type": kind, "factor": 0.5}}  # fmt: skip
+    with pytest.raises(UserError, match=r"config.json: \$.rope_scaling.factor: 0.5 is below 1"):
+        config_from_hf(hf, "config.json")

@@ -27,7 +27,8 @@ from megacore.models import Decoder
 from megacore.models.loss import IGNORE
 from megacore.models.moe import MoE
 from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
-from megacore.parallel.engine import ParallelModel, box_slice, clip_grad_norm, local_piece
+from megacore.parallel.clip import clip_grad_norm
+from megacore.parallel.engine import ParallelModel, Step, box_slice, local_piece
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, init_distributed, shutdown
 from megacore.parallel.tp import lm_loss
@@ -145,14 +146,13 @@ def reference_loss(
 def reference(family: str, tokens, targets, positions=None):
     cfg, chunks = FAMILIES[family], MOE_CHUNKS.get(family, 1)
     torch.manual_seed(0)
-    model = Decoder(cfg)
+    model = Decoder(cfg, attention="sdpa")
     model.init_weights()
     if family == "mixtral-collapsed":
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, MoE):
                     m.router.weight.zero_()
-    model.set_attention("sdpa")
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {"init": init}
@@ -187,12 +187,13 @@ def reference(family: str, tokens, targets, positions=None):
 
 
 def first_step_checks(
-    pm: ParallelModel, ref: dict, loss, counted: float, dp_group, pp_group, label: str, tol: float
+    pm: ParallelModel, ref: dict, out: Step, counted: float, dp_group, pp_group, label: str, tol: float
 ) -> list[str]:
-    """After the first step: the loss (each dp rank's mean over its `counted` targets, weighted by
-    their number), the router losses, every gradient, the norm and the clipped gradients against
-    the reference; the gradients are left unclipped (the AdamW steps, like the reference's)."""
-    checks = []
+    """After the first step (`out`): the loss (each dp rank's mean over its `counted` targets,
+    weighted by their number), the router losses, every gradient, the norm and the clipped
+    gradients against the reference; the gradients are left unclipped (the AdamW steps, like the
+    reference's)."""
+    checks, loss = [], out.loss
     if loss is not None:
         if dp_group is not None:
             both = torch.stack([loss * counted, torch.tensor(counted)])
@@ -201,7 +202,7 @@ def first_step_checks(
         assert rel(loss, ref["loss"]) < tol, (label, float(loss), float(ref["loss"]))
         checks.append("loss")
     if "router" in ref:  # every rank has the router report (a collective)
-        got = torch.tensor([pm.last_moe["aux_loss"], pm.last_moe["z_loss"]])
+        got = torch.stack([out.moe["aux_loss"], out.moe["z_loss"]]).float()
         assert rel(got, ref["router"]) < tol, (label, got, ref["router"])
         checks.append("router-losses")
     names = []
@@ -249,7 +250,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         # Without a pipeline, microbatches are gradient accumulation: 1 runs the batch as the
         # reference does (k_proj.bias gets a pure rounding-noise gradient that AdamW amplifies).
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
-        compile=sc.get("compile", False), recompute=sc.get("recompute", "none"),
+        compile=sc.get("compile", False), recompute=sc.get("recompute", "none"), attention="sdpa",
     )  # fmt: skip
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     ref = refs[sc["family"], sc.get("packed", False)]
@@ -257,8 +258,6 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     pm = ParallelModel(cfg, par, mesh, "cpu")
-    for part in pm.parts:
-        part.set_attention("sdpa")
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     pp_group = mesh["pp"].get_group() if spec.pp > 1 else None
     label = json.dumps(sc, sort_keys=True)
@@ -274,7 +273,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
             "positions": None if positions is None else positions[local_rows],
         }
 
-    def step(local_rows) -> torch.Tensor | None:
+    def step(local_rows) -> Step:
         return pm.forward_backward(**mine(local_rows), count=int((targets != IGNORE).sum()))
 
     def compare_params(key: str, what: str) -> None:
@@ -295,11 +294,11 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         return [f"{label}: {' '.join(checks)}"]
     load_state(pm, ref["init"])
     for i in range(STEPS):
-        loss = step(rows)
+        out = step(rows)
         if i == 0:
             dp_group = mesh["dp"].get_group() if dp > 1 else None
             counted = float((targets[rows] != IGNORE).sum())
-            checks += first_step_checks(pm, ref, loss, counted, dp_group, pp_group, label, tol)
+            checks += first_step_checks(pm, ref, out, counted, dp_group, pp_group, label, tol)
         opt.step()
         opt.zero_grad()
     compare_params("params", "params-after-3-adamw")

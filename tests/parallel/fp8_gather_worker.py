@@ -48,18 +48,18 @@ def main() -> None:
     init_distributed()
     torch.manual_seed(1)
     cfg = FAMILIES["llama"]
-    ref = Decoder(cfg)
+    ref = Decoder(cfg, attention="sdpa")
     ref.init_weights()
-    ref.set_attention("sdpa")
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
-    par = Parallelism(ParallelSpec(), precision="fp8", fp8_scaling="tensorwise", microbatches=1)
+    emulate = fp8.float8_emulation("fp8_gather_worker")  # MEGA_FP8_EMULATE=1, set by the test
+    par = Parallelism(
+        ParallelSpec(), "fp8", 1, fp8_scaling="tensorwise", attention="sdpa", fp8_emulate=emulate
+    )
     pm = ParallelModel(cfg, par, build_mesh(), "cpu")
     load_state(pm, state)
-    for part in pm.parts:
-        part.set_attention("sdpa")
     seen: dict[str, torch.Tensor] = {}
     for part in pm.parts:
         for name, module in part.named_modules():
@@ -67,7 +67,7 @@ def main() -> None:
                 module.register_forward_pre_hook(partial(_keep_weight, seen, name))
     rank = dist.get_rank()
     rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
-    loss = pm.forward_backward(tokens[rows], targets[rows])
+    loss = pm.forward_backward(tokens[rows], targets[rows]).loss
     assert len(seen) == 7 * cfg.num_layers, sorted(seen)
     for name, data in seen.items():
         assert isinstance(data, torch.Tensor) and data.dtype == E4M3, (name, data)

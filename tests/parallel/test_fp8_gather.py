@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from helpers import torchrun_script
-from megacore.parallel.layout import FP8_EMULATE_ENV
 
 pytest.importorskip("torchao", reason="fp8 needs torchao (requirements-dev.txt installs it)")
 
@@ -18,5 +17,5 @@ WORKER = Path(__file__).with_name("fp8_gather_worker.py")
 
 
 def test_fsdp_gathers_float8_weights(tmp_path: Path) -> None:
-    proc = torchrun_script(2, WORKER, tmp_path / "ckpt", env={FP8_EMULATE_ENV: "1"}, timeout=300)
+    proc = torchrun_script(2, WORKER, tmp_path / "ckpt", env={"MEGA_FP8_EMULATE": "1"}, timeout=300)
     assert "PASS 28" in proc.stdout.splitlines(), proc.stdout

@@ -9,12 +9,11 @@ from megacore.artifacts.manifest import ParallelSpec
 from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.parallel import (
+    Dims,
     Parallelism,
-    check_cp,
     check_microbatches,
     check_parallelism,
     check_tp,
-    check_world,
     place,
     split_optim_name,
     stage_layers,
@@ -68,11 +67,14 @@ def test_pp_must_not_exceed_layers_and_counts_must_fit() -> None:
 
 
 def test_world_must_be_a_multiple_of_tp_pp() -> None:
-    assert check_world(8, 2, 2) == 2
-    refused(check_world, 6, 2, 2, match="world size 6 is not a multiple of tp\\*pp = 2\\*2")
+    assert Dims.for_world(8, 2, 2) == Dims(tp=2, pp=2, dp=2)
+    refused(Dims.for_world, 6, 2, 2, match="world size 6 is not a multiple of tp\\*pp = 2\\*2")
     par = Parallelism(ParallelSpec(tp=2, pp=2), microbatches=2)
-    assert check_world(4, 2, 2) == 1 and check_parallelism(CFG, par) == [list(range(5)), list(range(5, 10))]
-    refused(check_world, 6, 2, 2, match="not a multiple")
+    assert Dims.for_world(4, 2, 2).dp == 1 and check_parallelism(CFG, par) == [
+        list(range(5)),
+        list(range(5, 10)),
+    ]
+    refused(Dims.for_world, 8, 1, 1, 1, 3, match="ep 3 does not divide dp 8")
     interleaved = Parallelism(
         ParallelSpec(pp=2, schedule="interleaved1f1b", virtual_stages=2), microbatches=2
     )
@@ -81,12 +83,35 @@ def test_world_must_be_a_multiple_of_tp_pp() -> None:
 
 def test_cp_needs_equal_chunks_and_sequence_parallel_a_split_part() -> None:
     """cp cuts a sequence into 2 x cp chunks; sequence parallel then cuts each rank's part over tp."""
-    assert check_world(8, 2, 1, cp=2) == 2
-    refused(check_world, 8, 2, 1, cp=3, match="world size 8 is not a multiple of tp\\*pp\\*cp = 2\\*1\\*3")
-    check_cp(4096, 4, 2, True)
-    refused(check_cp, 100, 4, 1, False, match="seq_length 100 is not a multiple of 8")
-    refused(check_cp, 20, 2, 4, True, match="each cp rank's 10 tokens over tp 4")
-    check_cp(20, 2, 4, False)  # without sequence parallel the part stays whole on every tp rank
+    assert Dims.for_world(8, 2, 1, cp=2).dp == 2
+    refused(Dims.for_world, 8, 2, 1, cp=3, match="world size 8 is not a multiple of tp\\*pp\\*cp = 2\\*1\\*3")
+    Dims(tp=2, cp=4).check_seq_length(4096, True)
+    refused(Dims(cp=4).check_seq_length, 100, False, match="seq_length 100 is not a multiple of 8")
+    refused(Dims(tp=4, cp=2).check_seq_length, 20, True, match="each cp rank's 10 tokens over tp 4")
+    Dims(tp=4, cp=2).check_seq_length(
+        20, False
+    )  # without sequence parallel the part stays whole on every tp rank
+    # The multiple a sequence must be, worked out from the two rules: 2 x cp, and cp x tp with SP.
+    assert [
+        Dims(tp=t, cp=c).seq_multiple(sp)
+        for t, c, sp in [(4, 1, True), (4, 2, False), (4, 2, True), (2, 4, True), (3, 2, True)]
+    ] == [1, 4, 8, 8, 12]
+
+
+def test_the_mesh_arithmetic_follows_the_rank_order() -> None:
+    """Ranks run (pp, dp, cp, tp), tp fastest: the replica index and the global rank, worked out by
+    enumerating the mesh in that order; the label is the dry run's."""
+    d = Dims(tp=2, pp=2, cp=2, dp=3, ep=3)
+    order = [(p, r, c, t) for p in range(2) for r in range(3) for c in range(2) for t in range(2)]
+    assert [d.rank(p, d.replica(r, c), t) for p, r, c, t in order] == list(range(d.world)) == list(range(24))
+    assert (d.replicas, d.edp) == (6, 1)
+    assert d.label == "tp 2 x pp 2 x cp 2 x dp 3 (ep 3)"
+    assert Dims(tp=2, dp=4).label == "tp 2 x pp 1 x dp 4"
+
+
+def test_the_batch_divides_into_micro_batches_of_every_dp_rank() -> None:
+    assert Dims(dp=4).microbatches(64, 2) == 8
+    refused(Dims(dp=3).microbatches, 64, 2, match="64 is not a multiple of micro_batch_size \\* dp = 2 \\* 3")
 
 
 def test_microbatches_must_divide_the_batch() -> None:

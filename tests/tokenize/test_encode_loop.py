@@ -12,27 +12,20 @@ import pytest
 import sentencepiece as spm
 
 from mega_tokenize.chat import ROLE_CODES
+from mega_tokenize.encoding import Encoder, EngineChecks, EngineDisagrees, in_order
 from mega_tokenize.inputs import read_lines
-from mega_tokenize.pipeline import (
-    Options,
-    Parsed,
-    _Encoder,
-    _EngineChecks,
-    _EngineDisagrees,
-    _in_order,
-    _Job,
-    _prepare,
-    _Shards,
-)
+from mega_tokenize.job import Job, Options, prepare
+from mega_tokenize.parsing import Parsed
+from mega_tokenize.shards import Shards
 from mega_tokenize.tokenizer import candidate_engine
 from megacore.artifacts import ArtifactWriter
 from megacore.data.indexed import IndexedReader
 from tokenize_testlib import corpus, write_jsonl
 
 
-def _job(tmp_path: Path, tokenizer: Path, records: list[dict], **kw) -> _Job:
+def _job(tmp_path: Path, tokenizer: Path, records: list[dict], **kw) -> Job:
     src = write_jsonl(tmp_path / "in.jsonl", records)
-    return _prepare(
+    return prepare(
         Options(inputs=[str(src)], out=tmp_path / "out", tokenizer=tokenizer, progress=False, **kw)
     )
 
@@ -51,7 +44,7 @@ def _docs(prefix: Path) -> list[list[int]]:
 def test_batches_come_back_in_input_order_with_one_waiting(tmp_path: Path, sp_model: Path):
     docs = corpus(300)
     job = _job(tmp_path, sp_model, [{"text": d} for d in docs], engine="sentencepiece")
-    encode = _Encoder(job, candidate_engine(job.tok, "sentencepiece"))
+    encode = Encoder(job, candidate_engine(job.tok, "sentencepiece"))
     # A large batch first, small ones after: those finish first and must wait for it.
     cuts = [0, 200, 205, 210, 230, 250, 300]
     batches = [Parsed({"text": docs[a:b]}, None, b - a) for a, b in pairwise(cuts)]
@@ -63,7 +56,7 @@ def test_batches_come_back_in_input_order_with_one_waiting(tmp_path: Path, sp_mo
             yield p
 
     with ThreadPoolExecutor(2) as pool:
-        loop = _in_order(source(), encode, pool, ahead=2)
+        loop = in_order(source(), encode, pool, ahead=2)
         first = next(loop)
         assert len(pulled) == 3  # two batches encoding and one waiting when the first is handed on
         got = [first, *loop]
@@ -81,9 +74,9 @@ def test_text_batches_append_per_key_with_their_sums(tmp_path: Path, sp_model: P
     titles = [f"document {i}: {d.split()[0] if d.split() else 'x'}" for i, d in enumerate(docs)]
     records = [{"text": d, "title": t} for d, t in zip(docs, titles, strict=True)]
     job = _job(tmp_path, sp_model, records, json_keys=["text", "title"], prepend_bos=True)
-    encode = _Encoder(job, candidate_engine(job.tok, "sentencepiece"))
+    encode = Encoder(job, candidate_engine(job.tok, "sentencepiece"))
     w = _staged(tmp_path)
-    shards = _Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=False)
+    shards = Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=False)
     batches = [Parsed({"text": docs[a:b], "title": titles[a:b]}, None, 0) for a, b in ((0, 40), (40, 60))]
     counts = [shards.write(p, encode(p)) for p in batches]
     shards.close()
@@ -126,9 +119,9 @@ def test_chat_batches_append_ids_and_roles_token_for_token(tmp_path: Path, sp_mo
         add_special_tokens=["<|im_start|>", "<|im_end|>"],
         engine="sentencepiece",
     )
-    encode = _Encoder(job, candidate_engine(job.tok, "sentencepiece"))
+    encode = Encoder(job, candidate_engine(job.tok, "sentencepiece"))
     w = _staged(tmp_path)
-    shards = _Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=True)
+    shards = Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=True)
     (parsed,) = [job.parse(b) for b in read_lines(job.files[0])]  # the run's own parsing
     halves = [Parsed({}, parsed.chats[:2], 0), Parsed({}, parsed.chats[2:], 0), Parsed({}, [], 0)]
     counts = [shards.write(p, encode(p)) for p in halves]
@@ -159,7 +152,7 @@ def test_sample_checks_pass_where_the_engines_agree_and_stop_where_they_differ(
     job = _job(tmp_path, hf_single_word, [{"text": d} for d in clean])
     engine = candidate_engine(job.tok, "gigatoken")
     agree = [Parsed({"text": clean[:30]}, None, 0), Parsed({"text": clean[30:]}, None, 0)]
-    checks = _EngineChecks(job.tok, engine)
+    checks = EngineChecks(job.tok, engine)
     try:
         assert list(checks.sampled(agree)) == agree
         checks.passed(wait=True)
@@ -167,9 +160,9 @@ def test_sample_checks_pass_where_the_engines_agree_and_stop_where_they_differ(
         checks.shutdown()
 
     differ = [*agree, Parsed({"text": ["words word sword"]}, None, 0)]
-    checks = _EngineChecks(job.tok, engine)
+    checks = EngineChecks(job.tok, engine)
     try:
-        with pytest.raises(_EngineDisagrees, match="gives different ids") as e:
+        with pytest.raises(EngineDisagrees, match="gives different ids") as e:
             for _ in checks.sampled(differ):
                 pass
             checks.passed(wait=True)

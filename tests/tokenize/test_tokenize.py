@@ -256,7 +256,7 @@ def test_auto_starts_over_with_the_reference_when_the_fast_engine_differs(
 def test_batches_ramp_up_and_shrink_same_bytes(tmp_path: Path, sp_model: Path, monkeypatch, compress):
     """The default batch sizing (grow from small, shrink toward the end; compressed: from the
     estimated compression ratio) covers every line once, in order, with the same shards."""
-    from mega_tokenize import inputs, pipeline
+    from mega_tokenize import inputs, parsing
 
     docs = corpus(400)
     src = write_jsonl(
@@ -265,8 +265,8 @@ def test_batches_ramp_up_and_shrink_same_bytes(tmp_path: Path, sp_model: Path, m
     ref = _tok(tmp_path, [src], sp_model, out="ref", workers=1).manifest
     # Scaled down so a small file makes many batches: reads of 512 B, batches of 4-32 KB.
     monkeypatch.setattr(inputs, "_READ", 512)
-    monkeypatch.setattr(pipeline, "MIN_BATCH", 4096)
-    sizes = pipeline._batch_sizes([src], 32 << 10, 2)[0]
+    monkeypatch.setattr(parsing, "MIN_BATCH", 4096)
+    sizes = parsing.batch_sizes([src], 32 << 10, 2)[0]
     batches = list(inputs.read_lines(src, sizes))
     mb = [b.nbytes for b in batches]
     assert max(mb) > 2 * mb[0] and mb[-2] < max(mb), mb  # ramps up, then shrinks
@@ -281,7 +281,7 @@ def test_auto_detects_a_difference_in_a_late_batch(tmp_path: Path, hf_single_wor
     many, after hundreds of documents on which the engines agree."""
     from tokenizers import Tokenizer
 
-    from mega_tokenize import inputs, pipeline
+    from mega_tokenize import inputs, parsing
     from megacore.errors import UserError
 
     monkeypatch.setattr(inputs, "_READ", 512)  # reads of 512 B, so a small file makes many batches
@@ -291,7 +291,7 @@ def test_auto_detects_a_difference_in_a_late_batch(tmp_path: Path, hf_single_wor
     docs = [*clean[:300], *[f"{tricky} {i}" for i in range(3)], *clean[300:305]]
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
     # The batches the run makes (its own batching): many, and the tricky documents only in a late one.
-    batches = list(inputs.read_lines(src, pipeline._batch_sizes([src], batch_bytes, 2)[0]))
+    batches = list(inputs.read_lines(src, parsing.batch_sizes([src], batch_bytes, 2)[0]))
     late = [i for i, b in enumerate(batches) if tricky.encode() in bytes(b.data)]
     assert len(batches) >= 10 and late and min(late) >= len(batches) - 3, (len(batches), late)
 

@@ -135,6 +135,8 @@ def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str], capsys):
     _patch(run_dir / "run.json", edit)
     p = dry_run(capsys, "--manifest", run_dir / "run.json", "--dry-run", "--world-size", "8")
     assert_one_line_error(p, *fragments)
+    # Every run-manifest error starts with the manifest's name, then the field.
+    assert p.stderr.startswith(f"mega-train: error: {run_dir / 'run.json'}: "), p.stderr
 
 
 @pytest.mark.parametrize(

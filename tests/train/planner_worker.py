@@ -3,7 +3,7 @@
 For each scenario every rank builds the engine's `ParallelModel`, runs one step (forward_backward
 and mega-train's fused AdamW, `make_optimizer`), sums the local bytes (`to_local()` of DTensors)
 of its parameters, gradients, optimizer state tensors and compute copies, and asserts them equal
-to `megacore.parallel.memory`'s numbers for its pp/dp/cp coordinates, and that `estimate` lists the
+to `megacore.planner`'s numbers for its pp/dp/cp coordinates, and that `estimate` lists the
 rank under those numbers. A scenario with "measure" then measures two more steps (`measure`).
 Rank 0 prints one PASS line per scenario.
 """
@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from mega_train.trainer import make_optimizer
+from megacore import planner
 from megacore.artifacts.manifest import OptimizerSpec, ParallelSpec
 from megacore.config import ModelConfig
-from megacore.parallel import memory
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
@@ -40,12 +40,12 @@ def local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> memory.State:
+def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> planner.State:
     """What the rank holds after a step: parameters, gradients, optimizer state and compute copies."""
     params = list(pm.parameters())  # a tied output copy too
     state = [t for p in params for t in opt.state[p].values() if torch.is_tensor(t)]
     copies = [c for cc in pm.copies for _, c in cc.pairs]
-    return memory.State(
+    return planner.State(
         weights=sum(local_bytes(p) for p in params),
         grads=sum(local_bytes(p.grad) for p in params),
         optimizer=sum(local_bytes(t) for t in state),
@@ -82,11 +82,11 @@ def step_peak(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> int:
 def measure(pm: ParallelModel, cfg: ModelConfig, par: Parallelism, dp: int, x: torch.Tensor, seq: int) -> str:
     """A step's saved tensors (`saved_bytes`) against `rank_activations`, within 10%; its peak
     against activations + buffers, which may overshoot it (buffers are counted at once) by 30% but
-    fall 10% short at most (memory.py's docstring has the figures). One microbatch (the next one's
+    fall 10% short at most (planner/memory.py's docstring has the figures). One microbatch (the next one's
     saved tensors could reuse its storages), no pipeline, recompute none."""
     assert par.microbatches == 1 and par.spec.pp == 1 and par.recompute == "none", par
-    act = memory.rank_activations(cfg, par, 0, x.shape[0], seq)
-    buffers = memory.rank_buffers(cfg, par, dp, 0, x.shape[0], seq)
+    act = planner.rank_activations(cfg, par, 0, x.shape[0], seq)
+    buffers = planner.rank_buffers(cfg, par, dp, 0, x.shape[0], seq)
     saved = saved_bytes(pm, x[:, :-1], x[:, 1:])
     peak = step_peak(pm, x[:, :-1], x[:, 1:])
     assert abs(act - saved) <= 0.10 * saved, (act, saved, act / saved)
@@ -109,13 +109,11 @@ def run(sc: dict) -> str:
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     dp, pp_rank = mesh["dp"].size(), mesh["pp"].get_local_rank()
     # The rank's place in FSDP2's dp x cp mesh (flattened, dp outer: `ParallelModel`).
-    dp_rank = mesh["dp"].get_local_rank() * spec.cp + mesh["cp"].get_local_rank()
+    replica = mesh["dp"].get_local_rank() * spec.cp + mesh["cp"].get_local_rank()
     seq = sc.get("seq", SEQ)
     m = sc.get("microbatches", 2)
-    par = Parallelism(spec, sc.get("precision", "fp32"), m, False, "none")
+    par = Parallelism(spec, sc.get("precision", "fp32"), m, False, "none", attention="sdpa")
     pm = ParallelModel(cfg, par, mesh, "cpu")
-    for part in pm.parts:
-        part.set_attention("sdpa")
     pm.init_weights()
     opt = make_optimizer(list(pm.parameters()), OptimizerSpec())
     x = torch.randint(0, cfg.vocab_size, (MICRO * m, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -123,13 +121,13 @@ def run(sc: dict) -> str:
     opt.step()
 
     got = held(pm, opt)
-    want = memory.rank_state(cfg, par, dp, pp_rank, dp_rank)
+    want = planner.rank_state(cfg, par, dp, pp_rank, replica)
     rank = dist.get_rank()
     assert got == want, (sc, rank, got, want)
-    rows = [r for r in memory.estimate(cfg, par, dp, MICRO, seq) if rank in r.ranks]
+    rows = [r for r in planner.estimate(cfg, par, dp, MICRO, seq) if rank in r.ranks]
     assert (
         len(rows) == 1
-        and memory.State(rows[0].weights, rows[0].grads, rows[0].optimizer, rows[0].copies) == got
+        and planner.State(rows[0].weights, rows[0].grads, rows[0].optimizer, rows[0].copies) == got
     )
     measured = f"; {measure(pm, cfg, par, dp, x, seq)}" if sc.get("measure") else ""
     return f"PASS {json.dumps(sc)} rank {rank}: {got}{measured}"

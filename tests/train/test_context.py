@@ -152,7 +152,7 @@ def test_only_the_context_can_be_set_beside_init(init: Path, tmp_path: Path, tok
     config = open_artifact(init, "checkpoint").config
     cases = [
         ({"init": str(init), "config": config}, "$.model.config: give exactly one of"),
-        ({"config": config, "max_seq_len": LONG}, "$.model.max_seq_len: a run from `config` sets it"),
+        ({"config": config, "max_seq_len": LONG}, "$.model.max_seq_len: a run from `config` or `hf_config` sets it"),
         ({"init": str(init), "max_seq_len": LONG, "rope_scaling": {"type": "llama3", "factor": 4.0}},
          "$.model.rope_scaling: llama3 rope scaling needs low_freq_factor"),
         ({"init": str(init), "max_seq_len": LONG, "rope_scaling": {"type": "linear", "factor": 4, "beta_fast": 8}},

@@ -52,17 +52,16 @@ def test_evaluate_matches_a_hand_computation(monkeypatch) -> None:
     )  # fmt: skip
     rows = torch.randint(0, config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(0))
     tokens, targets = rows[:, :-1], rows[:, 1:]
-    ref = Decoder(config)
+    ref = Decoder(config, attention="sdpa")
     ref.init_weights(seed=5)
-    ref.set_attention("sdpa")
     with torch.no_grad():
         logits = ref(tokens)[..., : config.vocab_size]
     want_loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
     want_acc = (logits.argmax(-1) == targets).float().mean()
     try:
-        pm = ParallelModel(config, Parallelism(precision="fp32", microbatches=2), build_mesh(), "cpu")
+        par = Parallelism(precision="fp32", microbatches=2, attention="sdpa")
+        pm = ParallelModel(config, par, build_mesh(), "cpu")
         pm.init_weights(seed=5)
-        pm.parts[0].set_attention("sdpa")
         seen: list[torch.Tensor] = []
         sums = EvalSums([], [], "run.json")
 
@@ -111,8 +110,7 @@ def test_user_metric_is_combined_over_dp2(tmp_path: Path, tokens: Path, monkeypa
     x = torch.cat([b[:, :-1] for b in batches])
     y = torch.cat([b[:, 1:] for b in batches])
     for record in rows:
-        model = load_decoder(out / "checkpoints" / f"step-{record['step']:08d}")
-        model.set_attention("sdpa")
+        model = load_decoder(out / "checkpoints" / f"step-{record['step']:08d}")  # auto: SDPA on a CPU
         with torch.no_grad():
             logits = model(x)[..., : plan.config.vocab_size]
         even = y % 2 == 0

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error
-from megacore.parallel.layout import FP8_EMULATE_ENV
 from runlib import losses, ok, torchrun, train, write_run
 
 pytest.importorskip("torchao", reason="fp8 needs torchao (requirements-dev.txt installs it)")
 
-EMULATE = {FP8_EMULATE_ENV: "1"}
+EMULATE = {"MEGA_FP8_EMULATE": "1"}
 STEPS = 20
 # float8's rounding (e4m3: 3 mantissa bits) against bf16's (7): measured, the tiny Llama's fp8
 # losses are within 0.12% of bf16's at every step (rowwise, one process), 0.22% (tensorwise, tp 2)
@@ -78,3 +77,28 @@ def test_fp8_is_refused_without_float8_matmuls_and_rowwise_under_tp(tmp_path: Pa
     rowwise_tp = _run(tmp_path, tokens, "tp", precision="fp8", fp8_scaling="rowwise", parallel={"tp": 2})
     proc = train(rowwise_tp, "--dry-run", "--world-size", "2", env=EMULATE)
     assert_one_line_error(proc, "fp8_scaling", "tensorwise")
+
+
+def test_the_engine_never_emulates_float8_unless_told(monkeypatch) -> None:
+    """The one decision (`fp8.float8_emulation`) reads MEGA_FP8_EMULATE; an engine built for fp8
+    without emulation on a machine without float8 matmuls is refused, not silently emulated."""
+    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.config import ModelConfig
+    from megacore.errors import UserError
+    from megacore.parallel.engine import ParallelModel
+    from megacore.parallel.fp8 import float8_emulation
+    from megacore.parallel.layout import Parallelism
+    from megacore.parallel.mesh import build_mesh, shutdown
+    from runlib import TINY_LLAMA
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGA_FP8_EMULATE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(UserError, match="fp8 needs a GPU with float8 matmuls"):
+        float8_emulation("run.json")
+    monkeypatch.setenv("MEGA_FP8_EMULATE", "1")
+    assert float8_emulation("run.json") is True
+    try:
+        with pytest.raises(UserError, match="precision: .*fp8 needs a GPU with float8 matmuls"):
+            ParallelModel(ModelConfig(**TINY_LLAMA), Parallelism(ParallelSpec(), "fp8"), build_mesh(), "cpu")
+    finally:
+        shutdown()

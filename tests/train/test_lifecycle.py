@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import BIN, assert_bitwise_equal
 from mega_train.launch import children
 from runlib import checkpoint_tensors, metrics, ok, train, write_run
@@ -131,6 +133,23 @@ def test_stop_signals_to_the_launcher(tmp_path: Path, tokens: Path, reference: P
             for name in want:
                 assert_bitwise_equal(got[name], want[name], name)
             assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_while_the_workers_start_is_one_line(tmp_path: Path, tokens: Path, sig) -> None:
+    """A stop that comes before the first step (the workers still importing and setting up, none
+    able to save yet): the launcher ends with the signal's exit code, one line on stderr and nothing
+    saved, whichever of it and its workers says it."""
+    run_json = write_run(tmp_path, tokens, **LONG)
+    proc = start("--nproc-per-node", "2", "--manifest", run_json)
+    deadline = time.time() + 60
+    while len(children(proc.pid)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (proc.returncode, stdout[-2000:], stderr[-3000:])
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
 
 
 def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path, tokens: Path) -> None:

@@ -55,6 +55,12 @@ def test_mixtral_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: 
     final = run_json.parent / "run" / "checkpoints" / "latest"
     exported = tmp_path / "exported"
     run_in_process("mega-export", final, exported, check=True)
+    # Its card: the layout the checkpoint records, its experts split over ep 2 (dp 2 is edp 1 x ep 2).
+    card = (exported / "README.md").read_text().splitlines()
+    experts = "4 in every layer, top 2 per token, their routing weights renormalised to sum to 1"
+    assert f"| experts | {experts} |" in card, card
+    layout = "tp 2 x pp 1 x dp 2, the experts over ep 2 of the dp ranks, float32"
+    assert f"| layout | {layout} |" in card, card
     model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     assert model.config.num_local_experts == 4 and model.config.router_aux_loss_coef == 0.02

@@ -155,7 +155,7 @@ def test_json_summary_names_the_newest_checkpoint(tmp_path: Path, tokens: Path) 
     )
     assert summary["train_loss"] == metrics(out)[-1]["loss"]
     assert summary["valid_loss"] == metrics(out, "eval")[-1]["loss"]
-    assert summary["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 2}
+    assert summary["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "ep": 1}
     assert "step 4/4" in first.stderr and "saved" in first.stderr
     again = ok(torchrun(2, run_json, "--json"))
     assert json.loads(again.stdout) == summary

@@ -9,7 +9,6 @@ unwinds like on any failure: its staging directory is removed (megacore.artifact
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
@@ -20,6 +19,7 @@ import typer
 from typer.core import TyperCommand
 from typer.exceptions import TyperException
 
+from megacore import env
 from megacore.errors import Silent, UserError
 
 Verify = Literal["sha256", "size", "none"]
@@ -159,7 +159,7 @@ def run(
     `quiet_stop`: a signal ends the process with its exit code and no line (a torchrun worker but
     rank 0, which says it once: torchrun stops every worker when one fails)."""
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
-    debug = debug or os.environ.get("MEGA_DEBUG") == "1"
+    debug = debug or env.flag("MEGA_DEBUG")
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
     previous = {}
     _RECEIVED.clear()

@@ -77,6 +77,10 @@ class RopeScaling(Struct, omit_defaults=True):
     truncate: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.factor < 1:  # a factor below 1 would squeeze the trained positions, not stretch them
+            raise ValueError(
+                f"rope_scaling factor {self.factor:g} is below 1; a scaling stretches the context"
+            )
         if self.type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor):
             raise ValueError("llama3 rope scaling needs low_freq_factor and high_freq_factor")
         reads = ROPE_FIELDS[self.type]
@@ -299,58 +303,67 @@ def model_tensors(
     Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
     stage with the head and not the embedding holds one, a copy of "embed.weight" kept equal to it
     by the engine (Megatron's shared embedding), never written to a checkpoint."""
-    hidden, hd, ffn, vocab = (
-        config.hidden_size,
-        config.head_dim,
-        config.ffn_hidden_size,
-        config.padded_vocab_size,
-    )
     out: dict[str, tuple[int, ...]] = {}
-
-    def linear(name: str, rows: int, cols: int, bias: bool) -> None:
-        out[f"{name}.weight"] = (rows, cols)
-        if bias:
-            out[f"{name}.bias"] = (rows,)
-
-    def norm(name: str) -> None:
-        out[f"{name}.weight"] = (hidden,)
-        if config.norm == "layernorm" and config.norm_bias:
-            out[f"{name}.bias"] = (hidden,)
-
     if embed:
-        out["embed.weight"] = (vocab, hidden)
+        out["embed.weight"] = (config.padded_vocab_size, config.hidden_size)
     for i in range(config.num_layers) if layers is None else layers:
-        at = f"layers.{i}"
-        norm(f"{at}.attn_norm")
-        linear(f"{at}.attn.q_proj", config.num_heads * hd, hidden, config.attn_bias)
-        linear(f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-        linear(f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-        linear(f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
-        if config.qk_norm:
-            out[f"{at}.attn.q_norm.weight"] = (hd,)
-            out[f"{at}.attn.k_norm.weight"] = (hd,)
-        if config.sandwich_norm:
-            norm(f"{at}.attn_post_norm")
-        if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
-            norm(f"{at}.mlp_norm")
-        if config.num_experts is not None:
-            experts = config.num_experts
-            out[f"{at}.mlp.router.weight"] = (experts, hidden)
-            out[f"{at}.mlp.experts.gate_proj.weight"] = (experts, ffn, hidden)
-            out[f"{at}.mlp.experts.up_proj.weight"] = (experts, ffn, hidden)
-            out[f"{at}.mlp.experts.down_proj.weight"] = (experts, hidden, ffn)
-        else:
-            if config.activation in GATED_ACTIVATIONS:
-                linear(f"{at}.mlp.gate_proj", ffn, hidden, config.mlp_bias)
-            linear(f"{at}.mlp.up_proj", ffn, hidden, config.mlp_bias)
-            linear(f"{at}.mlp.down_proj", hidden, ffn, config.mlp_bias)
-        if config.sandwich_norm:
-            norm(f"{at}.mlp_post_norm")
+        _layer_tensors(out, config, f"layers.{i}")
     if head:
-        norm("norm")
+        _norm(out, config, "norm")
         if not (config.tie_embeddings and embed):
-            out["lm_head.weight"] = (vocab, hidden)
+            out["lm_head.weight"] = (config.padded_vocab_size, config.hidden_size)
     return out
+
+
+# model_tensors' parts: each appends to `out`, whose insertion order is the state-dict order.
+
+
+def _linear(out: dict[str, tuple[int, ...]], name: str, rows: int, cols: int, bias: bool) -> None:
+    out[f"{name}.weight"] = (rows, cols)
+    if bias:
+        out[f"{name}.bias"] = (rows,)
+
+
+def _norm(out: dict[str, tuple[int, ...]], config: ModelConfig, name: str) -> None:
+    out[f"{name}.weight"] = (config.hidden_size,)
+    if config.norm == "layernorm" and config.norm_bias:
+        out[f"{name}.bias"] = (config.hidden_size,)
+
+
+def _layer_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
+    """One decoder layer's tensors (`at`: "layers.<i>")."""
+    hidden, hd = config.hidden_size, config.head_dim
+    _norm(out, config, f"{at}.attn_norm")
+    _linear(out, f"{at}.attn.q_proj", config.num_heads * hd, hidden, config.attn_bias)
+    _linear(out, f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
+    _linear(out, f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
+    _linear(out, f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
+    if config.qk_norm:
+        out[f"{at}.attn.q_norm.weight"] = (hd,)
+        out[f"{at}.attn.k_norm.weight"] = (hd,)
+    if config.sandwich_norm:
+        _norm(out, config, f"{at}.attn_post_norm")
+    if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
+        _norm(out, config, f"{at}.mlp_norm")
+    _mlp_tensors(out, config, f"{at}.mlp")
+    if config.sandwich_norm:
+        _norm(out, config, f"{at}.mlp_post_norm")
+
+
+def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
+    """A layer's MLP (`at`: "layers.<i>.mlp"): dense, or the router and the stacked experts."""
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+    if config.num_experts is not None:
+        experts = config.num_experts
+        out[f"{at}.router.weight"] = (experts, hidden)
+        out[f"{at}.experts.gate_proj.weight"] = (experts, ffn, hidden)
+        out[f"{at}.experts.up_proj.weight"] = (experts, ffn, hidden)
+        out[f"{at}.experts.down_proj.weight"] = (experts, hidden, ffn)
+        return
+    if config.activation in GATED_ACTIVATIONS:
+        _linear(out, f"{at}.gate_proj", ffn, hidden, config.mlp_bias)
+    _linear(out, f"{at}.up_proj", ffn, hidden, config.mlp_bias)
+    _linear(out, f"{at}.down_proj", hidden, ffn, config.mlp_bias)
 
 
 def _experts(config: ModelConfig, tensors: dict[str, tuple[int, ...]]) -> tuple[int, int]:

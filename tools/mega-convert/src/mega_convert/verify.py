@@ -15,7 +15,7 @@ from megacore.artifacts.manifest import float_dtype
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
 from megacore.models import config_from_hf
-from megacore.models.hf import differences_from_hf
+from megacore.models.families import differences_from_hf
 
 # Defaults: the issue's bar (max abs error 1e-4 in fp32) and the seed document's mean-error bars.
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0, "float16": 1.0}
@@ -41,14 +41,7 @@ def verify(
     # Everything transformers would trip over is checked first, as one-line errors: the same
     # architecture (vocab padding aside), and safetensors weights of the shapes config.json implies.
     with CheckpointReader(Path(checkpoint)) as ckpt:
-        if dtype is None:
-            dtype, dtype_from = ckpt.manifest.dtype, "the checkpoint's dtype"
-        else:
-            dtype, dtype_from = float_dtype(dtype), "from --dtype"
-        if dtype not in DEFAULT_TOLERANCE:
-            raise UserError(
-                f"the checkpoint's dtype {dtype} is not a float dtype; pass --dtype", str(checkpoint)
-            )
+        dtype, dtype_from = _dtype(ckpt, dtype, checkpoint)
         torch_dtype = TORCH_DTYPES[dtype]
         diff = differences_from_hf(ckpt.config, hf_config)
         if diff:
@@ -59,8 +52,38 @@ def verify(
         check_hf_tensors(hf_config, weight_files(model_dir), model_dir)
         ours = ckpt.decoder(torch_dtype).eval()  # confirms the files' sums: no verdict on damaged ones
     hf = _load_transformers(model_dir, torch_dtype)
-    vocab = hf_config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        0, hf_config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)
+    )
+    tol = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
+    mean_tol = DEFAULT_MEAN_TOLERANCE[dtype] if mean_tolerance is None else mean_tolerance
+    result = {
+        "dtype": dtype,
+        "dtype_from": dtype_from,
+        **_errors(ours, hf, ids, hf_config.vocab_size),
+        "tolerance": tol,
+        "mean_tolerance": mean_tol,
+    }
+    result["loss_diff"] = abs(result["loss_ours"] - result["loss_hf"])
+    result["passed"] = bool(result["max_abs_error"] <= tol and result["mean_abs_error"] <= mean_tol)
+    return result
+
+
+def _dtype(ckpt: CheckpointReader, dtype: str | None, checkpoint: Path) -> tuple[str, str]:
+    """(the dtype both models run in, where it came from): `dtype` (either spelling), else the
+    checkpoint's; a float dtype, or a UserError."""
+    if dtype is None:
+        dtype, dtype_from = ckpt.manifest.dtype, "the checkpoint's dtype"
+    else:
+        dtype, dtype_from = float_dtype(dtype), "from --dtype"
+    if dtype not in DEFAULT_TOLERANCE:
+        raise UserError(f"the checkpoint's dtype {dtype} is not a float dtype; pass --dtype", str(checkpoint))
+    return dtype, dtype_from
+
+
+def _errors(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, vocab: int) -> dict[str, Any]:
+    """Both models' logits on `ids` (ours without the padded vocab rows): their absolute error and
+    each one's next-token loss."""
     with torch.no_grad():
         ref = hf(ids).logits.float()
         got = ours(ids)[..., :vocab].float()
@@ -69,22 +92,13 @@ def verify(
     def loss(logits: torch.Tensor) -> float:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
 
-    tol = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
-    mean_tol = DEFAULT_MEAN_TOLERANCE[dtype] if mean_tolerance is None else mean_tolerance
-    result = {
-        "dtype": dtype,
-        "dtype_from": dtype_from,
-        "tokens": batch * seq_len,
+    return {
+        "tokens": ids.numel(),
         "max_abs_error": err.max().item(),
         "mean_abs_error": err.mean().item(),
         "loss_ours": loss(got),
         "loss_hf": loss(ref),
-        "tolerance": tol,
-        "mean_tolerance": mean_tol,
     }
-    result["loss_diff"] = abs(result["loss_ours"] - result["loss_hf"])
-    result["passed"] = bool(result["max_abs_error"] <= tol and result["mean_abs_error"] <= mean_tol)
-    return result
 
 
 def _load_transformers(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -58,7 +59,6 @@ def export(
     t.AutoModelForCausalLM.from_pretrained('hf-out')"
     """
     from mega_export.export import export_hf  # torch is imported only once there is work
-    from mega_export.hub import push, upload_files
 
     pushing = (
         ("--private", private),
@@ -71,32 +71,48 @@ def export(
         raise UserError(f"{stray[0]} is an option of --push-to-hub REPO, which is not given")
     s = export_hf(checkpoint, out, dtype=dtype, force=force)
     if not as_json:
-        if s["reused"]:
-            print(
-                f"mega-export: {out} is already this export; reused (pass --force to rebuild)",
-                file=sys.stderr,
-            )
-        else:
-            typer.echo(
-                f"wrote {out}: {s['family']}, {plural(s['tensors'], 'tensor')} in {plural(len(s['files']), 'file')}, {s['dtype']}"
-            )
+        _report(s, out)
     if push_to_hub is not None:
-        files = upload_files(out)
-        s["push"] = {"repo": push_to_hub, "revision": revision or "main", "dry_run": dry_run,
-                     "files": [{"path": p, "bytes": n} for p, n in files]}  # fmt: skip
-        if dry_run and not as_json:
-            typer.echo(f"would upload to {push_to_hub} ({revision or 'main'}):")
-            for path, size in files:
-                typer.echo(f"  {size:>14,}  {path}")
-            typer.echo(f"  {sum(n for _, n in files):>14,}  bytes in {plural(len(files), 'file')}")
-        if not dry_run:
-            s["push"]["commit"] = push(
-                out, push_to_hub, private=private, revision=revision, commit_message=commit_message
-            )
-            if not as_json:
-                typer.echo(f"pushed {out} to {push_to_hub}: {s['push']['commit']}")
+        s["push"] = _push(out, push_to_hub, private, revision, commit_message, dry_run, as_json)
     if as_json:
         typer.echo(json.dumps(s, indent=2))
+
+
+def _report(s: dict[str, Any], out: Path) -> None:
+    """What was written (stdout), or that it was reused (stderr)."""
+    if s["reused"]:
+        print(f"mega-export: {out} is already this export; reused (pass --force to rebuild)", file=sys.stderr)
+    else:
+        typer.echo(
+            f"wrote {out}: {s['family']}, {plural(s['tensors'], 'tensor')} in {plural(len(s['files']), 'file')}, {s['dtype']}"
+        )
+
+
+def _push(
+    out: Path,
+    repo: str,
+    private: bool,
+    revision: str | None,
+    commit_message: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> dict[str, Any]:
+    """Upload OUT to `repo` (with `dry_run`, list what would be uploaded); the summary's "push"."""
+    from mega_export.hub import push, upload_files
+
+    files = upload_files(out)
+    summary: dict[str, Any] = {"repo": repo, "revision": revision or "main", "dry_run": dry_run,
+                               "files": [{"path": p, "bytes": n} for p, n in files]}  # fmt: skip
+    if dry_run and not as_json:
+        typer.echo(f"would upload to {repo} ({revision or 'main'}):")
+        for path, size in files:
+            typer.echo(f"  {size:>14,}  {path}")
+        typer.echo(f"  {sum(n for _, n in files):>14,}  bytes in {plural(len(files), 'file')}")
+    if not dry_run:
+        summary["commit"] = push(out, repo, private=private, revision=revision, commit_message=commit_message)
+        if not as_json:
+            typer.echo(f"pushed {out} to {repo}: {summary['commit']}")
+    return summary
 
 
 main = main_for(app, "mega-export")

@@ -72,6 +72,48 @@ def _write_tokenizer(ckpt: CheckpointReader, w: ArtifactWriter) -> None:
             w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
 
 
+def _write_weights(
+    ckpt: CheckpointReader,
+    w: ArtifactWriter,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: str,
+    max_shard_bytes: int,
+    shown: Progress,
+) -> list[str]:
+    """The weights as safetensors files (`_shards`), with an index when there are several; returns
+    the files' names."""
+    elem = TORCH_DTYPES[dtype].itemsize
+    shards = _shards(shapes, elem, max_shard_bytes)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+
+    def get(name: str) -> torch.Tensor:
+        t = ckpt.read(name)
+        ckpt.release()  # unmap: pages of a mapping left open count as resident (RSS ~ model)
+        return t
+
+    tensors = export_tensors(ckpt.config, get)
+    weight_map = {}
+    for file, names in zip(files, shards, strict=True):
+        decl = [(n, dtype, shapes[n]) for n in names]
+        with SafetensorsStreamWriter(w.path(file), decl, metadata={"format": "pt"}) as sw:
+            for n in names:
+                hf_name, t = next(tensors)
+                assert hf_name == n
+                sw.write(n, t.to(TORCH_DTYPES[dtype]))
+                shown.update(1, t.numel() * elem)
+        w.record(file, sw.close(), sw.size)
+        weight_map.update(dict.fromkeys(names, file))
+    if len(files) > 1:
+        total = sum(math.prod(s) * elem for s in shapes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
 def export_hf(
     checkpoint: Path,
     out: Path,
@@ -96,38 +138,11 @@ def export_hf(
             files = sorted(e.path for e in old.files if e.path.endswith(".safetensors"))
             return {**summary, "reused": True, "files": files, "seconds": round(time.perf_counter() - t0, 3)}
 
-        elem = TORCH_DTYPES[dtype].itemsize
         shapes = hf_shapes(config)
-        shards = _shards(shapes, elem, max_shard_bytes)
-        files = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        total = sum(math.prod(s) * elem for s in shapes.values())
+        total = sum(math.prod(s) * TORCH_DTYPES[dtype].itemsize for s in shapes.values())
         shown = Progress("mega-export", "tensors", total=len(shapes), total_bytes=total, enabled=progress)
-
-        def get(name: str) -> torch.Tensor:
-            t = ckpt.read(name)
-            ckpt.release()  # unmap: pages of a mapping left open count as resident (RSS ~ model)
-            return t
-
         with write_artifact(out, "hf", inputs=[checkpoint], force=force, recipe=recipe) as w:
-            tensors = export_tensors(config, get)
-            weight_map = {}
-            for file, names in zip(files, shards, strict=True):
-                decl = [(n, dtype, shapes[n]) for n in names]
-                with SafetensorsStreamWriter(w.path(file), decl, metadata={"format": "pt"}) as sw:
-                    for n in names:
-                        hf_name, t = next(tensors)
-                        assert hf_name == n
-                        sw.write(n, t.to(TORCH_DTYPES[dtype]))
-                        shown.update(1, t.numel() * elem)
-                w.record(file, sw.close(), sw.size)
-                weight_map.update(dict.fromkeys(names, file))
-            if len(files) > 1:
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                w.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            files = _write_weights(ckpt, w, shapes, dtype, max_shard_bytes, shown)
             w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
             w.path("README.md").write_text(model_card(out.name, ckpt.manifest), encoding="utf-8")
             _write_tokenizer(ckpt, w)

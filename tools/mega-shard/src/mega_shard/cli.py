@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -11,6 +12,9 @@ from mega_shard import __version__
 from megacore.cli import Verify, debug_option, main_for, make_app, verify_option, version_option
 from megacore.errors import UserError
 from megacore.progress import plural
+
+if TYPE_CHECKING:
+    from mega_shard.reshard import ShardResult  # imported when run, so --help stays instant
 
 app = make_app("Reshard a checkpoint artifact to any tensor/pipeline layout, streaming, no GPU.")
 
@@ -74,6 +78,12 @@ def run(
         chunk_bytes=chunk_mb << 20,
         producer=("mega-shard", __version__),
     )
+    _report(res, as_json)
+
+
+def _report(res: ShardResult, as_json: bool) -> None:
+    """The --json summary on stdout, or what was written on stderr (nothing when reused: the
+    library said so)."""
     summary = {
         "out": res.out,
         "tp": res.tp,
@@ -89,8 +99,9 @@ def run(
     if as_json:
         typer.echo(json.dumps(summary))
     elif not res.reused:
+        layout = f"tp {res.tp}, pp {res.pp}{f', ep {res.ep}' if res.ep > 1 else ''}"
         typer.echo(
-            f"wrote {out} (tp {tp}, pp {pp}{f', ep {ep}' if ep > 1 else ''}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
+            f"wrote {res.out} ({layout}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
             f"{res.bytes_written / 1e9:.2f} GB in {res.seconds:.1f}s)",
             err=True,
         )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megacore.artifacts import TORCH_DTYPES, parent_of
-from megacore.artifacts.manifest import Layout, TensorEntry
+from megacore.artifacts.manifest import Layout, Parent, TensorEntry
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import Box, even_split
 from megacore.background import Background
@@ -87,18 +87,8 @@ def reshard(
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     with CheckpointReader(src, verify=verify) as ckpt:
-        manifest, cfg = ckpt.manifest, ckpt.config
-        # Every check before anything is written.
-        check_tp(cfg, tp, "--tp")
-        check_ep(cfg, ep, "--ep")
-        layers = stage_layers(cfg.num_layers, pp, pp_layers, "--pp-layers" if pp_layers else "--pp")
-        places = {name: place(name, cfg, tp) for name in manifest.tensors}
-        for name, e in manifest.tensors.items():
-            dim = places[name].tp_dim
-            if dim is not None and (len(e.shape) <= dim or e.shape[dim] % tp):
-                raise UserError(
-                    f"tensor {name!r} shape {e.shape} does not split into {tp} along dim {dim}", "--tp"
-                )
+        manifest = ckpt.manifest
+        layers, places = _check(ckpt, tp, pp, pp_layers, ep)  # every check before anything is written
         parent = parent_of(src)
         result = ShardResult(out=str(out), tp=tp, pp=pp, stage_layers=layers, ep=ep)
         recipe = recipe_sha256(
@@ -116,41 +106,86 @@ def reshard(
             return result
 
         names = sorted(manifest.tensors, key=lambda n: _order_key(n, places[n]))
-        by_stage: list[list[str]] = [[] for _ in range(pp)]
-        for n in names:
-            by_stage[stage_of(places[n], layers)].append(n)
         total = sum(math.prod(e.shape) * TORCH_DTYPES[e.dtype].itemsize for e in manifest.tensors.values())
         shown = Progress("mega-shard", "tensors", total=len(names), total_bytes=total, enabled=progress)
         with write_artifact(out, "checkpoint", inputs=[src], force=force, recipe=recipe) as w:
             cw = CheckpointWriter(w)
-            for s, stage_names in enumerate(by_stage):
-                _write_stage(ckpt, cw, s, stage_names, places, (tp, ep), chunk_bytes, shown)
-                # The source's sums, hashed meanwhile, before a stage is said to be written: a
-                # damaged file is the one line of output, and leaves no output behind.
-                ckpt.confirm()
-                log(f"mega-shard: stage {s + 1}/{pp} written ({len(stage_names)} tensors, {tp * ep} files)")
-            extra = list(manifest.tokenizer_files) + (
-                manifest.training.rng_files if manifest.training else []
-            )
-            for rel in extra:
-                cw.add_file(ckpt.root / rel, rel)
-            tokenizer = cw.add_tokenizer(ckpt.root, manifest.tokenizer) if manifest.tokenizer else None
-            cw.commit(
-                config=cfg,
-                dtype=manifest.dtype,
-                layout=Layout(tp=tp, pp=pp, dp=ep, stage_layers=layers),
-                producer=producer,
-                parents=[parent],
-                tokenizer_files=manifest.tokenizer_files,
-                tokenizer=tokenizer,
-                training=manifest.training,
-                license=manifest.license,
-                order=names,
-            )
+            _write_stages(ckpt, cw, names, places, layers, (tp, ep), chunk_bytes, shown, log)
+            _commit(ckpt, cw, Layout(tp=tp, pp=pp, dp=ep, stage_layers=layers), producer, parent, names)
         shown.done()
     result.tensors, result.files, result.bytes_written = len(names), cw.files, cw.bytes_written
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check(
+    ckpt: CheckpointReader, tp: int, pp: int, pp_layers: Sequence[int] | None, ep: int
+) -> tuple[list[list[int]], dict[str, TensorPlace]]:
+    """The layout checked against the checkpoint's model: (each stage's layers, each tensor's place)."""
+    cfg = ckpt.config
+    check_tp(cfg, tp, "--tp")
+    check_ep(cfg, ep, "--ep")
+    layers = stage_layers(cfg.num_layers, pp, pp_layers, "--pp-layers" if pp_layers else "--pp")
+    places = {name: place(name, cfg, tp) for name in ckpt.manifest.tensors}
+    for name, e in ckpt.manifest.tensors.items():
+        dim = places[name].tp_dim
+        if dim is not None and (len(e.shape) <= dim or e.shape[dim] % tp):
+            raise UserError(
+                f"tensor {name!r} shape {e.shape} does not split into {tp} along dim {dim}", "--tp"
+            )
+    return layers, places
+
+
+def _write_stages(
+    ckpt: CheckpointReader,
+    cw: CheckpointWriter,
+    names: list[str],
+    places: dict[str, TensorPlace],
+    layers: list[list[int]],
+    sizes: tuple[int, int],
+    chunk_bytes: int,
+    shown: Progress,
+    log: Callable[[str], None],
+) -> None:
+    """Every stage's files (`names` in their order), one stage after another, each confirmed."""
+    pp, (tp, ep) = len(layers), sizes
+    by_stage: list[list[str]] = [[] for _ in range(pp)]
+    for n in names:
+        by_stage[stage_of(places[n], layers)].append(n)
+    for s, stage_names in enumerate(by_stage):
+        _write_stage(ckpt, cw, s, stage_names, places, sizes, chunk_bytes, shown)
+        # The source's sums, hashed meanwhile, before a stage is said to be written: a
+        # damaged file is the one line of output, and leaves no output behind.
+        ckpt.confirm()
+        log(f"mega-shard: stage {s + 1}/{pp} written ({len(stage_names)} tensors, {tp * ep} files)")
+
+
+def _commit(
+    ckpt: CheckpointReader,
+    cw: CheckpointWriter,
+    layout: Layout,
+    producer: tuple[str, str],
+    parent: Parent,
+    names: list[str],
+) -> None:
+    """The source's other files (tokenizer, rng states) copied, then the manifest: the commit."""
+    manifest = ckpt.manifest
+    extra = list(manifest.tokenizer_files) + (manifest.training.rng_files if manifest.training else [])
+    for rel in extra:
+        cw.add_file(ckpt.root / rel, rel)
+    tokenizer = cw.add_tokenizer(ckpt.root, manifest.tokenizer) if manifest.tokenizer else None
+    cw.commit(
+        config=ckpt.config,
+        dtype=manifest.dtype,
+        layout=layout,
+        producer=producer,
+        parents=[parent],
+        tokenizer_files=manifest.tokenizer_files,
+        tokenizer=tokenizer,
+        training=manifest.training,
+        license=manifest.license,
+        order=names,
+    )
 
 
 def _boxes(name: str, shape: Sequence[int], p: TensorPlace, tp: int, ep: int) -> list[tuple[int, Box]]:

@@ -28,6 +28,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from megacore import env
 from megacore.errors import UserError
 
 EngineName = Literal["auto", "sentencepiece", "hf", "gigatoken"]
@@ -205,7 +206,7 @@ def _cached(path: Path, kind: str, convert) -> str:
     """convert(file bytes), cached by content and converter: converting a 32k .model takes a
     second, importing the converter (megacore.models: torch) a few more."""
     raw = path.read_bytes()
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mega-tokenize"
+    root = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mega-tokenize"
     try:
         cached = root / f"{kind}-{hashlib.sha256(raw + _converter_source()).hexdigest()[:32]}.json"
     except OSError:  # the converter's source unreadable: no cache
@@ -293,9 +294,9 @@ class _GigatokenEngine:
 
 def set_threads(n: int) -> None:
     """Size the Rust thread pools of tokenizers/gigatoken before their first use (later: no effect)."""
-    os.environ.setdefault("RAYON_NUM_THREADS", str(n))
-    os.environ.setdefault("RAYON_RS_NUM_CPUS", str(n))
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if n > 1 else "false"
+    env.set_for_libraries("RAYON_NUM_THREADS", str(n))
+    env.set_for_libraries("RAYON_RS_NUM_CPUS", str(n))
+    env.set_for_libraries("TOKENIZERS_PARALLELISM", "true" if n > 1 else "false", override=True)
 
 
 def load_tokenizer(path: Path, threads: int = 1) -> Tokenizer:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
+
+from megacore import env
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -25,7 +26,7 @@ M_MMAP_MAX = -4
 
 def configure_allocator(device: str) -> str:
     """Apply the allocator setting for a run on `device`; returns what was done, for the log."""
-    mode = os.environ.get("MEGA_TRAIN_MALLOC", "heap")
+    mode = env.get("MEGA_TRAIN_MALLOC", "heap")
     if device != "cpu" or mode != "heap":
         return "default"
     name = ctypes.util.find_library("c")

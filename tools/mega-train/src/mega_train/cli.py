@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import typer
 
 from mega_train import __version__
+from megacore import env
 from megacore.cli import Verify, debug_option, main_for, make_app, verify_option, version_option
 from megacore.errors import Silent, UserError
 from megacore.progress import plural
@@ -121,16 +123,23 @@ def train(
         worker += ["--peak-tflops", str(peak_tflops)] if peak_tflops is not None else []
         options = torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port)
         raise typer.Exit(launch(options, worker))
-    if world_size is not None and world_size != int(os.environ.get("WORLD_SIZE", "1")):
+    if world_size is not None and world_size != int(env.get("WORLD_SIZE", "1")):
         raise UserError("--world-size is for --dry-run; a run's world size is torchrun's", "--world-size")
+    _train(plan, peak_tflops, as_json)
+
+
+def _train(plan, peak_tflops: float | None, as_json: bool) -> None:
+    """Run the training on this rank, with the faults a test asks for (`faults.py`); with --json
+    stdout carries the summary alone: everything the run prints goes to stderr."""
+    from mega_train.faults import ENV, Faults
     from mega_train.trainer import train as run_training
 
+    faults = Faults.parse(env.get(ENV))
     if not as_json:
-        run_training(plan, peak_tflops)
+        run_training(plan, peak_tflops, faults)
         return
-    # stdout carries the summary alone: everything the run prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        finished = run_training(plan, peak_tflops)
+        finished = run_training(plan, peak_tflops, faults)
     if finished is not None:
         typer.echo(json.dumps(finished, indent=2))
 
@@ -140,8 +149,6 @@ def _planning_flags(
 ) -> int | None:
     """Check the flags that only plan (before the manifest: a typo fails at once); returns
     --gpu-memory in bytes."""
-    from megacore.parallel.memory import parse_size
-
     memory_bytes = parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
     if (gpus is not None or gpu_memory is not None) and not dry_run:
         raise UserError(
@@ -154,7 +161,7 @@ def _planning_flags(
             raise UserError("ranking layouts needs --gpu-memory, e.g. --gpu-memory 80GB", "--gpus")
     if nproc is not None and (world_size is not None or gpus is not None):
         raise UserError("--nproc-per-node sets the world size: give it without --world-size or --gpus")
-    if nproc is not None and "RANK" in os.environ:
+    if nproc is not None and env.get("RANK") is not None:
         raise UserError("--nproc-per-node launches the workers: run mega-train with it, not under torchrun")
     return memory_bytes
 
@@ -164,8 +171,8 @@ def _plan(manifest: Path, world_size: int | None, verify: Verify, machine: bool)
     finds the same, and rank 0 says it once."""
     from mega_train.run_plan import plan_run, start_checks
 
-    rank = int(os.environ.get("RANK", "0"))
-    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(env.get("RANK", "0"))
+    ws = world_size if world_size is not None else int(env.get("WORLD_SIZE", "1"))
     try:
         plan = plan_run(manifest, ws, verify)
         start_checks(plan, machine)
@@ -185,21 +192,22 @@ def _report(
     plan, dry_run: bool, as_json: bool, memory_bytes: int | None, gpus: int | None, verify: Verify
 ) -> None:
     """The plan's line (and with --dry-run each rank's memory and where it would resume), on rank 0."""
-    if not (dry_run or int(os.environ.get("RANK", "0")) == 0):
+    if not (dry_run or int(env.get("RANK", "0")) == 0):
         return
     summary = plan.summary()
+    notes = list(plan.notes)
     report = None
     if dry_run:
         from mega_train.memory_plan import memory_lines, memory_plan
 
+        compile_note = plan.compile_note(this_machine=gpus is None)
+        notes += ([compile_note] if compile_note else []) + plan.resume_notes(verify)
         report = memory_plan(plan, memory_bytes, gpus)
-        summary |= report
+        summary |= report | {"notes": notes}
     if as_json and dry_run:
         typer.echo(json.dumps(summary, indent=2))
         return
     par, batch = summary["parallel"], summary["batch"]
-    cp = f" x cp {par['cp']}" if par["cp"] > 1 else ""
-    ep = f" (ep {par['ep']})" if par["ep"] > 1 else ""
     model = summary["model"]
     active = model["active_parameters"]
     sizes = f"{_count(model['parameters'])} parameters" + (
@@ -207,22 +215,15 @@ def _report(
     )
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
-        f"world {par['world_size']} = tp {par['tp']} x pp {par['pp']}{cp} x dp {par['dp']}{ep}; "
+        f"world {par['world_size']} = {plan.dims.label}; "
         f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",
         err=as_json,
     )
-    notes = list(plan.notes)
-    if dry_run:
-        compile_note = plan.compile_note()
-        notes += ([compile_note] if compile_note else []) + plan.resume_notes(verify)
     for note in notes:
         typer.echo(f"mega-train: {note}", err=as_json)
     if report is not None:
         typer.echo("\n".join(memory_lines(report)))
-
-
-# Under torchrun, when one worker fails torchrun stops the others: rank 0 says why, once.
 
 
 def _count(n: int) -> str:
@@ -230,4 +231,25 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
 
 
-main = main_for(app, "mega-train", quiet_stop=lambda: int(os.environ.get("RANK", "0")) > 0)
+# --gpu-memory: '80GB', '80G', '80GiB', '81920MiB' or '4096B'.
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, where: str = "--gpu-memory") -> int:
+    """Bytes from '80GB', '80G', '80GiB', '81920MiB' or '4096B'. Units are binary (80GB = 80 GiB), as
+    GPU memory is sold and reported (nvidia-smi: 81920MiB on an 80 GB A100). A bare number is
+    refused: `--gpu-memory 80` means 80 GB, never 80 bytes."""
+    m = SIZE.match(text)
+    if m is None:
+        raise UserError(f"{text!r} is not a memory size such as 80GB or 81920MiB", where)
+    if m.group(2) is None:
+        raise UserError(f"{m.group(1)} has no unit: did you mean {m.group(1)}GB?", where)
+    unit = m.group(2).lower()
+    power = "bkmgt".index(unit[0])
+    value = float(m.group(1)) * (1 << (10 * power))
+    if value < 1:
+        raise UserError(f"{text!r} is not a positive memory size", where)
+    return int(value)
+
+
+main = main_for(app, "mega-train", quiet_stop=lambda: int(env.get("RANK", "0")) > 0)

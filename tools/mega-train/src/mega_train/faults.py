@@ -1,6 +1,7 @@
 """Fault injection for tests: `MEGA_TRAIN_INJECT="nan-grad@3,nan-loss@5,kill@7,kill-in-save@4"`.
 
-Read once when a run starts; a run without it never looks again (the trainer holds None). At step N
+Parsed once by the CLI (`Faults.parse`, the variable read through `megacore.env`) and handed to the
+trainer as an argument; a run without it holds None and never looks again. At step N
 (counted from 1, the step that just ran): `nan-grad` poisons a gradient on rank 0, `nan-loss` the
 loss; `kill` SIGKILLs the job in the middle of the step (after backward, before the update);
 `kill-in-save` in the middle of writing that step's checkpoint (after the shard files, before the
@@ -14,6 +15,8 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from megacore.errors import UserError
 
 KINDS = ("nan-grad", "nan-loss", "kill", "kill-in-save", "stall-in-save")
 ENV = "MEGA_TRAIN_INJECT"
@@ -30,13 +33,13 @@ class Faults:
     planned: frozenset[tuple[str, int]]
 
     @staticmethod
-    def from_env() -> Faults | None:
-        spec = os.environ.get(ENV, "")
+    def parse(spec: str | None) -> Faults | None:
+        """The faults `spec` asks for (`kind@step,...`), None for none."""
         planned = set()
-        for item in filter(None, spec.split(",")):
+        for item in filter(None, (spec or "").split(",")):
             kind, _, step = item.partition("@")
             if kind not in KINDS or not step.isdigit():
-                raise ValueError(f"{ENV}: {item!r} is not one of {', '.join(KINDS)} @ a step")
+                raise UserError(f"{item!r} is not one of {', '.join(KINDS)} @ a step", ENV)
             planned.add((kind, int(step)))
         return Faults(frozenset(planned)) if planned else None
 

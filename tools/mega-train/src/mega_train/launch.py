@@ -9,6 +9,8 @@ What it changes from plain `torchrun`:
   `--shutdown-timeout`, 30 s). A second Ctrl-C is forwarded too, and aborts at once (exit 130).
 - A worker that fails makes the launcher exit with that worker's code (2 for bad input, whose one
   line the worker printed), without torchrun's `ChildFailedError` report.
+- A stop that comes before the workers can save (before any is started, or while they start) ends
+  the launch with one line (rank 0's, or this launcher's) and the signal's exit code.
 - The manifest is checked here before any worker starts, so a bad one is one line, once.
 - The workers watch the launcher: if it is SIGKILLed they exit within a second (`lifecycle.py`).
 """
@@ -21,8 +23,11 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from megacore import env
 from megacore.cli import error
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -41,10 +46,45 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def _forward(signum: int, frame: object) -> None:
-    for pid in children(os.getpid()):
+_FORWARDED: list[int] = []  # the stop signals forwarded to the workers
+
+
+def _forward(previous: dict[int, Callable | int], signum: int, frame: object) -> None:
+    """Forward a stop to the workers; with none started yet, stop this launcher as its command
+    line's handler would (`megacore.cli`: one line, the signal's exit code)."""
+    workers = children(os.getpid())
+    if not workers and not _FORWARDED and callable(previous.get(signum)):
+        previous[signum](signum, frame)
+        return
+    _FORWARDED.append(signum)
+    for pid in workers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
+
+
+def _failure(failures: dict) -> int:
+    """The launcher's exit code for workers that failed (module docstring), and its line where the
+    workers said none."""
+    if _FORWARDED and all(
+        _stopped(f.exitcode) or f.exitcode == 128 + signal.SIGINT for f in failures.values()
+    ):
+        # Stopped while starting, before a checkpoint could be saved. Rank 0 said so in one line
+        # if it handled the signal (its code: 143, 130); one still starting (no handler yet, or
+        # SIGUSR1's) was ended by it without a word, and this launcher says it.
+        rank0 = failures.get(0)
+        if rank0 is None or rank0.exitcode < 0:
+            error("mega-train", f"{signal.Signals(_FORWARDED[0]).name} before the first step: nothing saved")
+        return 128 + _FORWARDED[0]
+    # The root cause: the first rank that exited by itself (the agent SIGTERMs the others then,
+    # which end killed or with 143).
+    rank, failure = min(failures.items(), key=lambda kv: (_stopped(kv[1].exitcode), kv[1].timestamp))
+    code = failure.exitcode
+    if code < 0:  # killed by a signal: report it as a shell would
+        error("mega-train", f"rank {rank} was killed by {signal.Signals(-code).name}")
+        return 128 - code
+    if code != 2:  # a bad input's one line was printed by the worker itself
+        error("mega-train", f"rank {rank} exited with code {code}")
+    return code
 
 
 def _stopped(exitcode: int) -> bool:
@@ -73,7 +113,7 @@ def launch(options: list[str], worker_args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+    env.set_for_libraries("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
     # The agent's own log lines (a worker's exit code, closing processes) repeat what the workers
     # and this launcher say in one line.
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
@@ -84,21 +124,14 @@ def launch(options: list[str], worker_args: list[str]) -> int:
     config, cmd, cmd_args = config_from_args(args)
     # The agent handles only what we do not: the stop signals are ours to forward.
     config.signals_to_handle = "SIGHUP,SIGQUIT"
-    previous = {s: signal.signal(s, _forward) for s in FORWARDED}
+    previous: dict[int, Callable | int] = {}
+    previous.update({s: signal.signal(s, partial(_forward, previous)) for s in FORWARDED})
+    _FORWARDED.clear()
     try:
         elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
-        # The root cause: the first rank that exited by itself (the agent SIGTERMs the others then,
-        # which end killed or with 143).
-        rank, failure = min(e.failures.items(), key=lambda kv: (_stopped(kv[1].exitcode), kv[1].timestamp))
-        code = failure.exitcode
-        if code < 0:  # killed by a signal: report it as a shell would
-            error("mega-train", f"rank {rank} was killed by {signal.Signals(-code).name}")
-            return 128 - code
-        if code != 2:  # a bad input's one line was printed by the worker itself
-            error("mega-train", f"rank {rank} exited with code {code}")
-        return code
+        return _failure(e.failures)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megacore import env
 from megacore.artifacts.output import pid_alive
 from megacore.errors import UserError
 
@@ -70,7 +71,7 @@ class RunLock:
     def _stale(held: dict) -> bool:
         """Whether the run that wrote `held` (which no longer holds the flock) is gone: a process of
         this host that no longer exists, or an earlier start of this same SLURM job (requeued)."""
-        job = os.environ.get("SLURM_JOB_ID")
+        job = env.get("SLURM_JOB_ID")
         if job is not None and held.get("job") == job:
             return True
         return held.get("host") == socket.gethostname() and not pid_alive(int(held.get("pid", 0)))
@@ -116,8 +117,8 @@ def _read(fd: int) -> dict:
 
 def _holder() -> dict:
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if "SLURM_JOB_ID" in os.environ:
-        record["job"] = os.environ["SLURM_JOB_ID"]
+    if env.get("SLURM_JOB_ID") is not None:
+        record["job"] = env.get("SLURM_JOB_ID")
     return record
 
 
@@ -179,7 +180,7 @@ class StopRequest:
 def watch_launcher() -> threading.Thread | None:
     """Under a launcher (torchrun sets TORCHELASTIC_RUN_ID): a daemon thread that ends this process
     when the launcher is gone (module docstring). None when there is no launcher to watch."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if env.get("TORCHELASTIC_RUN_ID") is None:
         return None
     parent = os.getppid()
 

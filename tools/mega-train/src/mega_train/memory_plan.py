@@ -1,13 +1,13 @@
 """The dry run's memory plan: a checked run's per-rank bytes and, for a number of GPUs, the layouts
 that fit and the longest sequence each fits, as JSON-able data and as text. The arithmetic is
-`megacore.parallel.memory` (no torch)."""
+`megacore.planner` (no torch)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from mega_train.run_plan import RunPlan
-from megacore.parallel import memory
+from megacore import planner
 from megacore.parallel.layout import RECOMPUTE
 
 COLUMNS = ("weights", "grads", "optimizer", "copies", "activations", "buffers", "total")
@@ -20,8 +20,8 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
     run, config = plan.run, plan.config
     par = plan.parallelism
     micro, seq = run.batch.micro_batch_size, run.batch.seq_length
-    rows = memory.estimate(config, par, plan.dp, micro, seq, run.attention)
-    peak = memory.peak(rows)
+    rows = planner.estimate(config, par, plan.dp, micro, seq, run.attention)
+    peak = planner.peak(rows)
     out: dict = {
         "memory": {
             "precision": run.precision,
@@ -36,14 +36,14 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
                 for r in rows
             ],
             "peak": peak,
-            "allowance": memory.ALLOWANCE,
+            "allowance": planner.ALLOWANCE,
             "gpu_memory": gpu_memory,
-            "fits": None if gpu_memory is None else peak + memory.ALLOWANCE <= gpu_memory,
+            "fits": None if gpu_memory is None else peak + planner.ALLOWANCE <= gpu_memory,
         }
     }
     if gpu_memory is not None:  # the run's layout: the longest sequence each recompute fits
         out["memory"]["longest"] = {
-            r: memory.longest_sequence(
+            r: planner.longest_sequence(
                 config, dataclasses.replace(par, recompute=r), plan.dp, micro, gpu_memory, run.attention
             )
             for r in RECOMPUTE
@@ -58,14 +58,10 @@ def _layouts(plan: RunPlan, gpus: int, gpu_memory: int) -> dict:
     """Every layout of `gpus` GPUs, best first, and the longest sequence each fits, longest first."""
     run, config, par = plan.run, plan.config, plan.parallelism
     micro, seq, batch = run.batch.micro_batch_size, run.batch.seq_length, run.batch.global_batch_size
-    found = memory.search(config, par, gpus, gpu_memory, micro, seq, batch, run.attention)
+    found = planner.search(config, par, gpus, gpu_memory, micro, seq, batch, run.attention)
     candidates = [
-        {
-            "tp": c.tp,
-            "pp": c.pp,
-            "cp": c.cp,
-            "dp": c.dp,
-            "ep": c.ep,
+        dataclasses.asdict(c.dims)
+        | {
             "recompute": c.recompute,
             "microbatches": c.microbatches,
             "peak": c.peak,
@@ -77,24 +73,20 @@ def _layouts(plan: RunPlan, gpus: int, gpu_memory: int) -> dict:
         for c in found
     ]
     longest = [
-        {
-            "tp": c.tp,
-            "pp": c.pp,
-            "cp": c.cp,
-            "dp": c.dp,
-            "ep": c.ep,
+        dataclasses.asdict(c.dims)
+        | {
             "microbatches": c.microbatches,
             "seq_length": c.seq,
             "throughput": round(c.throughput, 4),
             "label": c.label,
         }
-        for c in memory.longest_sequences(config, par, gpus, gpu_memory, micro, batch, run.attention)
+        for c in planner.longest_sequences(config, par, gpus, gpu_memory, micro, batch, run.attention)
     ]
     return {"gpus": gpus, "candidates": candidates, "longest": longest}
 
 
 def gib(n: int) -> str:
-    return f"{n / memory.GiB:.1f}"
+    return f"{n / planner.GiB:.1f}"
 
 
 def rank_list(ranks: list[int], limit: int = 20) -> str:
@@ -138,7 +130,7 @@ def memory_lines(report: dict) -> list[str]:
         fitting = [c for c in layouts if c["fits"]]
         lines.append(
             f"layouts of {report['layouts']['gpus']} GPUs of {gib(mem['gpu_memory'])} GiB, by expected throughput "
-            "(the model in megacore/parallel/memory.py):"
+            "(the model in megacore/planner):"
         )
         width = max([40] + [len(c["label"]) for c in fitting[:TOP]])  # cp's labels are longer
         for i, c in enumerate(fitting[:TOP], 1):
@@ -160,7 +152,7 @@ def memory_lines(report: dict) -> list[str]:
 
 def tokens(n: int, unit: str = " tokens") -> str:
     """A longest sequence: '32,768 tokens', '0 tokens' (none fits); at the search's limit, 'or more'."""
-    return f"{n:,}{unit}" + (" or more" if n >= memory.MAX_SEQ else "")
+    return f"{n:,}{unit}" + (" or more" if n >= planner.MAX_SEQ else "")
 
 
 def longest_lines(layouts: dict, micro: int) -> list[str]:

@@ -7,6 +7,7 @@ seconds with one line instead of after a torchrun launch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest
 from megacore.artifacts.writer import sha256_bytes
 from megacore.config import (
     CONTEXT_FIELDS,
+    DEFAULT_PAD_MULTIPLE,
     INIT_OVERRIDES,
     ROUTER_LOSS_FIELDS,
     ModelConfig,
@@ -33,14 +35,7 @@ from megacore.config import (
 )
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.layout import (
-    FP8_EMULATE_ENV,
-    Parallelism,
-    check_cp,
-    check_parallelism,
-    check_tp,
-    check_world,
-)
+from megacore.parallel.layout import Dims, Parallelism, check_parallelism, check_tp
 from megacore.tokenizer_files import first_difference, recorded_vocabulary
 
 
@@ -53,8 +48,7 @@ class RunPlan:
     config: ModelConfig
     init: tuple[Path, CheckpointManifest] | None
     data: list[tuple[Path, TokensManifest, float]]
-    world_size: int
-    dp: int
+    dims: Dims  # the mesh's sizes for this world
     grad_accum: int
     stage_layers: list[list[int]]
     out: Path  # the run directory
@@ -62,6 +56,7 @@ class RunPlan:
     fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
     eval_metrics: list[Callable] = field(default_factory=list)  # $.eval.metrics, imported
     notes: list[str] = field(default_factory=list)  # said once by rank 0, in a run and a dry run alike
+    fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`, decided by `start_checks`)
 
     def resume_notes(self, verify: Verify = "size") -> list[str]:
         """Where a run would start (a dry run's report; the run itself says it as it resumes),
@@ -82,8 +77,11 @@ class RunPlan:
         return notes
 
     def config_field(self, name: str) -> str:
-        """Where the run manifest sets the model config's field `name`: in `config`, or for a run
-        from a checkpoint, the context fields beside `init` and the others in the init itself."""
+        """Where the run manifest sets the model config's field `name`: in `config` (or the
+        config.json of `hf_config`), or for a run from a checkpoint, the context fields beside
+        `init` and the others in the init itself."""
+        if self.init is None and self.run.model.hf_config is not None:
+            return f"$.model.hf_config (its config.json's {name})"
         if self.init is None:
             return f"$.model.config.{name}"
         return f"$.model.{name}" if name in INIT_OVERRIDES else f"$.model.init (its config's {name})"
@@ -101,10 +99,18 @@ class RunPlan:
         return self.init[1].license if self.init is not None else None
 
     @property
+    def world_size(self) -> int:
+        return self.dims.world
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
     def parallelism(self) -> Parallelism:
         """What the engine builds for this run (every rank alike); "compile": "auto" is decided on
         the machine that trains (`compiles`)."""
-        return parallelism(self.run, self.grad_accum)
+        return parallelism(self.run, self.grad_accum, self.fp8_emulate)
 
     def compiles(self, gpu: bool) -> bool:
         """Whether the blocks are compiled: `compile` when it is true or false; "auto" (the
@@ -120,10 +126,13 @@ class RunPlan:
             return True
         return self.cpu_run_seconds() >= COMPILE_PAYS_S and any(map(shutil.which, ("c++", "g++", "clang++")))
 
-    def compile_note(self) -> str | None:
-        """What "compile": "auto" will do, for the dry run (which needs no torch to know the GPU)."""
+    def compile_note(self, this_machine: bool = True) -> str | None:
+        """What "compile": "auto" will do, for the dry run (which needs no torch to know the GPU).
+        `this_machine`: false for a dry run planning GPUs elsewhere (--gpus), which compile."""
         if self.run.compile != "auto":
             return None
+        if not this_machine:
+            return "compile auto: compiles the blocks on the GPUs"
         minutes = self.cpu_run_seconds() / 60
         cpu = "compiles" if self.compiles(gpu=False) else "runs eager"
         return (
@@ -146,7 +155,6 @@ class RunPlan:
     def summary(self) -> dict:
         """The plan as JSON-able data; every path is resolved the same way (against the manifest's
         directory) and printed as a usable path."""
-        p = self.run.parallel
         parameters, active = parameter_counts(self.config)
         return {
             "manifest": str(self.path),
@@ -162,14 +170,7 @@ class RunPlan:
             "out": str(self.out),
             "checkpoints": str(self.checkpoints),
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
-            "parallel": {
-                "world_size": self.world_size,
-                "tp": p.tp,
-                "pp": p.pp,
-                "cp": p.cp,
-                "dp": self.dp,
-                "ep": p.ep,
-            },
+            "parallel": {"world_size": self.world_size, **dataclasses.asdict(self.dims)},
             "stage_layers": self.stage_layers,
             "batch": {
                 "micro": self.run.batch.micro_batch_size,
@@ -243,11 +244,11 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     if world_size < 1:
         raise UserError(f"must be at least 1, got {world_size}", "--world-size")
     init = _open_init(base, run, verify, where)
-    config, notes = _model_config(run, init, where)
+    config, notes = _model_config(run, init, base, where)
     sources = _open_sources(base, run, config, verify, where)
     _check_init_tokenizer(init, sources, where)
     _check_schedule(run, config, init is not None, where)
-    dp, microbatches, stages = _check_layout(run, config, world_size, where)
+    dims, microbatches, stages = _check_layout(run, config, world_size, where)
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
     out = resolve_ref(base, run.out)
@@ -262,8 +263,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         config=config,
         init=init,
         data=sources,
-        world_size=world_size,
-        dp=dp,
+        dims=dims,
         grad_accum=microbatches,
         stage_layers=stages,
         out=out,
@@ -277,40 +277,44 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
 def _open_init(
     base: Path, run: RunManifest, verify: Verify, where: str
 ) -> tuple[Path, CheckpointManifest] | None:
-    """`$.model.init`, opened and checked against its config, when given (or `config`, never both)."""
-    init = None
-    if run.model.init is not None:
-        path = resolve_ref(base, run.model.init)
-        init = (path, open_artifact(path, "checkpoint", verify=verify))
-        check_model_tensors(init[1], f"{where}: $.model.init: {path}")
-    if init is not None and run.model.config is not None:
+    """`$.model.init`, opened and checked against its config, when given (or `config`, or
+    `hf_config`: exactly one of the three)."""
+    m = run.model
+    given = [name for name in ("init", "config", "hf_config") if getattr(m, name) is not None]
+    if len(given) != 1:
+        extra = f"$.model.{given[1]}" if len(given) > 1 else "$.model"
+        beside = "; beside `init` only max_seq_len, rope_scaling and the router loss coefficients can be set"
         raise UserError(
-            "$.model.config: give exactly one of `init` (a checkpoint) or `config`; beside `init` only "
-            "max_seq_len, rope_scaling and the router loss coefficients can be set",
-            where,
+            "give exactly one of `init` (a checkpoint), `config` or `hf_config` (a Hugging Face "
+            f"config.json){beside if 'init' in given else ''}",
+            f"{where}: {extra}",
         )
-    if init is None and run.model.config is None:
-        raise UserError("$.model: give exactly one of `init` (a checkpoint) or `config`", where)
+    if m.init is None:
+        return None
+    path = resolve_ref(base, m.init)
+    init = (path, open_artifact(path, "checkpoint", verify=verify))
+    check_model_tensors(init[1], f"{where}: $.model.init: {path}")
     return init
 
 
 def _model_config(
-    run: RunManifest, init: tuple[Path, CheckpointManifest] | None, where: str
+    run: RunManifest, init: tuple[Path, CheckpointManifest] | None, base: Path, where: str
 ) -> tuple[ModelConfig, list[str]]:
     """The model the run trains (the config its checkpoints record) and a note when it is not the
-    init's: `config`, or the init's with the context `max_seq_len` and `rope_scaling` set and the
-    router losses' coefficients."""
+    init's: `config`, a Hugging Face config.json's (`hf_config`), or the init's with the context
+    `max_seq_len` and `rope_scaling` set and the router losses' coefficients."""
     m = run.model
     if init is None:
         for name in INIT_OVERRIDES:
             if getattr(m, name) is not None:
                 raise UserError(
-                    f"$.model.{name}: a run from `config` sets it in $.model.config (beside `init` it "
-                    "sets it for a run from a checkpoint)",
+                    f"$.model.{name}: a run from `config` or `hf_config` sets it in the model's config "
+                    "(beside `init` it sets it for a run from a checkpoint)",
                     where,
                 )
-        assert m.config is not None
-        return m.config, []
+        if m.config is not None:
+            return m.config, []
+        return read_hf_config(resolve_ref(base, m.hf_config), where)
     before = init[1].config
     routers = {f: getattr(m, f) for f in ROUTER_LOSS_FIELDS if getattr(m, f) is not None}
     try:
@@ -322,6 +326,30 @@ def _model_config(
     note = (
         f"the model's context: {config.max_seq_len:,} positions (the init's {before.max_seq_len:,}), "
         f"RoPE {_describe_rope(config.rope_scaling)}; the run's checkpoints record this config"
+    )
+    return config, [note]
+
+
+def read_hf_config(path: Path, where: str) -> tuple[ModelConfig, list[str]]:
+    """The model a Hugging Face config.json describes (`path`: the file, or a model directory
+    holding one), its vocab padded as mega-convert pads it, and the note that says so; torch-free
+    (`megacore.models.families`): a dry run plans a model whose weights are not here."""
+    from megacore.models import config_from_hf
+
+    file = path / "config.json" if path.is_dir() else path
+    at = f"{where}: $.model.hf_config"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {file} ({e.strerror or e})", at) from None
+    except ValueError as e:
+        raise UserError(f"{file} is not valid JSON ({e})", at) from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file} holds no JSON object", at)
+    config = config_from_hf(data, f"{at}: {file}", pad_multiple=DEFAULT_PAD_MULTIPLE)
+    note = (
+        f"the model of {file} ({config.family}), from fresh weights: its weights are not read (to "
+        "fine-tune them, convert the model with mega-convert and give it as `init`)"
     )
     return config, [note]
 
@@ -394,28 +422,31 @@ def _check_schedule(run: RunManifest, config: ModelConfig, from_init: bool, wher
 
 def _check_layout(
     run: RunManifest, config: ModelConfig, world_size: int, where: str
-) -> tuple[int, int, list]:
-    """dp, the microbatches of a step and each stage's layers, for this world size."""
-    b = run.batch
-    check_tp(config, run.parallel.tp, "$.parallel.tp")  # before the world: the more basic mistake
-    par = run.parallel
-    dp = check_world(world_size, par.tp, par.pp, "$.parallel", cp=par.cp, ep=par.ep)
-    check_cp(b.seq_length, par.cp, par.tp, par.sequence_parallel)
-    if b.global_batch_size % (b.micro_batch_size * dp):
-        raise UserError(
-            f"$.batch.global_batch_size: {b.global_batch_size} is not a multiple of "
-            f"micro_batch_size * dp = {b.micro_batch_size} * {dp}",
-            where,
-        )
+) -> tuple[Dims, int, list]:
+    """The mesh's sizes, the microbatches of a step and each stage's layers, for this world size."""
+    b, par = run.batch, run.parallel
+    check_tp(config, par.tp, f"{where}: $.parallel.tp")  # before the world: the more basic mistake
+    dims = Dims.for_world(world_size, par.tp, par.pp, par.cp, par.ep, f"{where}: $.parallel")
+    dims.check_seq_length(b.seq_length, par.sequence_parallel, f"{where}: $.parallel.cp")
     # One step runs the rank's share of the batch as microbatches of `micro_batch_size`.
-    microbatches = b.global_batch_size // (b.micro_batch_size * dp)
-    return dp, microbatches, check_parallelism(config, parallelism(run, microbatches), "$.parallel")
+    microbatches = dims.microbatches(
+        b.global_batch_size, b.micro_batch_size, f"{where}: $.batch.global_batch_size"
+    )
+    stages = check_parallelism(config, parallelism(run, microbatches), f"{where}: $.parallel")
+    return dims, microbatches, stages
 
 
-def parallelism(run: RunManifest, microbatches: int) -> Parallelism:
+def parallelism(run: RunManifest, microbatches: int, fp8_emulate: bool = False) -> Parallelism:
     """The engine's layout settings of a run whose step has `microbatches` microbatches per rank."""
     return Parallelism(
-        run.parallel, run.precision, microbatches, run.compile is True, run.recompute, run.fp8_scaling
+        run.parallel,
+        run.precision,
+        microbatches,
+        run.compile is True,
+        run.recompute,
+        run.fp8_scaling,
+        run.attention,
+        fp8_emulate,
     )
 
 
@@ -441,31 +472,13 @@ def start_checks(plan: RunPlan, machine: bool = True) -> None:
                 str(plan.path),
             )
     if machine and plan.run.precision == "fp8":
-        check_fp8(str(plan.path))
+        from megacore.parallel.fp8 import float8_emulation
+
+        plan.fp8_emulate = float8_emulation(str(plan.path))
     split = plan.run.data.split
     if abs(sum(split) - 1) > 1e-6:
         used = [round(f / sum(split), 4) for f in split]
         plan.notes.append(f"$.data.split {split} sums to {sum(split):g}: the fractions used are {used}")
-
-
-def check_fp8(where: str) -> None:
-    """precision fp8 needs torchao, and float8 matmuls: a GPU of compute capability 8.9 or newer
-    (torchao's emulation elsewhere, for tests only: FP8_EMULATE_ENV=1)."""
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("torchao") is None:
-        raise UserError("$.precision: fp8 needs torchao, which is not installed (pip install torchao)", where)
-    if os.environ.get(FP8_EMULATE_ENV) == "1":
-        return
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        raise UserError(
-            "$.precision: fp8 needs a GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
-            "Hopper, Blackwell) and this machine has none; use bf16",
-            where,
-        )
 
 
 def check_run_dir(out: Path, where: str) -> None:

@@ -99,14 +99,15 @@ class LossScale:
         """What the loss is multiplied by before backward (1 without fp16)."""
         return self.scale or 1.0
 
-    def judge(self, loss: float, norm: float) -> bool:
-        """Count a finished step; returns whether its update is applied (loss and norm finite)."""
-        applied = math.isfinite(loss) and math.isfinite(norm)
+    def judge(self, loss_finite: bool, norm_finite: bool) -> bool:
+        """Count a finished step; returns whether its update was applied (loss and norm finite:
+        the optimizer skips it on the device, `Trainer.step`)."""
+        applied = loss_finite and norm_finite
         c = self.counters
         if not applied:
             c["skipped"] += 1
         if self.scale is not None:
-            if not applied and math.isfinite(loss):  # an fp16 overflow, not a NaN step
+            if not applied and loss_finite:  # an fp16 overflow, not a NaN step
                 self.scale = max(self.scale / 2, 1.0)
                 c["scale_good"] = 0
                 return applied

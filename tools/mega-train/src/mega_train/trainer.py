@@ -11,13 +11,19 @@
   on the seed and the data only), this rank's dp share as microbatches through
   `ParallelModel.forward_backward` (the loss is the mean over the global batch's counted targets);
   one all-reduce brings every rank the loss and the stop request; then unscale (fp16), the global
-  gradient norm and clipping, and the update only when loss and norm are finite (`LossScale`).
-- `evaluate` every `eval.every` steps and after the last one (`evaluation.py`); `report` writes
-  each record to metrics.jsonl and W&B on rank 0; `save` writes an atomic checkpoint.
+  gradient norm and clipping, and the update, which the optimizer skips on the device when loss or
+  norm is not finite. The step reads one small tensor back to the host, once it is queued: whether
+  to stop and whether loss and norm were finite (`LossScale`, the NaN policy); every other value
+  (loss, norm, counts, router statistics) stays on the device until `flush`.
+- `flush` at every logging step (and before an evaluation, a save, a stop or a halt): the pending
+  steps' values read back at once, each step's record written to metrics.jsonl and W&B on rank 0,
+  and the console line when due; `evaluate` every `eval.every` steps and after the last one
+  (`evaluation.py`); `save` writes an atomic checkpoint.
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).
 
-`train(plan)` runs the whole. Fault injection for tests: `faults.py`.
+`train(plan, faults=...)` runs the whole; the CLI parses the fault injection tests ask for
+(`faults.py`).
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
 from megacore.parallel.checkpoint_io import load_checkpoint, load_rank_state, save_checkpoint
-from megacore.parallel.engine import ParallelModel, clip_grad_norm
+from megacore.parallel.clip import clip_grad_norm
+from megacore.parallel.engine import ParallelModel
 from megacore.parallel.mesh import build_mesh, device_type, dp_mesh, shutdown
 from megacore.progress import Progress
 
@@ -115,15 +122,24 @@ def unscale_and_clip(
     clip: float,
     pp_group=None,
     uncounted: torch.Tensor | None = None,
-) -> float:
+) -> torch.Tensor:
     """Divide the gradients by the loss scale, then clip them to global norm `clip` (0: no clipping);
-    returns the norm before clipping, of the unscaled gradients (what a run reports). `uncounted`:
-    a tied output copy, clipped but not counted (`clip_grad_norm`)."""
+    returns the norm before clipping, of the unscaled gradients (what a run reports), on the
+    device. `uncounted`: a tied output copy, clipped but not counted (`clip_grad_norm`)."""
     if scale != 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(1.0 / scale)
-    return float(clip_grad_norm(params, clip or math.inf, pp_group, uncounted))
+    return clip_grad_norm(params, clip or math.inf, pp_group, uncounted)
+
+
+@dataclass
+class Pending:
+    """A step's record whose device values (`device`: loss, grad_norm, counted targets, router
+    statistics) are read back at the next `Trainer.flush`."""
+
+    record: dict
+    device: dict[str, torch.Tensor]
 
 
 class Trainer:
@@ -143,6 +159,7 @@ class Trainer:
         self.last: Path | None = None  # the run's newest checkpoint
         self.saved_at: int | None = None
         self._rng: dict[str, torch.Tensor] | None = None  # the resumed checkpoint's RNG state of this rank
+        self.pending: list[Pending] = []  # steps whose device values are not read back yet
 
     # --- set up -------------------------------------------------------------------------------
 
@@ -150,7 +167,8 @@ class Trainer:
         """Mesh, lock, stop flag, data and model; collective."""
         run = self.run
         configure_allocator(device_type())
-        self.mesh = build_mesh(run.parallel.tp, run.parallel.pp, run.parallel.cp, run.parallel.ep)
+        dims = self.plan.dims
+        self.mesh = build_mesh(dims.tp, dims.pp, dims.cp, dims.ep)
         self.rank = dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else "cpu"
         torch.manual_seed(run.seed)
@@ -162,8 +180,6 @@ class Trainer:
             self.plan.parallelism, compile=self.plan.compiles(torch.cuda.is_available())
         )
         self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
-        for part in self.pm.parts:
-            part.set_attention(run.attention)
         self.params = list(self.pm.parameters())
         self.opt = make_optimizer(self.params, run.optimizer)
         fp16 = run.precision == "fp16"
@@ -337,41 +353,55 @@ class Trainer:
 
     def batch(
         self, b: Batch, role: int | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | int]:
         """Inputs where this rank holds the first stage, targets where it holds the last, positions
-        (packed documents) or None, and how many of the targets count."""
+        (packed documents) or None, and how many of the targets count (a device tensor when some
+        may not: nothing is read back)."""
         if not self.masked:
-            x = torch.from_numpy(b.tokens).to(self.device)
+            x = self.to_device(b.tokens)
             inputs, targets, positions = x[:, :-1], x[:, 1:], None
         else:
             inputs, positions, targets = (
-                torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-                for a in inputs_and_targets(b.tokens, b.positions, b.roles, role)
+                self.to_device(a) for a in inputs_and_targets(b.tokens, b.positions, b.roles, role)
             )
-        counted = int((targets != IGNORE).sum()) if self.masked else targets.numel()
+        counted = (targets != IGNORE).sum() if self.masked else targets.numel()
         pm = self.pm
         return (inputs if pm.has_first else None), (targets if pm.has_last else None), positions, counted
 
-    def global_count(self, counted: int) -> int:
-        """The counted targets of the whole global batch: the dp ranks' counts added up."""
+    def to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A batch array on the device; on a GPU through pinned memory, so the copy does not wait
+        for the device's queue (a plain copy from pageable memory would)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def global_count(self, counted: torch.Tensor | int) -> torch.Tensor | int:
+        """The counted targets of the whole global batch: the dp ranks' counts added up (on the
+        device when some targets may not count)."""
         if not self.masked:
             return self.G * self.S
-        c = torch.tensor([counted], dtype=torch.int64, device=self.device)
+        c = counted.clone()
         dist.all_reduce(c, group=self.dp_group)
-        return int(c.item())
+        return c
 
-    def reduce_loss(self, loss: torch.Tensor | None, counted: int, flag: int = 0) -> tuple[float, int]:
+    def reduce_loss(
+        self, loss: torch.Tensor | None, counted: torch.Tensor | int, flag: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean loss over the counted targets of the ranks holding the last stage (each rank's
-        mean weighted by its count), and the sum of `flag`, on every rank."""
-        v = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if loss is not None:
-            v[0], v[1] = loss.double() * counted, float(counted)
-        v[2] = flag
+        mean weighted by its count; NaN where none counts), and the sum of `flag`, on every rank:
+        device tensors, one all-reduce."""
+        f64 = {"dtype": torch.float64, "device": self.device}
+        c = counted.double() if isinstance(counted, torch.Tensor) else torch.full((), float(counted), **f64)
+        zero = torch.zeros((), **f64)
+        parts = [loss.double() * c, c] if loss is not None else [zero, zero]
+        v = torch.stack([*parts, torch.full((), float(flag), **f64)])
         dist.all_reduce(v)
-        return float(v[0] / v[1]) if v[1] else math.nan, int(v[2])
+        return v[0] / v[1], v[2]
 
-    def step(self) -> tuple[dict, bool]:
-        """Train one step; returns its record and whether any rank was asked to stop."""
+    def step(self) -> bool:
+        """Train one step (its record pending until `flush`); returns whether any rank was asked to
+        stop."""
         t0, compiled = time.perf_counter(), compile_seconds()
         pos = self.position
         lr = self.schedule.lr(pos.step)
@@ -382,35 +412,57 @@ class Trainer:
         )
         scale = self.scaler.factor
         count = self.global_count(counted)
-        local = self.pm.forward_backward(tokens, targets, scale, positions, count)
+        out = self.pm.forward_backward(tokens, targets, scale, positions, count)
         pos.step += 1
+        local = out.loss
         if self.faults is not None:
             local = self.faults.after_backward(pos.step, local, self.params, self.rank)
-        loss, stopping = self.reduce_loss(local, counted, self.stop.signum if self.stop else 0)
-        pos.metrics["train_loss"] = loss
-        norm = unscale_and_clip(
-            self.params, scale, self.run.optimizer.grad_clip, self.pp_group, self.pm.tied_copy
-        )
-        if self.scaler.judge(loss, norm):
-            self.opt.step()
-            pos.optimizer_steps += 1
+        loss, stop = self.reduce_loss(local, counted, self.stop.signum if self.stop else 0)
+        clip = self.run.optimizer.grad_clip
+        norm = unscale_and_clip(self.params, scale, clip, self.pp_group, self.pm.tied_copy)
+        finite = torch.stack([torch.isfinite(loss), torch.isfinite(norm)])
+        self.opt.found_inf = (~finite.all()).float()  # the fused AdamW skips the update on the device
+        self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        # The step's one read back, once its work is queued: the stop request and the finiteness.
+        stopping, loss_ok, norm_ok = (bool(v) for v in torch.cat([stop[None] > 0, finite]).tolist())
+        if self.scaler.judge(loss_ok, norm_ok):
+            pos.optimizer_steps += 1
         dt, compiled = time.perf_counter() - t0, compile_seconds() - compiled
-        return self._record(loss, lr, norm, count, dt, compiled), bool(stopping)
+        device = {"loss": loss, "grad_norm": norm, **(out.moe or {})}
+        if isinstance(count, torch.Tensor):
+            device["counted_tokens"] = count
+        self.pending.append(Pending(self._record(lr, count, dt, compiled), device))
+        return stopping
 
-    def _record(self, loss: float, lr: float, norm: float, count: int, dt: float, compiled: float) -> dict:
+    def _record(self, lr: float, count: torch.Tensor | int, dt: float, compiled: float) -> dict:
+        """A train record's host values; `flush` adds the device ones."""
         # A compiling step's speed is that of its steps' work: the compile is reported apart.
         tps, flops, peak = self.G * self.S / max(dt - compiled, 1e-9), self.flops, self.peak_flops
         c = self.scaler.counters
         return {
-            "step": self.position.step, "kind": "train", "loss": loss, "lr": lr, "grad_norm": norm,
-            "tokens_per_s": tps, "counted_tokens": count, "tflops": tps * flops / 1e12,
-            "mfu": tps * flops / 1e12 / peak if peak else None,
+            "step": self.position.step, "kind": "train", "loss": None, "lr": lr, "grad_norm": None,
+            "tokens_per_s": tps, "counted_tokens": count if isinstance(count, int) else None,
+            "tflops": tps * flops / 1e12, "mfu": tps * flops / 1e12 / peak if peak else None,
             "skipped": c["skipped"], "nan_steps": c["nan_steps"], "loss_scale": self.scaler.scale,
             "memory_gb": memory_gb(), "step_time_s": dt, "compile_s": compiled,
             "world_size": dist.get_world_size(),
-            **(self.pm.last_moe or {}),  # a mixture of experts: router losses and expert load
         }  # fmt: skip
+
+    def flush(self) -> list[dict]:
+        """The pending steps' device values, read back at once on rank 0, into their records,
+        which are reported (and returned); the last train loss kept for checkpoints and the summary."""
+        pending, self.pending = self.pending, []
+        if self.rank != 0 or not pending:
+            return []
+        values = iter(torch.stack([v.double() for p in pending for v in p.device.values()]).tolist())
+        for p in pending:
+            p.record.update((k, next(values)) for k in p.device)
+            if "counted_tokens" in p.device:
+                p.record["counted_tokens"] = int(p.record["counted_tokens"])
+            self.report(p.record)
+        self.position.metrics["train_loss"] = pending[-1].record["loss"]
+        return [p.record for p in pending]
 
     def check_halt(self) -> None:
         """`nan.policy: halt` after `nan.max_steps` non-finite steps: every rank stops (exit 1)."""
@@ -418,6 +470,7 @@ class Trainer:
         count = self.scaler.counters["nan_steps"]
         if nan.policy != "halt" or count < nan.max_steps:
             return
+        self.flush()
         if self.rank != 0:
             raise Silent(Halted.exit_code)
         last = resume_point(self.plan.checkpoints)[0]
@@ -449,7 +502,7 @@ class Trainer:
 
             loss = pm.evaluate(tokens, targets, on_logits, positions)
             if pm.reports_logits:  # one rank per dp rank, like the metrics
-                sums.add_loss(float(loss), counted)
+                sums.add_loss(float(loss), int(counted))
         return sums.combine()
 
     def eval_record(self, ev: dict[str, float]) -> dict:
@@ -526,11 +579,14 @@ class Trainer:
             enabled=None if self.rank == 0 else False,
         )
         while pos.step < run.train_steps:
-            record, stopping = self.step()
+            stopping = self.step()
             progress.update(1)
-            self.report(record)
             self.check_halt()
-            if run.eval.every and (pos.step % run.eval.every == 0 or pos.step == run.train_steps):
+            evaluates = run.eval.every and (pos.step % run.eval.every == 0 or pos.step == run.train_steps)
+            saves = pos.step % run.checkpoint.every == 0 or pos.step == run.train_steps
+            if stopping or evaluates or saves or pos.step % run.logging.every == 0:
+                self.flush()
+            if evaluates:
                 self.report(self.eval_record(self.evaluate()))
             if stopping:
                 name = self.stop.name or "SIGTERM"
@@ -541,8 +597,9 @@ class Trainer:
                         f"mega-train: {name} at step {pos.step}: checkpoint saved; rerun the command to resume"
                     )
                 return self.summary(name)
-            if pos.step % run.checkpoint.every == 0 or pos.step == run.train_steps:
+            if saves:
                 self.save()
+        self.flush()
         if self.saved_at != pos.step:
             self.save()
         progress.done()
@@ -553,7 +610,7 @@ class Trainer:
         pass on); None on the other ranks."""
         if self.rank != 0:
             return None
-        t, pos, last = self.run.parallel, self.position, self.last
+        pos, last = self.position, self.last
         return {
             "out": str(last) if last is not None else None,
             "kind": "checkpoint",
@@ -567,12 +624,7 @@ class Trainer:
             "skipped_steps": self.scaler.counters["skipped"],
             "train_loss": _finite(pos.metrics.get("train_loss")),
             "valid_loss": _finite(pos.metrics.get("valid_loss")),
-            "layout": {
-                "tp": t.tp,
-                "pp": t.pp,
-                "cp": t.cp,
-                "dp": dist.get_world_size() // (t.tp * t.pp * t.cp),
-            },
+            "layout": dataclasses.asdict(self.plan.dims),
             "metrics": str(self.plan.out / "metrics.jsonl"),
         }
 
@@ -592,10 +644,10 @@ def _finite(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def train(plan: RunPlan, peak: float | None = None) -> dict | None:
-    """Train (or resume) `plan`'s run on this rank. Rank 0 returns the run's summary (`--json`),
-    the other ranks None."""
-    trainer = Trainer(plan, peak, Faults.from_env())
+def train(plan: RunPlan, peak: float | None = None, faults: Faults | None = None) -> dict | None:
+    """Train (or resume) `plan`'s run on this rank, with the faults tests inject (`faults.py`).
+    Rank 0 returns the run's summary (`--json`), the other ranks None."""
+    trainer = Trainer(plan, peak, faults)
     clean = False
     try:
         trainer.setup()

@@ -16,6 +16,7 @@ Every path field is typed by what it points at (`x-path` in the schemas), so tha
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
 from typing import Annotated, Literal
@@ -271,7 +272,9 @@ class HFManifest(Header, tag="hf", kw_only=True):
 
 
 class ModelSpec(Struct):
-    """Start from a checkpoint artifact (`init`), or from scratch with a `config`. Beside `init`,
+    """Start from a checkpoint artifact (`init`), or from scratch with a `config`, or with the
+    model a Hugging Face `config.json` describes (`hf_config`: the file, or a model directory
+    holding one; the weights are not read, so a dry run plans a model not downloaded). Beside `init`,
     `max_seq_len` and `rope_scaling` set the context the run trains for (context extension: a
     longer max_seq_len with a RoPE scaling) and the router losses' coefficients their weights (a
     mixture of experts), every other field of the model staying the init's; the run's checkpoints
@@ -279,6 +282,7 @@ class ModelSpec(Struct):
 
     init: Ref | None = None
     config: ModelConfig | None = None
+    hf_config: Ref | None = None
     max_seq_len: Positive | None = None  # None: the init's
     rope_scaling: RopeScaling | None = None  # None: the init's
     # A mixture of experts' router losses (None: the init's; `ModelConfig` has the meaning).
@@ -437,13 +441,54 @@ class _Peek(msgspec.Struct):
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
 
 
-def _validation_message(e: msgspec.ValidationError) -> str:
-    """msgspec's "Expected `int`, got `str` - at `$.a.b`" as "$.a.b: expected int, got str"."""
+def _validation_message(e: msgspec.ValidationError, root: type | None = None) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.a.b`" as "$.a.b: expected int, got str"; a
+    value outside an enum of `root`'s is followed by the values it takes."""
     m = _AT.match(str(e))
     assert m is not None
     msg, path = m.group("msg"), m.group("path") or "$"
     msg = msg.replace("`", "")
-    return f"{path}: {msg[:1].lower()}{msg[1:]}"
+    allowed = _enum_values(root, path) if root is not None and msg.startswith("Invalid enum value") else None
+    tail = f"; choose one of {', '.join(map(json.dumps, allowed))}" if allowed else ""
+    return f"{path}: {msg[:1].lower()}{msg[1:]}{tail}"
+
+
+_STEP = re.compile(r"\.(\w+)|\[\d+\]")
+
+
+def _enum_values(root: type, path: str) -> list | None:
+    """The values the Literal at `path` (`$.parallel.schedule`, `$.data.sources[0].x`) of the
+    struct type `root` takes, or None when the path does not lead to one."""
+    info = msgspec.inspect.type_info(root)
+    for step in _STEP.finditer(path[1:]):
+        info = _inner(info, step.group(1))
+        if info is None:
+            return None
+    literal = _unwrap(info, msgspec.inspect.LiteralType)
+    if literal is None:
+        return None
+    flags = [True, False] if _unwrap(info, msgspec.inspect.BoolType) is not None else []
+    return [*flags, *literal.values]
+
+
+def _unwrap(info, kind: type):
+    """`info` itself, or its member of type `kind` when it is a union (an optional field)."""
+    if isinstance(info, kind):
+        return info
+    if isinstance(info, msgspec.inspect.UnionType):
+        return next((t for t in info.types if isinstance(t, kind)), None)
+    return None
+
+
+def _inner(info, field: str | None):
+    """The type of a struct's `field` (or, with None, of a list's items) within `info`."""
+    if field is None:
+        items = _unwrap(info, msgspec.inspect.ListType)
+        return items.item_type if items is not None else None
+    struct = _unwrap(info, msgspec.inspect.StructType)
+    if struct is None:
+        return None
+    return next((f.type for f in struct.fields if f.encode_name == field), None)
 
 
 def decode_manifest(data: bytes, where: str, kind: Kind | None = None) -> Manifest:
@@ -471,7 +516,7 @@ def decode_manifest(data: bytes, where: str, kind: Kind | None = None) -> Manife
     try:
         return msgspec.json.decode(data, type=MANIFEST_TYPES[peek.kind])
     except msgspec.ValidationError as e:
-        raise UserError(_model_field(_validation_message(e)), where) from None
+        raise UserError(_model_field(_validation_message(e, MANIFEST_TYPES[peek.kind])), where) from None
 
 
 _UNKNOWN_MODEL_FIELD = re.compile(r"\$\.model: object contains unknown field (\w+)")

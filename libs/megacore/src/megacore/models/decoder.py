@@ -6,19 +6,20 @@ names). Tensor and pipeline parallelism are applied from outside (docs/architect
 counted from the (possibly sharded) projection outputs, a pipeline stage keeps a subset of `layers`
 and drops `embed` or `norm`/`lm_head` by setting them to None.
 
-Single-device fast paths are switched by a `fused` attribute on the module that has one (the
-q/k/v and gate/up matmuls, RMSNorm's backward); a tensor-parallel plan turns them off where its
-DTensor shards need the plain module code. The loss fused with the output projection is
-`forward(x, targets)`; a caller whose logits are vocab-parallel asks for logits instead.
-Activation recompute is switched the same way (`set_recompute`), and fresh weights come from
-`initial_value`, a function of the tensor's name and the seed only, so a model initialised in any
-layout holds the same weights.
+Everything a Decoder does is chosen when it is built: the attention kernel, activation recompute
+and the single-device fast paths (`FastPaths`: the q/k/v and gate/up matmuls, the norms'
+hand-written backward), which a parallel plan whose DTensor shards need the plain module code
+builds it without (`parallel.layout.fast_paths`). The loss fused with the output projection is
+`forward(x, targets)`; a caller whose logits are vocab-parallel asks for logits instead. Fresh
+weights come from `initial_value`, a function of the tensor's name and the seed only, so a model
+initialised in any layout holds the same weights.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -33,9 +34,18 @@ from megacore.models.moe import MoE
 from megacore.models.rope import apply_rope, rope_tables
 
 
+@dataclass(frozen=True)
+class FastPaths:
+    """The single-device fast paths a Decoder is built with (each assumes whole plain tensors)."""
+
+    norms: bool = True  # the hidden-size norms' hand-written backward
+    head_norms: bool = True  # the per-head q/k norms' (qk_norm)
+    projections: bool = True  # q/k/v and gate/up as one matmul each
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameters and state dict) with a hand-written backward: one fp32 pass over
-    the saved input instead of autograd through pow/mean/rsqrt/mul. `fused = False` (sequence
+    the saved input instead of autograd through pow/mean/rsqrt/mul. `fused=False` (sequence
     parallel's DTensors) takes nn.RMSNorm's path.
 
     `bench/run.py kernels` (CPU, 2 threads, 4096 tokens x hidden 4096, two runs): forward+backward
@@ -43,8 +53,11 @@ class RMSNorm(nn.RMSNorm):
     LlamaRMSNorm composite); in bf16 0.93-0.96x the time of nn.RMSNorm and 0.99-1.06x that of the
     composite. It pays in fp32, barely in bf16 (within the machine's noise)."""
 
-    fused = True
     offset = 0.0  # the scale is offset + weight (`PlusOneRMSNorm`: 1)
+
+    def __init__(self, dim: int, eps: float, fused: bool = True) -> None:
+        super().__init__(dim, eps=eps)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps or torch.finfo(x.dtype).eps
@@ -113,14 +126,15 @@ def project(x: torch.Tensor, *linears: nn.Linear, fused: bool = True) -> tuple[t
     return out.split([w.shape[0] for w in weights], dim=-1)
 
 
-def make_norm(config: ModelConfig, head_dim: int | None = None) -> nn.Module:
+def make_norm(config: ModelConfig, fast: FastPaths, head_dim: int | None = None) -> nn.Module:
     """The config's norm over the hidden size, or with `head_dim` a per-head q/k norm: an RMSNorm
     (Qwen 3's), of Gemma's kind (`PlusOneRMSNorm`) with rmsnorm_plus1."""
     dim = config.hidden_size if head_dim is None else head_dim
+    fused = fast.norms if head_dim is None else fast.head_norms
     if config.norm == "rmsnorm_plus1":
-        return PlusOneRMSNorm(dim, eps=config.norm_eps)
+        return PlusOneRMSNorm(dim, config.norm_eps, fused)
     if config.norm == "rmsnorm" or head_dim is not None:
-        return RMSNorm(dim, eps=config.norm_eps)
+        return RMSNorm(dim, config.norm_eps, fused)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
 
 
@@ -129,27 +143,34 @@ class Attention(nn.Module):
     layers slide, its global ones do not), its RoPE tables (`local_rope`: the caller passes them)
     and the score scale (head_dim ** -0.5, or `attn_scalar` ** -0.5)."""
 
-    fused = True  # q/k/v as one matmul
-    recompute = False  # recompute the attention core in backward (selective recompute)
     # The attention core; context parallel (`megacore.parallel.cp`) sets its own.
     kernel = staticmethod(causal_attention)
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int = 0,
+        impl: Impl = "auto",
+        recompute: bool = False,
+        fast: FastPaths = FastPaths(),
+    ) -> None:
         super().__init__()
         hd, hidden = config.head_dim, config.hidden_size
         self.head_dim = hd
         self.window = attention_window(config, layer)
         self.local_rope = local_rope(config, layer)
         self.scale = None if config.attn_scalar is None else config.attn_scalar**-0.5
-        self.impl: Impl = "auto"
+        self.impl = impl
+        self.recompute = recompute  # recompute the attention core in backward (selective recompute)
+        self.fused = fast.projections  # q/k/v as one matmul
         self.q_proj = nn.Linear(hidden, config.num_heads * hd, bias=config.attn_bias)
         self.k_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=config.attn_out_bias)
         # qk_norm (Qwen 3, Gemma 3): one RMSNorm weight for every q head and one for every k head;
         # acting per head, it needs no change when a tensor-parallel shard holds only some heads.
-        self.q_norm = make_norm(config, hd) if config.qk_norm else None
-        self.k_norm = make_norm(config, hd) if config.qk_norm else None
+        self.q_norm = make_norm(config, fast, hd) if config.qk_norm else None
+        self.k_norm = make_norm(config, fast, hd) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
@@ -172,10 +193,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU or GeGLU (gate, up, down; `GATED_ACTIVATIONS`) or GELU (up, down, as Falcon)."""
 
-    fused = True  # gate/up as one matmul
-
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
+        self.fused = fast.projections  # gate/up as one matmul
         hidden, ffn, bias = config.hidden_size, config.ffn_hidden_size, config.mlp_bias
         gated = config.activation in GATED_ACTIVATIONS
         self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if gated else None
@@ -197,19 +217,26 @@ class Block(nn.Module):
     with `sandwich_norm` (Gemma) the attention's and the MLP's outputs are normed again before
     each is added."""
 
-    recompute = False  # keep only the block's input for backward and run it again there (full)
-
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int = 0,
+        attention: Impl = "auto",
+        recompute: str = "none",
+        fast: FastPaths = FastPaths(),
+    ) -> None:
         super().__init__()
         self.parallel = config.parallel_attn
+        # full: keep only the block's input for backward and run it again there
+        self.recompute = recompute == "full"
         # Registered in the naming contract's order (`model_tensors`).
-        self.attn_norm = make_norm(config)
-        self.attn = Attention(config, layer)
-        self.attn_post_norm = make_norm(config) if config.sandwich_norm else None
+        self.attn_norm = make_norm(config, fast)
+        self.attn = Attention(config, layer, attention, recompute == "selective", fast)
+        self.attn_post_norm = make_norm(config, fast) if config.sandwich_norm else None
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
-        self.mlp_norm = None if one_norm else make_norm(config)
-        self.mlp = MoE(config) if config.num_experts is not None else MLP(config)
-        self.mlp_post_norm = make_norm(config) if config.sandwich_norm else None
+        self.mlp_norm = None if one_norm else make_norm(config, fast)
+        self.mlp = MoE(config) if config.num_experts is not None else MLP(config, fast)
+        self.mlp_post_norm = make_norm(config, fast) if config.sandwich_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
@@ -240,22 +267,33 @@ class Decoder(nn.Module):
     """Decoder-only transformer. `layers` chooses which global layers this module holds (a pipeline
     stage); `embed=False` / `head=False` leave out the embedding / final norm and output projection.
     Tied embeddings: the logits use the embedding's weight, or on a stage without the embedding an
-    `lm_head` of its own that the caller keeps equal to it (`model_tensors`)."""
+    `lm_head` of its own that the caller keeps equal to it (`model_tensors`). `attention`: the
+    kernel, 'auto' (flash-attn on GPU when installed, else SDPA), 'sdpa' or 'flash'; `recompute`:
+    activation recompute, 'none', 'selective' (the attention core) or 'full' (each block);
+    `fast`: the single-device fast paths it takes."""
 
     # The ranks a sequence is spread over (context parallel: `megacore.parallel.cp` sets it): x
     # holds 1 / sequence_shards of each row, and RoPE's tables are those of the whole row's length.
     sequence_shards = 1
 
     def __init__(
-        self, config: ModelConfig, layers: Iterable[int] | None = None, embed: bool = True, head: bool = True
+        self,
+        config: ModelConfig,
+        layers: Iterable[int] | None = None,
+        embed: bool = True,
+        head: bool = True,
+        *,
+        attention: Impl = "auto",
+        recompute: str = "none",
+        fast: FastPaths = FastPaths(),
     ) -> None:
         super().__init__()
         self.config = config
         vocab = config.padded_vocab_size
         self.embed = nn.Embedding(vocab, config.hidden_size) if embed else None
         indices = range(config.num_layers) if layers is None else layers
-        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in indices})
-        self.norm = make_norm(config) if head else None
+        self.layers = nn.ModuleDict({str(i): Block(config, i, attention, recompute, fast) for i in indices})
+        self.norm = make_norm(config, fast) if head else None
         self.lm_head = (
             nn.Linear(config.hidden_size, vocab, bias=False)
             if head and not (config.tie_embeddings and embed)
@@ -310,17 +348,6 @@ class Decoder(nn.Module):
         block. Norms and RoPE then run as plain ops that the compiler fuses with their neighbours."""
         for block in self.layers.values():
             block.compile(dynamic=False)
-
-    def set_attention(self, impl: Impl) -> None:
-        """'auto' (flash-attn on GPU when installed, else SDPA), 'sdpa' or 'flash'."""
-        for block in self.layers.values():
-            block.attn.impl = impl
-
-    def set_recompute(self, mode: str) -> None:
-        """Activation recompute: 'none', 'selective' (the attention core) or 'full' (each block)."""
-        for block in self.layers.values():
-            block.recompute = mode == "full"
-            block.attn.recompute = mode == "selective"
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int = 0) -> None:

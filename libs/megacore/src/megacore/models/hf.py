@@ -8,54 +8,17 @@ the extra rows are zero in a converted checkpoint and are dropped again on expor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import msgspec
 import torch
 
-from megacore.config import TOKEN_ID_FIELDS, ModelConfig, config_differences, model_tensors, pad_vocab
+from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
-from megacore.models.families import TensorMap, family_for_model_type, family_of
-from megacore.models.families.common import max_positions_to_hf
+from megacore.models.families import (
+    TensorMap,
+    family_of,
+)
 
 VOCAB_TENSORS = ("embed.weight", "lm_head.weight")
-
-
-def config_from_hf(
-    hf: dict[str, Any] | Any, where: str = "config.json", pad_multiple: int | None = None
-) -> ModelConfig:
-    """ModelConfig from a HF config: a config.json dict (classic `rope_theta`/`rope_scaling` or
-    transformers 5 `rope_parameters`) or a transformers PretrainedConfig. `pad_multiple` sets
-    padded_vocab_size (None: no padding)."""
-    if not isinstance(hf, dict):
-        hf = hf.to_dict()
-    fam = family_for_model_type(hf.get("model_type"), where)
-    cfg = fam.config_from_hf(hf, where)
-    if pad_multiple is not None:
-        if pad_multiple < 1:
-            raise UserError(f"must be at least 1, got {pad_multiple}", "--pad-vocab-multiple")
-        cfg = msgspec.structs.replace(cfg, padded_vocab_size=pad_vocab(cfg.vocab_size, pad_multiple))
-    return cfg
-
-
-def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
-    """A config.json dict that transformers (4.45+ and 5) loads as the matching *ForCausalLM."""
-    out = family_of(config).config_to_hf(config)
-    if dtype is not None:
-        out["torch_dtype"] = dtype
-    return out
-
-
-def differences_from_hf(config: ModelConfig, hf_config: ModelConfig) -> list[str]:
-    """The fields in which a checkpoint's config and one read from a config.json differ, but for what
-    a config.json does not carry: the token ids (generation settings), the vocab padding and, under
-    dynamic RoPE scaling, max_seq_len (its max_position_embeddings is then the original context,
-    what transformers' dynamic NTK measures growth against: `max_positions_to_hf`)."""
-    ignore = (*TOKEN_ID_FIELDS, "padded_vocab_size")
-    s = config.rope_scaling
-    if s is not None and s.type == "dynamic" and hf_config.max_seq_len == max_positions_to_hf(config):
-        ignore = (*ignore, "max_seq_len")
-    return config_differences(config, hf_config, ignore)
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

@@ -53,7 +53,7 @@ from megacore.tokenizer_files import (
 )
 
 if TYPE_CHECKING:
-    from megacore.artifacts.manifest import TrainedTokenizer
+    from megacore.artifacts.manifest import TokenizerInfo, TrainedTokenizer
 
 SPACE = "\u2581"  # sentencepiece's escaped space
 
@@ -226,21 +226,7 @@ def hf_tokenizer_files(
 
     `vocab_rows`: the model's vocab size; every id the tokenizer can produce must have a row."""
     info = tokenizer.info
-    files = {Path(rel).name: root / rel for rel in info.files}
-    source_config: dict = {}
-    if info.type == "sentencepiece":
-        model = next(path for name, path in files.items() if name.endswith(".model"))
-        data = sentencepiece_tokenizer_json(model.read_bytes(), info.added_special_tokens)
-    else:
-        data = json.loads(files["tokenizer.json"].read_text(encoding="utf-8"))
-        if "tokenizer_config.json" in files:
-            source_config = json.loads(files["tokenizer_config.json"].read_text(encoding="utf-8"))
-        have = {t["content"] for t in data.get("added_tokens", [])}
-        data["added_tokens"] = data.get("added_tokens", []) + [
-            _added(i, name, special=True)
-            for name, i in sorted(info.added_special_tokens.items(), key=lambda kv: kv[1])
-            if name not in have
-        ]
+    data, source_config = _source_tokenizer(root, info)
     names = id_to_token(data)
     top = max(names)
     if top >= vocab_rows:
@@ -279,6 +265,26 @@ def hf_tokenizer_files(
         "tokenizer_config.json": _pretty({k: v for k, v in config.items() if v is not None}),
         "generation_config.json": _pretty(generation),
     }
+
+
+def _source_tokenizer(root: Path, info: TokenizerInfo) -> tuple[dict, dict]:
+    """(tokenizer.json's content, the source's tokenizer_config.json or {}): a SentencePiece model
+    converted, a Hugging Face tokenizer's own with the tokens added at tokenize time appended."""
+    files = {Path(rel).name: root / rel for rel in info.files}
+    if info.type == "sentencepiece":
+        model = next(path for name, path in files.items() if name.endswith(".model"))
+        return sentencepiece_tokenizer_json(model.read_bytes(), info.added_special_tokens), {}
+    data = json.loads(files["tokenizer.json"].read_text(encoding="utf-8"))
+    source_config: dict = {}
+    if "tokenizer_config.json" in files:
+        source_config = json.loads(files["tokenizer_config.json"].read_text(encoding="utf-8"))
+    have = {t["content"] for t in data.get("added_tokens", [])}
+    data["added_tokens"] = data.get("added_tokens", []) + [
+        _added(i, name, special=True)
+        for name, i in sorted(info.added_special_tokens.items(), key=lambda kv: kv[1])
+        if name not in have
+    ]
+    return data, source_config
 
 
 def _post_processor(data: dict, bos: str | None, bos_id: int | None) -> None:

@@ -51,11 +51,11 @@ class _FusedLinearCE(torch.autograd.Function):
     ) -> torch.Tensor:
         n, v = h.shape[0], w.shape[0]
         chunk = max(1, min(n, _CHUNK_ELEMENTS // v))
-        # Ignored targets: gathered at 0, then their row of the gradient and their loss zeroed.
+        # Ignored targets: gathered at 0, then their loss and their rows' part of both gradients
+        # zeroed, on the device: a sum never asks how many count (a mean's scale does).
         keep = t != IGNORE
-        counted = int(keep.sum())
-        if counted < n:
-            t = t.masked_fill(~keep, 0)
+        t = t.masked_fill(~keep, 0)
+        counted = None if summed else int(keep.sum())
         scale = 1.0 if summed else 1.0 / max(counted, 1)
         low_precision = h.dtype != torch.float32
         grad_h, grad_w = (torch.empty_like(h), torch.empty_like(w)) if grads else (None, None)
@@ -63,7 +63,11 @@ class _FusedLinearCE(torch.autograd.Function):
         acc = torch.empty_like(w, dtype=torch.float32) if grads and low_precision and n > chunk else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
-            hc, tc = h[start : start + chunk], t[start : start + chunk, None]
+            hc, tc, kc = (
+                h[start : start + chunk],
+                t[start : start + chunk, None],
+                keep[start : start + chunk, None],
+            )
             logits = scratch("ce.logits", (hc.shape[0], v), torch.float32, h.device)
             if low_precision:  # matmul in the compute dtype, softmax in fp32
                 low = scratch("ce.low", logits.shape, h.dtype, h.device)
@@ -74,27 +78,23 @@ class _FusedLinearCE(torch.autograd.Function):
                 logits[:, vocab_size:] = float("-inf")
             logp = torch.log_softmax(logits, 1, out=logits)
             target_logp = logp.gather(1, tc)
+            total -= (target_logp * kc).sum()
             if not grads:
-                total -= (
-                    (target_logp * keep[start : start + chunk, None]).sum()
-                    if counted < n
-                    else target_logp.sum()
-                )
                 continue
             gh = grad_h[start : start + chunk]
             # d loss / d logits = (softmax - onehot) * scale; the scale goes into the matmuls' alpha.
             g = logp.exp_().scatter_(1, tc, target_logp.exp().sub_(1))
-            if counted < n:
-                kc = keep[start : start + chunk, None]
-                target_logp = target_logp * kc
-                g.mul_(kc)
-            total -= target_logp.sum()
             if low_precision:
                 g = low.copy_(g)
             torch.addmm(gh, g, w, beta=0, alpha=scale, out=gh)
+            gh.mul_(kc)  # an ignored row's input gradient: none
             # beta=0 ignores what grad_w holds: nothing yet, or (with acc) the previous chunk's part.
+            # An ignored row adds nothing to the weight's gradient: its input row taken as zeros
+            # (hidden-wide, where zeroing its gradient row would be vocab-wide).
             first = start == 0
-            torch.addmm(grad_w, g.T, hc, beta=0 if first or acc is not None else 1, alpha=scale, out=grad_w)
+            torch.addmm(
+                grad_w, g.T, hc * kc, beta=0 if first or acc is not None else 1, alpha=scale, out=grad_w
+            )
             if acc is not None:
                 acc.copy_(grad_w) if first else acc.add_(grad_w)
         if acc is not None:
@@ -105,7 +105,7 @@ class _FusedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
+        # Always scaled: asking whether `grad` is 1 would read it back to the host (the engine's is
+        # the step's weight anyway).
         grad_h, grad_w = ctx.saved_tensors
-        if not torch.equal(grad, torch.ones_like(grad)):
-            grad_h, grad_w = grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None

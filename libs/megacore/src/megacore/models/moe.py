@@ -43,14 +43,13 @@ class Experts(nn.Module):
         self.up_proj = GroupedLinear(e, hidden, ffn)
         self.down_proj = GroupedLinear(e, ffn, hidden)
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows [N, hidden] grouped by expert, `counts` [experts] rows each -> [N, hidden]. Under
-        expert parallel (`megacore.parallel.ep`) the rows are those sent to this rank's experts,
-        whose weights are its shards (DTensors): the local tensors are the experts it holds."""
-        from torch.distributed.tensor import DTensor  # here: 1 s to import, tools reading weights skip it
-
-        weights = [p.weight.to_local() if isinstance(p.weight, DTensor) else p.weight
-                   for p in (self.gate_proj, self.up_proj, self.down_proj)]  # fmt: skip
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        """Rows [N, hidden] grouped by expert, `counts` [experts] rows each -> [N, hidden].
+        `weights` (gate, up, down), when given, replace the module's own: under expert parallel
+        (`megacore.parallel.ep`) the rows are those sent to this rank's experts and the weights
+        its local shards, which ep hands in as tp hands a linear its shard."""
+        if not weights:
+            weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return grouped_swiglu(rows, counts, *weights)
 
 

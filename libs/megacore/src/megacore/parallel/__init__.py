@@ -1,7 +1,7 @@
 """Parallelism on PyTorch's own engine (docs/architecture.md): the layout and its checks
 (`layout`, no torch), the device mesh (`mesh`), tensor/sequence parallel styles (`tp`), context parallel
 (`cp`), the engine that builds a rank's stages and runs a step (`engine`), saving / loading a live
-model (`checkpoint_io`) and the memory planner (`memory`).
+model (`checkpoint_io`). The planner that sizes them is `megacore.planner`.
 
 Only `layout` is imported here: a dry run uses it without importing torch.
 """
@@ -11,13 +11,12 @@ from megacore.parallel.layout import (
     MULTI_STAGE,
     OPTIM_PREFIX,
     SCHEDULES,
+    Dims,
     Parallelism,
     TensorPlace,
-    check_cp,
     check_microbatches,
     check_parallelism,
     check_tp,
-    check_world,
     kv_replicated,
     optim_state_name,
     place,
@@ -32,13 +31,12 @@ __all__ = [
     "MULTI_STAGE",
     "OPTIM_PREFIX",
     "SCHEDULES",
+    "Dims",
     "Parallelism",
     "TensorPlace",
-    "check_cp",
     "check_microbatches",
     "check_parallelism",
     "check_tp",
-    "check_world",
     "kv_replicated",
     "optim_state_name",
     "place",

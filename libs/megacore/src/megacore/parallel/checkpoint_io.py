@@ -77,62 +77,73 @@ def save_checkpoint(
     commit (a point for fault-injection tests). `tokenizer`: the one the weights were trained
     with and the directory its files are relative to (copied in by rank 0); `parents`: the
     lineage rank 0 records (the run's init checkpoint and data); `license`: the init's."""
-    mesh, rank = pm.mesh, dist.get_rank()
-    decided: list = [None, None]  # (path to write, refusal) from rank 0
-    if rank == 0:
-        try:
-            decided[0] = prepare_output(Path(out), "checkpoint", inputs=inputs, force=force)
-            decided[0].parent.mkdir(parents=True, exist_ok=True)
-            ArtifactWriter(decided[0], "checkpoint").stage()
-        except UserError as e:
-            decided[1] = str(e)
-    # Every rank fails the same way (none waits forever), and writes only once the staging exists.
-    dist.broadcast_object_list(decided, src=0)
-    if decided[1] is not None:
-        raise UserError(decided[1])
-    w = ArtifactWriter(decided[0], "checkpoint")
+    w = ArtifactWriter(_staging(out, inputs, force), "checkpoint")
     try:
         cw = CheckpointWriter(w)
-        coords = {d: mesh[d].get_local_rank() for d in ("pp", "tp", "cp")} | {
-            "dp": dp_mesh(mesh).get_local_rank()
-        }
-        shard = coords["dp"] * mesh["cp"].size() + coords["cp"]  # of the weights' dp x cp shards
-        file = shard_file(coords["pp"], coords["tp"], shard if pm.replicas > 1 else None)
-        mine = []
-        for name, t in _named_tensors(pm, optimizer):
-            offset, shape, local = local_piece(t.detach())
-            if _owner(t, mesh) and local.numel():
-                mine.append((name, list(t.shape), (offset, shape), local))
-        if mine:
-            cw.write_file(file, mine)
+        _write_pieces(cw, pm, optimizer)
         if rank_state is not None:
-            save_file({k: v.contiguous().cpu() for k, v in rank_state.items()}, w.path(rank_state_file(rank)))
+            save_file(
+                {k: v.contiguous().cpu() for k, v in rank_state.items()},
+                w.path(rank_state_file(dist.get_rank())),
+            )
         if on_written is not None:
             on_written()
-        gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(cw.records(), gathered, dst=0)
-        if rank == 0:
+        if gathered is not None:
             for records in gathered[1:]:
                 cw.merge(records)
-            par = pm.par
             if training is not None and rank_state is not None:
                 training.rng_files = [rank_state_file(r) for r in range(dist.get_world_size())]
+            par = pm.par
             cw.commit(
                 config=pm.config,
                 tokenizer=cw.add_tokenizer(*tokenizer) if tokenizer is not None else None,
                 parents=parents,
                 dtype=dtype_of(next(pm.parameters())),
-                layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.replicas, stage_layers=pm.layers),
+                layout=Layout(tp=par.spec.tp, pp=par.spec.pp, dp=pm.dims.replicas, stage_layers=pm.layers),
                 producer=producer,
                 training=training,
                 license=license,
                 order=sorted(cw.tensor_names()),
             )
     except BaseException:
-        if rank == 0:
+        if dist.get_rank() == 0:
             w.abort()
         raise
     dist.barrier()
+
+
+def _staging(out: Path, inputs: Sequence[Path], force: bool) -> Path:
+    """Where every rank writes: rank 0 applies the output policy and stages the artifact, then
+    every rank learns the path, or fails the same way (none waits forever)."""
+    decided: list = [None, None]  # (path to write, refusal) from rank 0
+    if dist.get_rank() == 0:
+        try:
+            decided[0] = prepare_output(Path(out), "checkpoint", inputs=inputs, force=force)
+            decided[0].parent.mkdir(parents=True, exist_ok=True)
+            ArtifactWriter(decided[0], "checkpoint").stage()
+        except UserError as e:
+            decided[1] = str(e)
+    dist.broadcast_object_list(decided, src=0)
+    if decided[1] is not None:
+        raise UserError(decided[1])
+    return decided[0]
+
+
+def _write_pieces(cw: CheckpointWriter, pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> None:
+    """This rank's file: the pieces it owns of every parameter and moment."""
+    mesh, dims = pm.mesh, pm.dims
+    pp, tp, cp = (mesh[d].get_local_rank() for d in ("pp", "tp", "cp"))
+    replica = dims.replica(dp_mesh(mesh).get_local_rank(), cp)  # of the weights' dp x cp shards
+    file = shard_file(pp, tp, replica if dims.replicas > 1 else None)
+    mine = []
+    for name, t in _named_tensors(pm, optimizer):
+        offset, shape, local = local_piece(t.detach())
+        if _owner(t, mesh) and local.numel():
+            mine.append((name, list(t.shape), (offset, shape), local))
+    if mine:
+        cw.write_file(file, mine)
 
 
 @torch.no_grad()

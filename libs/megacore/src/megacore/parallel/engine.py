@@ -1,14 +1,16 @@
 """Builds this rank's part of the model for a (pp, dp, cp, tp) mesh and runs forward/backward.
 
-Only building and running happens here: what to build (stages, layers, schedule, checks) is
-decided by `layout`, which needs no processes. Order (torchtitan's): the stage modules are built
-on the meta device from the layer ModuleDict, float8 linears swapped in (`fp8.apply_fp8`, precision
-fp8), tensor parallel is applied, then context parallel
-(`cp.apply_cp`), then expert parallel (`ep.apply_ep`: the experts over ep and tp), then data parallel (FSDP2 `fully_shard` per
-block and per stage over dp, or dp x cp with cp, a block's experts first over edp under ep; or
-`replicate`; without either, bf16/fp16 compute copies instead:
-`ComputeCopies`), then the parameters are materialised with `to_empty` and filled by the caller (`megacore.parallel.checkpoint_io.load_checkpoint`, or
-`init_weights`). Pipeline stages are `PipelineStage`s built by hand; schedules are chosen by name.
+Only building and running happens here: what to build (stages, layers, schedule, checks, the mesh's
+sizes: `Dims`) is decided by `layout`, which needs no processes. Order (torchtitan's): the stage
+modules are built on the meta device from the layer ModuleDict with everything they do chosen then
+(attention kernel, recompute, the fast paths `layout.fast_paths` allows), float8 linears swapped in
+(`fp8.apply_fp8`, precision fp8), tensor parallel is applied, then context parallel (`cp.apply_cp`),
+then expert parallel (`ep.apply_ep`: the experts over ep and tp), then data parallel (`dp.apply_dp`:
+FSDP2 per block and per stage over dp, or dp x cp with cp, a block's experts first over edp under
+ep; or `replicate`; without either, bf16/fp16 compute copies instead: `ComputeCopies`), then the
+parameters are materialised with `to_empty` and filled by the caller
+(`megacore.parallel.checkpoint_io.load_checkpoint`, or `init_weights`). Pipeline stages are
+`PipelineStage`s built by hand; schedules are chosen by name.
 
 One `forward_backward` takes this rank's whole batch of a step and runs it as `par.microbatches`
 microbatches: the pipeline schedule's, or gradient accumulation without a pipeline (gradient
@@ -16,11 +18,13 @@ reduction over dp only after the last one). Either way the gradients are those o
 over the counted targets (not IGNORE) of the whole global batch: each microbatch's summed loss is
 weighted by dp x cp / count (data parallel averages the gradients over its ranks, and over cp's,
 whose parts of the rows each give part of the gradient). Under cp every rank gets its dp share of
-whole rows and keeps its part of each (`_local`); the loss it returns is the whole rows'.
-`evaluate` runs the same microbatches forward only, and can hand each one's full-vocab logits to a
-callback (evaluation metrics). A mixture of experts' router losses are each layer's mean over the
-global batch's microbatches, weighted into the same gradients (`_weigh_router_losses`), and every
-step's router statistics are gathered from every rank (`last_moe`).
+whole rows and keeps its part of each (`_local`); the loss it returns is the whole rows'. Nothing
+is read back to the host: the counts, the weight and the loss stay device tensors (`Step`), so a
+GPU runs the step without waiting for it. `evaluate` runs the same microbatches forward only, and
+can hand each one's full-vocab logits to a callback (evaluation metrics). A mixture of experts'
+router losses are each layer's mean over the global batch's microbatches, weighted into the same
+gradients (`_weigh_router_losses`), and every step's router statistics are gathered from every
+rank and returned with the loss (`Step.moe`).
 
 Tied embeddings under pipeline parallel, as Megatron shares them: the first stage holds the
 embedding, the last stage a copy of it as its output layer (`tied_copy`, filled from `embed.weight`
@@ -31,16 +35,14 @@ clipping counts the shared gradient once.
 
 from __future__ import annotations
 
-import logging
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -58,8 +60,9 @@ from megacore.data.packing import IGNORE
 from megacore.models.attention import document_ids
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
+from megacore.parallel.dp import COMPUTE_DTYPES, ComputeCopies, apply_dp
 from megacore.parallel.ep import apply_ep
-from megacore.parallel.fp8 import apply_fp8, precompute_scales
+from megacore.parallel.fp8 import apply_fp8, check_float8_matmuls, precompute_scales
 from megacore.parallel.layout import (
     MULTI_STAGE,
     SCHEDULES,
@@ -67,9 +70,10 @@ from megacore.parallel.layout import (
     check_microbatches,
     check_parallelism,
     compute_copies,
+    fast_paths,
     float8_all_gather,
-    fsdp_dim,
     fsdp_wrapped,
+    fused_loss,
 )
 from megacore.parallel.mesh import dp_mesh
 from megacore.parallel.tp import apply_tp, lm_loss, loss_context
@@ -84,91 +88,17 @@ SCHEDULE_CLASSES = {
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-
-
-def apply_dp(
-    model: nn.Module, dp_mesh: DeviceMesh, par: Parallelism, experts: tuple[DeviceMesh, int] | None = None
-) -> None:
-    """FSDP2 per block and per stage (bf16/fp16 compute, fp32 master weights and gradient
-    reduction), or plain replication. `experts` (expert parallel): the mesh the experts are
-    sharded over by FSDP2 (edp) and the factor their gradients are divided by (`parallel/ep.py`)."""
-    dtype = COMPUTE_DTYPES.get(par.precision)
-    mp = (
-        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if dtype is not None
-        else MixedPrecisionPolicy()
-    )
-    # Under tp the root's output is the vocab-sharded logits, a view of a DTensor's local tensor;
-    # FSDP2 warns that an in-place op on it would skip its pre-backward hook. The loss reads it only.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
-    if par.spec.dp_mode == "replicate":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(model, mesh=dp_mesh, mp_policy=mp)
-        return
-    # With pipelining the parameters are needed again for backward after other microbatches.
-    kw = {"mp_policy": mp, "reshard_after_forward": par.spec.pp == 1, "shard_placement_fn": _fsdp_placement}
-    for block in model.layers.values():
-        if experts is not None and isinstance(block.mlp, MoE):
-            fully_shard(block.mlp.experts, mesh=experts[0], **kw)
-            block.mlp.experts.set_gradient_divide_factor(experts[1])
-            if experts[0].size() > 1:
-                # A division after a plain sum: NCCL's PreMulSum, which a custom factor takes
-                # otherwise, does not exist on gloo. (On a one-rank mesh torch 2.13 would then
-                # divide twice; there it divides once without communicating.)
-                block.mlp.experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=dp_mesh, **kw)
-    fully_shard(model, mesh=dp_mesh, **kw)
-
-
-def _fsdp_placement(param: nn.Parameter) -> Shard:
-    tp_dims = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard) and p.dim > 0]
-    return Shard(fsdp_dim(param.shape, tp_dims[0] if tp_dims else None))
-
-
-class ComputeCopies:
-    """Mixed precision without data parallelism: the module computes with bf16/fp16 copies of its
-    fp32 parameters, refreshed from them before each step, and each copy's gradient is added to its
-    fp32 parameter's `.grad` as soon as autograd produces it, so microbatches accumulate in fp32.
-
-    That is what FSDP2's MixedPrecisionPolicy (fp32 reduction) does, and on a one-rank mesh FSDP2
-    did it through all-gather and reduce-scatter buffers that are pure copying: 26% of a bf16 step
-    of a 125M Llama on CPU (2 threads, profiled). This costs one cast per parameter per step and one
-    add per parameter per microbatch. The fp32 parameters, which the optimizer, clipping and
-    checkpoints see, are `named`; the module holds the copies."""
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
-        self.named = list(module.named_parameters())
-        copies: dict[int, nn.Parameter] = {}  # by id: a tied parameter gets one copy
-        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        for m in module.modules():
-            for name, p in list(m._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in copies:
-                    copy = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
-                    copy.register_post_accumulate_grad_hook(partial(_add_grad, p))
-                    copies[id(p)] = copy
-                    self.pairs.append((p, copy))
-                setattr(m, name, copies[id(p)])
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """The copies take the fp32 parameters' current values (after an optimizer step or a load)."""
-        for p, copy in self.pairs:
-            copy.copy_(p)
-
-
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # of activations sent between stages
 
 
-def _add_grad(param: nn.Parameter, copy: nn.Parameter) -> None:
-    if param.grad is None:
-        param.grad = copy.grad.to(param.dtype)
-    else:
-        param.grad.add_(copy.grad)
-    copy.grad = None
+@dataclass
+class Step:
+    """What `forward_backward` hands back, on the device: the mean loss over this rank's counted
+    targets (None on ranks without the last stage) and, for a mixture of experts, the step's
+    router statistics over every rank (`ParallelModel._router_report`)."""
+
+    loss: torch.Tensor | None
+    moe: dict[str, torch.Tensor] | None = None
 
 
 class ParallelModel:
@@ -177,64 +107,28 @@ class ParallelModel:
     def __init__(
         self, config: ModelConfig, par: Parallelism, mesh: DeviceMesh, device: torch.device | str
     ) -> None:
-        from megacore.models import Decoder
-
         self.config, self.par, self.mesh = config, par, mesh
         self.device = torch.device(device)
         self.layers = check_parallelism(config, par)
         self.num_stages = len(self.layers)
+        self.dims = par.dims(dp_mesh(mesh).size())
+        self.dp = self.dims.dp
+        if par.precision == "fp8" and not par.fp8_emulate:
+            check_float8_matmuls("precision")  # never emulated unless asked
         self.tp_mesh = mesh["tp"] if par.spec.tp > 1 else None
         self.cp_mesh = mesh["cp"] if par.spec.cp > 1 else None
         self.ep_mesh = mesh["ep"] if par.spec.ep > 1 else None
         # A mixture of experts' experts split over ep and tp (`ep.apply_ep`), either or both.
         split = tuple(d for d, n in (("ep", par.spec.ep), ("tp", par.spec.tp)) if n > 1)
         self.experts_mesh = mesh[split] if split and config.num_experts is not None else None
-        self.dp = dp_mesh(mesh).size()
         # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
-        self.replicas = self.dp * par.spec.cp
-        data_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp_mesh is not None else dp_mesh(mesh)
+        self.data_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp_mesh is not None else dp_mesh(mesh)
         self.stage_ids = par.rank_stages(mesh["pp"].get_local_rank())
-        self.parts: list[nn.Module] = []
+        self.float8_gather = float8_all_gather(par, self.dims)
+        self.fused_loss = fused_loss(par)
         self.copies: list[ComputeCopies] = []
-        dtype = COMPUTE_DTYPES.get(par.precision)
-        use_copies = compute_copies(par, self.replicas)
-        self.float8_gather = float8_all_gather(par, self.replicas)
-        for s in self.stage_ids:
-            with torch.device("meta"):
-                part = Decoder(config, layers=self.layers[s], embed=s == 0, head=s == self.num_stages - 1)
-            if par.precision == "fp8":  # before tp: its styles for Float8Linear are torchao's
-                apply_fp8(part, par.fp8_scaling, self.float8_gather)
-            if par.spec.tp > 1:
-                apply_tp(part, mesh["tp"], config, par.spec.sequence_parallel, par.precision == "fp8")
-            if self.cp_mesh is not None:
-                apply_cp(part, self.cp_mesh)
-            if self.experts_mesh is not None:
-                apply_ep(part, self.experts_mesh, config)
-            part.set_recompute(par.recompute)
-            if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
-                part.compile_blocks()
-            if fsdp_wrapped(par, self.replicas):
-                experts = (mesh["edp"], self.replicas) if self.ep_mesh is not None else None
-                apply_dp(part, data_mesh, par, experts)
-            part.to_empty(device=self.device)
-            if use_copies:
-                self.copies.append(ComputeCopies(part, dtype))
-            self.parts.append(part)
-        self.schedule = None
-        if self.num_stages > 1:
-            group = mesh["pp"].get_group()
-            stages = [
-                PipelineStage(part, s, self.num_stages, self.device, group=group)
-                for part, s in zip(self.parts, self.stage_ids, strict=True)
-            ]
-            cls = SCHEDULE_CLASSES[par.spec.schedule]
-            first = stages if par.spec.schedule in MULTI_STAGE else stages[0]
-            # The loss is weighted (the step's scale over the count, not the microbatch count: grads
-            # are summed): scaling the gradients afterwards would miss the fp32 parameters behind
-            # `ComputeCopies`. Each call gives the schedule its own loss (`_scheduled`).
-            self.schedule = cls(
-                first, n_microbatches=par.microbatches, loss_fn=self._microbatch_loss, scale_grads=False
-            )
+        self.parts: list[nn.Module] = [self._build_stage(s) for s in self.stage_ids]
+        self.schedule = self._build_schedule() if self.num_stages > 1 else None
         # This rank's MoE layers by global index (a dense model has none).
         self.moe_layers = {
             int(i): block.mlp
@@ -242,12 +136,64 @@ class ParallelModel:
             for i, block in part.layers.items()
             if isinstance(block.mlp, MoE)
         }
-        self.last_moe: dict[str, float] | None = None  # the last step's router statistics
         named = dict(self._named_all())
         tied = config.tie_embeddings and self.num_stages > 1
         self.tied_copy: nn.Parameter | None = named.get("lm_head.weight") if tied else None
         self._tied_embed: nn.Parameter | None = named.get("embed.weight") if tied else None
         self._tied_group = self._tied_pair_group() if tied else None
+
+    @property
+    def replicas(self) -> int:
+        return self.dims.replicas
+
+    def _build_stage(self, s: int) -> nn.Module:
+        """Stage `s` of the model, built and parallelised in the module docstring's order."""
+        from megacore.models.decoder import Decoder, FastPaths
+
+        config, par = self.config, self.par
+        with torch.device("meta"):
+            part = Decoder(
+                config,
+                layers=self.layers[s],
+                embed=s == 0,
+                head=s == self.num_stages - 1,
+                attention=par.attention,
+                recompute=par.recompute,
+                fast=FastPaths(**fast_paths(par)),
+            )
+        if par.precision == "fp8":  # before tp: its styles for Float8Linear are torchao's
+            apply_fp8(part, par.fp8_scaling, par.fp8_emulate, self.float8_gather)
+        if self.tp_mesh is not None:
+            apply_tp(part, self.tp_mesh, config, par.spec.sequence_parallel, par.precision == "fp8")
+        if self.cp_mesh is not None:
+            apply_cp(part, self.cp_mesh)
+        if self.experts_mesh is not None:
+            apply_ep(part, self.experts_mesh, config)
+        if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
+            part.compile_blocks()
+        if fsdp_wrapped(par, self.dims):
+            experts = self.mesh["edp"] if self.ep_mesh is not None else None
+            apply_dp(part, self.data_mesh, par, self.dims, experts)
+        part.to_empty(device=self.device)
+        if compute_copies(par, self.dims):
+            self.copies.append(ComputeCopies(part, COMPUTE_DTYPES[par.precision]))
+        return part
+
+    def _build_schedule(self):
+        """The pipeline schedule over this rank's stages."""
+        group = self.mesh["pp"].get_group()
+        stages = [
+            PipelineStage(part, s, self.num_stages, self.device, group=group)
+            for part, s in zip(self.parts, self.stage_ids, strict=True)
+        ]
+        cls = SCHEDULE_CLASSES[self.par.spec.schedule]
+        first = stages if self.par.spec.schedule in MULTI_STAGE else stages[0]
+        # The loss is weighted (the step's scale over the count, not the microbatch count: grads
+        # are summed): scaling the gradients afterwards would miss the fp32 parameters behind
+        # `ComputeCopies`. Each call gives the schedule its own loss (`_scheduled`).
+        return cls(
+            first, n_microbatches=self.par.microbatches, loss_fn=self._microbatch_loss, scale_grads=False
+        )
 
     def _tied_pair_group(self) -> dist.ProcessGroup | None:
         """The group of this rank and the rank at the other end of its pipeline (first stage's rank
@@ -351,22 +297,23 @@ class ParallelModel:
         targets: torch.Tensor | None,
         scale: float = 1.0,
         positions: torch.Tensor | None = None,
-        count: int | None = None,
-    ) -> torch.Tensor | None:
+        count: torch.Tensor | int | None = None,
+    ) -> Step:
         """Forward and backward over this rank's batch (its dp share) as `par.microbatches`
         microbatches; the gradients of `scale` times the mean loss over the global batch's `count`
-        counted targets are accumulated in the parameters (`count` None: every dp rank counts as
-        many as this one). `positions` [B, S]: packed documents (`Decoder.forward`), given on
-        every rank, a pipeline's middle stages included. Returns the mean loss (unscaled) over this
-        rank's counted targets on ranks holding the last stage, else None."""
+        counted targets (a device tensor or a known number) are accumulated in the parameters
+        (`count` None: every dp rank counts as many as this one). `positions` [B, S]: packed
+        documents (`Decoder.forward`), given on every rank, a pipeline's middle stages included.
+        Returns the mean loss (unscaled) over this rank's counted targets on ranks holding the last
+        stage, and a mixture of experts' router statistics: device tensors, nothing read back."""
         n = self.par.microbatches
         data = tokens if tokens is not None else targets
         if data is not None:  # middle pipeline stages get no batch; the ends check it
             check_microbatches(data.shape[0], n, "microbatches")
-        counted = _counted(targets)
+        counted = _counted(targets, self.device)
         # Gradient reduction averages over the replicas (dp x cp), so each rank's share is
         # weighted up by them.
-        weight = self.replicas * scale / max(count if count is not None else self.dp * counted, 1)
+        weight = _weight(self.replicas * scale, count if count is not None else self.dp * counted)
         tokens, targets, inputs = self._local(tokens, targets, positions)
         self._refresh()
         self._weigh_router_losses(self.replicas * scale / (n * self.dp))
@@ -384,8 +331,7 @@ class ParallelModel:
                 if self.config.tie_embeddings:
                     self._sum_tied_grads()
                 mean = self._mean(losses, counted, weight) if self.has_last else None
-        self.last_moe = self._router_report(n)
-        return mean
+        return Step(mean, self._router_report(n))
 
     def _weigh_router_losses(self, share: float) -> None:
         """Each MoE layer's load-balancing and z-loss gradient weights for this step, and its
@@ -398,10 +344,11 @@ class ParallelModel:
             moe.z_weight = self.config.router_z_loss_coef * share / layers
             moe.stats.reset()
 
-    def _router_report(self, microbatches: int) -> dict[str, float] | None:
-        """The step's router statistics over every layer and rank (a collective): the mean
-        load-balancing and z-loss (as `_weigh_router_losses` weighs them, without coefficients)
-        and the tokens each expert of each layer got: min, max and coefficient of variation."""
+    def _router_report(self, microbatches: int) -> dict[str, torch.Tensor] | None:
+        """The step's router statistics over every layer and rank (a collective), device scalars:
+        the mean load-balancing and z-loss (as `_weigh_router_losses` weighs them, without
+        coefficients) and the tokens each expert of each layer got: min, max and coefficient of
+        variation."""
         if self.config.num_experts is None:
             return None
         layers, experts = self.config.num_layers, self.config.num_experts
@@ -414,12 +361,13 @@ class ParallelModel:
         load = table[:, :experts]
         mean = load.mean()
         losses = table[:, experts:].sum(0) / (layers * microbatches * self.dp)
+        cv = torch.where(mean > 0, load.std(correction=0) / mean, torch.zeros_like(mean))
         return {
-            "aux_loss": float(losses[0]),
-            "z_loss": float(losses[1]),
-            "expert_load_min": float(load.min()),
-            "expert_load_max": float(load.max()),
-            "expert_load_cv": float(load.std(correction=0) / mean) if mean > 0 else 0.0,
+            "aux_loss": losses[0],
+            "z_loss": losses[1],
+            "expert_load_min": load.min(),
+            "expert_load_max": load.max(),
+            "expert_load_cv": cv,
         }
 
     def evaluate(
@@ -441,7 +389,7 @@ class ParallelModel:
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None
         with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
-            counted = _counted(targets)
+            counted = _counted(targets, self.device)
             tokens, targets, inputs = self._local(tokens, targets, positions)
             if self.schedule is None:
                 chunks = _chunks(n, tokens, targets, inputs)
@@ -471,13 +419,15 @@ class ParallelModel:
             }
         return shard_sequence(tokens, cp, rank), shard_sequence(targets, cp, rank), inputs
 
-    def _mean(self, losses: list[torch.Tensor], counted: int, weight: float = 1.0) -> torch.Tensor:
+    def _mean(
+        self, losses: list[torch.Tensor], counted: torch.Tensor, weight: torch.Tensor | float = 1.0
+    ) -> torch.Tensor:
         """The mean loss over the `counted` targets of this rank's rows from microbatches' summed
         losses (each times `weight`); under cp the row's parts are summed over the cp ranks."""
         total = torch.stack([x.detach().float() for x in losses]).sum() / weight
         if self.cp_mesh is not None:
             dist.all_reduce(total, group=self.cp_mesh.get_group())
-        return (total / max(counted, 1)).cpu()
+        return total / counted.clamp(min=1)
 
     def _scheduled(
         self,
@@ -543,7 +493,7 @@ class ParallelModel:
         """A microbatch's summed loss without a pipeline: fused with the output projection unless
         the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`)."""
         model = self.parts[0]
-        if self.tp_mesh is None and on_logits is None:
+        if self.fused_loss and on_logits is None:
             return model(x, y, reduction="sum", **inputs)
         return self._microbatch_loss(model(x, **inputs), y, on_logits=on_logits)
 
@@ -583,9 +533,19 @@ class ParallelModel:
                 )
 
 
-def _counted(targets: torch.Tensor | None) -> int:
-    """The targets that count (not IGNORE); 0 where this rank holds none."""
-    return 0 if targets is None else int((targets != IGNORE).sum())
+def _counted(targets: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The targets that count (not IGNORE), a device tensor; 0 where this rank holds none."""
+    if targets is None:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return (targets != IGNORE).sum()
+
+
+def _weight(numerator: float, count: torch.Tensor | int) -> torch.Tensor | float:
+    """numerator / count (at least 1): each microbatch's summed loss's weight. Worked out in
+    float64 and rounded to float32 once, as a Python float is where `count` is known."""
+    if isinstance(count, torch.Tensor):
+        return (numerator / count.clamp(min=1).double()).float()
+    return numerator / max(count, 1)
 
 
 def _chunks(
@@ -609,51 +569,3 @@ def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torc
 def box_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
     offset, shape = box
     return t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
-
-
-@torch.no_grad()
-def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of gradients sharing a mesh and placements (or plain ones). Over several
-    mesh dims (dp x tp, edp x ep x tp) DTensor all-reduces once per dim and warns that a flattened
-    mesh would take one all-reduce: for one scalar a step, not worth the process groups (NCCL
-    communicators) a flattened mesh costs, so that warning is kept off."""
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        n = torch.nn.utils.get_total_norm(grads, 2.0)
-        return n.full_tensor() if isinstance(n, DTensor) else n
-    finally:
-        log.setLevel(level)
-
-
-@torch.no_grad()
-def clip_grad_norm(
-    params: Iterable[torch.Tensor], max_norm: float, pp_group=None, uncounted: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Clip the global 2-norm of the gradients; DTensor (any mesh) and plain parameters may be mixed.
-    `uncounted`: a parameter whose gradient is clipped but left out of the norm (a tied output
-    copy: its gradient is the embedding's, counted there).
-
-    torch's clip_grad_norm_ cannot mix them, so norms are taken per group of gradients sharing a
-    mesh and placements (DTensor reductions make each group's norm global) and combined; with
-    pipeline parallel the squares are summed over the stages. Plain parameters are replicated
-    (identical on every rank holding them) and counted once."""
-    grads = [p.grad for p in params if p.grad is not None and p is not uncounted]
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for gs in groups.values():
-        total_sq = total_sq + _group_norm(gs).float() ** 2
-    if pp_group is not None:
-        dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    coef = float(max_norm / (total + 1e-6))
-    if coef < 1.0:
-        for gs in groups.values():
-            torch._foreach_mul_(gs, coef)
-        if uncounted is not None and uncounted.grad is not None:
-            uncounted.grad.mul_(coef)
-    return total

@@ -5,7 +5,8 @@ The ep ranks are data-parallel ranks (the mesh's dp is `edp` x `ep`, `mesh.build
 its own tokens. The stacked expert weights become DTensors sharded on dim 0 over ep, so rank r holds
 experts [r·E/ep, (r+1)·E/ep) and a checkpoint's pieces say which (any layout reads any slice). The
 model's `MoE` hands its `Experts` the rows grouped by expert; around that call the style applies
-here sends each group to the rank holding its expert (the counts first, one all-to-all of E numbers,
+here hands the experts their local weights (the model has no parallel code) and sends each group
+to the rank holding its expert (the counts first, one all-to-all of E numbers,
 then the rows), regroups the rows it receives by its local expert, and after the experts' SwiGLU
 sends the results back the same way, so `MoE` sees the rows it sent come back in its own order.
 Backward runs the same all-to-alls the other way (`AllToAll`).
@@ -99,7 +100,11 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, config: ModelConfig) -> None:
 
     def inputs(module: Experts, args: tuple, mesh: DeviceMesh) -> tuple:
         rows, counts = _dispatch(module, args, ep) if ep is not None else args
-        return (_SumGradOverGroup.apply(rows, tp.get_group()) if tp is not None else rows), counts
+        rows = _SumGradOverGroup.apply(rows, tp.get_group()) if tp is not None else rows
+        # The experts this rank holds: its local shards (after FSDP2 has gathered them: its
+        # pre-forward hook runs first), handed to `Experts.forward` with the rows.
+        local = tuple(p.weight.to_local() for p in (module.gate_proj, module.up_proj, module.down_proj))
+        return rows, counts, *local
 
     def outputs(module: Experts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         out = _SumOverGroup.apply(out, tp.get_group()) if tp is not None else out

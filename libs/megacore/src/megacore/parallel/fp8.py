@@ -7,9 +7,12 @@ experts' router and experts stay in bf16 (the router's choices and the vocab's l
 float8's rounding would matter most). Parameters are untouched, so checkpoints are those of a bf16
 run: a run resumes in bf16 and exports as usual.
 
-On a GPU float8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell): the dry run
-refuses others (`mega_train.run_plan.start_checks`). torchao's emulation (float8 rounding with
-bf16 matmuls) runs anywhere and is what the CPU tests use, with MEGA_FP8_EMULATE=1.
+On a GPU float8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell):
+`float8_emulation` is the one decision, made once per process (the run's start checks, a dry run's
+too) and handed to the engine in `Parallelism.fp8_emulate`; a GPU without them is refused, never
+emulated silently, and the engine checks again (`check_float8_matmuls`) when it is told not to
+emulate. torchao's emulation (float8 rounding with bf16 matmuls) runs anywhere and is what the CPU
+tests use, with MEGA_FP8_EMULATE=1 (`megacore.env`).
 
 Under tensor parallel torchao's float8 styles replace the plain ones for these linears
 (`tp_styles`): tensorwise only, which layout.check_parallelism holds. Under FSDP2 with tensorwise
@@ -22,37 +25,52 @@ torchao is an optional dependency, imported only here.
 from __future__ import annotations
 
 import dataclasses
-import os
+import importlib.util
 
 import torch
 from torch import nn
 
-from megacore.parallel.layout import FP8_EMULATE_ENV, float8_weight
+from megacore import env
+from megacore.errors import UserError
+from megacore.parallel.layout import float8_weight
 
 
-def emulated() -> bool:
-    """Whether float8 is emulated: asked for (tests), or no GPU that has float8 matmuls."""
-    if os.environ.get(FP8_EMULATE_ENV) == "1":
+def float8_emulation(where: str) -> bool:
+    """Whether precision fp8 is emulated in this process: when asked (MEGA_FP8_EMULATE=1, tests
+    only), else never: a GPU with float8 matmuls runs them, anything else is a UserError."""
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("$.precision: fp8 needs torchao, which is not installed (pip install torchao)", where)
+    if env.flag("MEGA_FP8_EMULATE"):
         return True
-    return not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
+    check_float8_matmuls(where)
+    return False
+
+
+def check_float8_matmuls(where: str) -> None:
+    """A GPU with float8 matmuls here (compute capability 8.9 or newer), else a UserError."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise UserError(
+            "$.precision: fp8 needs a GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
+            "Hopper, Blackwell) and this machine has none; use bf16",
+            where,
+        )
 
 
 def _block_linear(module: nn.Module, name: str) -> bool:
     return isinstance(module, nn.Linear) and float8_weight(f"{name}.weight", module.weight.shape)
 
 
-def apply_fp8(model: nn.Module, scaling: str, all_gather: bool = False) -> None:
+def apply_fp8(model: nn.Module, scaling: str, emulate: bool, all_gather: bool = False) -> None:
     """Swap a Decoder's (or a stage's) block linears for torchao's Float8Linear, in place, before
-    tensor parallel and FSDP2 wrap them; their blocks run each projection on its own (unfused), so
-    that every matmul goes through its Float8Linear. `all_gather` (`layout.float8_all_gather`): their
-    weights become torchao's tensors that FSDP2 all-gathers in float8."""
+    tensor parallel and FSDP2 wrap them; the Decoder was built with its projections unfused
+    (`layout.fast_paths`), so that every matmul goes through its Float8Linear. `emulate`:
+    `float8_emulation`'s decision. `all_gather` (`layout.float8_all_gather`): their weights become
+    torchao's tensors that FSDP2 all-gathers in float8."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(scaling)
-    config = dataclasses.replace(config, emulate=emulated(), enable_fsdp_float8_all_gather=all_gather)
+    config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
     convert_to_float8_training(model, module_filter_fn=_block_linear, config=config)
-    for block in model.layers.values():
-        block.attn.fused = block.mlp.fused = False
 
 
 def precompute_scales(module: nn.Module) -> None:

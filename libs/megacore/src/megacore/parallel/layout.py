@@ -14,6 +14,7 @@ section.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -192,38 +193,98 @@ def stage_layers(
     return out
 
 
-def check_world(
-    world_size: int, tp: int, pp: int, where: str = "world size", cp: int = 1, ep: int = 1
-) -> int:
-    """dp = world / (tp * pp * cp); the world size must be a multiple of tp * pp * cp, and dp of
-    ep (expert parallel's ranks are data-parallel ranks)."""
-    if world_size % (tp * pp * cp):
-        sizes = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
-        raise UserError(f"world size {world_size} is not a multiple of {sizes}", where)
-    dp = world_size // (tp * pp * cp)
-    if dp % ep:
-        raise UserError(f"ep {ep} does not divide dp {dp} (world {world_size} / tp*pp*cp)", where)
-    return dp
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of a job's mesh and the one owner of their arithmetic, torch-free (torchtitan's
+    `ParallelDims`): the engine, the checkpoint pieces, the run plan and the planner all read it.
 
+    Ranks run (pp, dp, cp, tp), tp fastest (`mesh.build_mesh`); under expert parallel dp is made of
+    (edp, ep), ep inner. Parameters are replicated over dp and cp alike, so a tensor has
+    dp x cp `replicas`, which FSDP2 shards over (dp x cp flattened: `replica`)."""
 
-def check_cp(
-    seq_length: int, cp: int, tp: int, sequence_parallel: bool, where: str = "$.parallel.cp"
-) -> None:
-    """Context parallel cuts each sequence into 2 x cp equal chunks (`megacore.parallel.cp`), and
-    sequence parallel each rank's part into tp."""
-    _positive(cp, "cp", where)
-    if cp > 1 and seq_length % (2 * cp):
-        raise UserError(
-            f"cp {cp} splits each sequence into {2 * cp} equal chunks: seq_length {seq_length} is "
-            f"not a multiple of {2 * cp}",
-            where,
-        )
-    if cp > 1 and sequence_parallel and (seq_length // cp) % tp:
-        raise UserError(
-            f"sequence parallel splits each cp rank's {seq_length // cp} tokens over tp {tp}: "
-            "choose a seq_length that divides",
-            where,
-        )
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def for_world(
+        cls, world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, where: str = "world size"
+    ) -> Dims:
+        """dp = world / (tp x pp x cp): the world a multiple of tp x pp x cp, and dp of ep (expert
+        parallel's ranks are data-parallel ranks)."""
+        if world % (tp * pp * cp):
+            sizes = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
+            raise UserError(f"world size {world} is not a multiple of {sizes}", where)
+        dp = world // (tp * pp * cp)
+        if dp % ep:
+            raise UserError(f"ep {ep} does not divide dp {dp} (world {world} / tp*pp*cp)", where)
+        return cls(tp, pp, cp, dp, ep)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters (dp x cp): what FSDP2 shards them over."""
+        return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """The ranks holding the same experts under expert parallel: what FSDP2 shards them over."""
+        return self.dp // self.ep
+
+    def replica(self, dp_rank: int, cp_rank: int) -> int:
+        """A rank's index among the `replicas`: dp rank x cp + cp rank (FSDP2's flattened mesh)."""
+        return dp_rank * self.cp + cp_rank
+
+    def rank(self, pp_rank: int, replica: int, tp_rank: int) -> int:
+        """The global rank at those coordinates (`replica`: dp and cp together)."""
+        return (pp_rank * self.replicas + replica) * self.tp + tp_rank
+
+    def seq_multiple(self, sequence_parallel: bool) -> int:
+        """What a seq_length must be a multiple of: context parallel cuts each sequence into 2 x cp
+        equal chunks (`megacore.parallel.cp`) and sequence parallel each cp rank's part into tp;
+        anything without cp."""
+        if self.cp == 1:
+            return 1
+        return math.lcm(2 * self.cp, self.cp * self.tp) if sequence_parallel else 2 * self.cp
+
+    def check_seq_length(
+        self, seq_length: int, sequence_parallel: bool, where: str = "$.parallel.cp"
+    ) -> None:
+        """`seq_length` splits as `seq_multiple` says."""
+        _positive(self.cp, "cp", where)
+        if self.cp > 1 and seq_length % (2 * self.cp):
+            raise UserError(
+                f"cp {self.cp} splits each sequence into {2 * self.cp} equal chunks: seq_length "
+                f"{seq_length} is not a multiple of {2 * self.cp}",
+                where,
+            )
+        if self.cp > 1 and sequence_parallel and (seq_length // self.cp) % self.tp:
+            raise UserError(
+                f"sequence parallel splits each cp rank's {seq_length // self.cp} tokens over tp "
+                f"{self.tp}: choose a seq_length that divides",
+                where,
+            )
+
+    def microbatches(self, global_batch: int, micro: int, where: str = "$.batch.global_batch_size") -> int:
+        """The batch rule: a step's global batch is micro batch x dp x the microbatches each dp rank
+        runs (a pipeline's, or gradient accumulation's)."""
+        if global_batch % (micro * self.dp):
+            raise UserError(
+                f"{global_batch} is not a multiple of micro_batch_size * dp = {micro} * {self.dp}", where
+            )
+        return global_batch // (micro * self.dp)
+
+    @property
+    def label(self) -> str:
+        """'tp 2 x pp 1 x dp 4'; 'tp 2 x pp 1 x cp 4 x dp 1' with context parallel (the mesh's order);
+        'tp 1 x pp 2 x dp 8 (ep 8)' with expert parallel, ep ranks being dp ranks."""
+        cp = f"cp {self.cp} x " if self.cp > 1 else ""
+        return f"tp {self.tp} x pp {self.pp} x {cp}dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
 
 
 def check_microbatches(batch_size: int, microbatches: int, where: str = "batch") -> int:
@@ -244,15 +305,14 @@ ZERO_BUBBLE = ("interleavedzb", "zbv")
 
 
 PRECISIONS = (*FLOAT_DTYPES.values(), "fp8")  # as a run manifest holds them: fp32, bf16, fp16, fp8
-# fp8 where no GPU has float8 matmuls: torchao's emulation, for tests only (megacore.parallel.fp8).
-FP8_EMULATE_ENV = "MEGA_FP8_EMULATE"
 RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
 class Parallelism:
     """What the engine builds: a run manifest's `parallel` section, and from the rest of the run
-    its precision, the microbatches of one step, whether blocks are compiled and what is recomputed."""
+    its precision, the microbatches of one step, whether blocks are compiled, what is recomputed
+    and the attention kernel. dp is the job's (`dims`): what is left of the world."""
 
     spec: ParallelSpec = field(default_factory=ParallelSpec)
     precision: str = "bf16"  # bf16 or fp16 compute with fp32 master weights and reductions, or fp32
@@ -260,6 +320,13 @@ class Parallelism:
     compile: bool = False  # torch.compile each transformer block
     recompute: str = "none"  # activation recompute: none, selective (attention core), full (per block)
     fp8_scaling: str = "tensorwise"  # precision fp8: tensorwise or rowwise (megacore.parallel.fp8)
+    attention: str = "auto"  # the attention kernel: auto, sdpa or flash (`models.attention`)
+    fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`: tests only)
+
+    def dims(self, dp: int) -> Dims:
+        """The mesh's sizes: this layout's with `dp` data-parallel ranks."""
+        s = self.spec
+        return Dims(tp=s.tp, pp=s.pp, cp=s.cp, dp=dp, ep=s.ep)
 
     @property
     def stages_per_rank(self) -> int:
@@ -275,6 +342,12 @@ class Parallelism:
         return [pp_rank + k * self.spec.pp for k in range(self.stages_per_rank)]
 
 
+def _field(where: str, name: str) -> str:
+    """A top-level run field beside `where`'s parallel section: 'run.json: $.parallel' ->
+    'run.json: $.precision'."""
+    return where.replace("$.parallel", f"$.{name}") if "$.parallel" in where else name
+
+
 def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.parallel") -> list[list[int]]:
     """Every check of the engine's layout that needs no processes; returns the layers of each stage."""
     spec = par.spec
@@ -287,9 +360,13 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
             f"schedule {spec.schedule!r} runs one stage per rank; virtual_stages must be 1", where
         )
     if par.precision not in PRECISIONS:
-        raise UserError(f"precision must be one of {list(PRECISIONS)}, got {par.precision!r}", "precision")
+        raise UserError(
+            f"must be one of {list(PRECISIONS)}, got {par.precision!r}", _field(where, "precision")
+        )
     if par.recompute not in RECOMPUTE:
-        raise UserError(f"recompute must be one of {list(RECOMPUTE)}, got {par.recompute!r}", "recompute")
+        raise UserError(
+            f"must be one of {list(RECOMPUTE)}, got {par.recompute!r}", _field(where, "recompute")
+        )
     check_tp(config, spec.tp, f"{where}.tp")
     check_ep(config, spec.ep, f"{where}.ep")
     if (
@@ -300,7 +377,7 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         raise UserError(
             "fp8 under tensor parallel takes tensorwise scaling and tp up to the kv heads "
             f"({config.num_kv_heads}): torchao's float8 styles",
-            "fp8_scaling" if par.fp8_scaling != "tensorwise" else f"{where}.tp",
+            _field(where, "fp8_scaling") if par.fp8_scaling != "tensorwise" else f"{where}.tp",
         )
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
@@ -331,20 +408,54 @@ def fsdp_dim(shape: Sequence[int], tp_dim: int | None = None) -> int:
     return 2 if tp_dim == 1 else 1
 
 
-# --- how the engine wraps a stage (engine.py applies them; memory.py counts their bytes) ----------
+# --- how the engine builds and wraps a stage (engine.py applies them; the planner counts them) ----
 
 
-def compute_copies(par: Parallelism, dp: int) -> bool:
+def compute_copies(par: Parallelism, dims: Dims) -> bool:
     """Whether the engine keeps bf16/fp16 compute copies of the fp32 parameters (`ComputeCopies`):
-    mixed precision without dp, but for the zero-bubble schedules. `dp`: the replicas of each
-    parameter (dp x cp)."""
-    return par.precision != "fp32" and dp == 1 and par.spec.schedule not in ZERO_BUBBLE
+    mixed precision without replicas (dp x cp), but for the zero-bubble schedules."""
+    return par.precision != "fp32" and dims.replicas == 1 and par.spec.schedule not in ZERO_BUBBLE
 
 
-def fsdp_wrapped(par: Parallelism, dp: int) -> bool:
-    """Whether the engine applies FSDP2 (or replicate): with dp (the replicas: dp x cp), or mixed
-    precision without copies."""
-    return dp > 1 or (par.precision != "fp32" and not compute_copies(par, dp))
+def fsdp_wrapped(par: Parallelism, dims: Dims) -> bool:
+    """Whether the engine applies FSDP2 (or replicate): with replicas (dp x cp), or mixed precision
+    without copies."""
+    return dims.replicas > 1 or (par.precision != "fp32" and not compute_copies(par, dims))
+
+
+_BLOCK = re.compile(r"^(layers\.\d+)\.")
+
+
+def fsdp_unit(name: str, dims: Dims) -> str:
+    """The module FSDP2 wraps a parameter (checkpoint name) in, by its name in the stage: its
+    block ("layers.3"), its block's experts under expert parallel ("layers.3.mlp.experts", sharded
+    over edp), or the stage itself (""): the embedding, the final norm and the head."""
+    m = _BLOCK.match(name)
+    if m is None:
+        return ""
+    if dims.ep > 1 and is_experts(name):
+        return f"{m.group(1)}.mlp.experts"
+    return m.group(1)
+
+
+def fused_loss(par: Parallelism) -> bool:
+    """The loss is fused with the output projection (`Decoder(tokens, targets)`: no full fp32
+    logits) without tp and without a pipeline; otherwise the logits are vocab-parallel or sent."""
+    return par.spec.tp == 1 and par.spec.pp * par.stages_per_rank == 1
+
+
+def fast_paths(par: Parallelism) -> dict[str, bool]:
+    """The Decoder's single-device fast paths (`models.decoder.FastPaths`), where every tensor they
+    see is a whole plain one: the hidden norms' hand-written backward but on sequence-parallel
+    shards, the per-head q/k norms' but under tp (DTensor heads), q/k/v and gate/up as one matmul
+    each but under tp (each rank holds a slice of every projection) or fp8 (each Float8Linear runs
+    its own matmuls)."""
+    tp = par.spec.tp
+    return {
+        "norms": not (par.spec.sequence_parallel and tp > 1),
+        "head_norms": tp == 1,
+        "projections": tp == 1 and par.precision != "fp8",
+    }
 
 
 # precision fp8: the weights whose linears run float8 matmuls (megacore.parallel.fp8), the blocks'
@@ -359,9 +470,12 @@ def float8_weight(name: str, shape: Sequence[int]) -> bool:
     return bool(_FLOAT8.match(name)) and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in shape)
 
 
-def float8_all_gather(par: Parallelism, dp: int) -> bool:
+def float8_all_gather(par: Parallelism, dims: Dims) -> bool:
     """Whether FSDP2 all-gathers the float8 weights in float8 (half bf16's bytes): fp8 with
     tensorwise scaling (torchao supports no other), sharded over the replicas (dp x cp)."""
     return (
-        par.precision == "fp8" and par.fp8_scaling == "tensorwise" and dp > 1 and par.spec.dp_mode == "fsdp"
+        par.precision == "fp8"
+        and par.fp8_scaling == "tensorwise"
+        and dims.replicas > 1
+        and par.spec.dp_mode == "fsdp"
     )

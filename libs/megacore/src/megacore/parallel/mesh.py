@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megacore.parallel.layout import check_world
+from megacore import env
+from megacore.parallel.layout import Dims
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
@@ -24,8 +23,8 @@ def init_distributed() -> None:
         return
     backend = "nccl" if device_type() == "cuda" else "gloo"
     if device_type() == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" not in os.environ:
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    if env.get("RANK") is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend)
@@ -38,7 +37,7 @@ def build_mesh(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> DeviceMesh
     parallel, dp is made of (edp, ep), flattened to `dp` (the mesh has both): ep's neighbouring
     ranks exchange tokens, edp's hold the same experts."""
     init_distributed()
-    dp = check_world(dist.get_world_size(), tp, pp, cp=cp, ep=ep)
+    dp = Dims.for_world(dist.get_world_size(), tp, pp, cp, ep).dp
     if ep == 1:
         return init_device_mesh(device_type(), (pp, dp, cp, tp), mesh_dim_names=MESH_DIMS)
     mesh = init_device_mesh(

@@ -21,6 +21,8 @@ tensors.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -152,6 +154,68 @@ def _to_local_copy_hook(module, args, out):
     return out.to_local().clone() if isinstance(out, DTensor) else out
 
 
+def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool, float8: bool):
+    """The style of one module with a weight, from where `place` puts its weight (None: none)."""
+    hidden_layout = Shard(1) if sp else Replicate()
+    dim = place(f"{name}.weight", config, tp).tp_dim
+    colwise, rowwise = _linear_styles(module, float8)
+    if isinstance(module, nn.Embedding) and dim == 0:  # vocab-parallel: rowwise over the rows
+        return RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=hidden_layout, use_local_output=not sp
+        )
+    if isinstance(module, nn.Linear) and dim == 0:
+        if name == "lm_head":  # logits stay sharded on the vocab for the vocab-parallel loss
+            return colwise(input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True)
+        return colwise()
+    if isinstance(module, nn.Linear) and dim == 1:
+        return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
+    if isinstance(module, GroupedLinear) or name.endswith("mlp.router"):
+        return None  # experts: split by `ep.apply_ep` (over tp too); the router replicated
+    if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
+        return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
+    if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard
+        return HeadNorm()
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm) and dim is None:
+        return SequenceParallel() if sp else None
+    raise NotImplementedError(f"no tensor-parallel style for {name} placed on dim {dim}")
+
+
+def _check_plain(name: str, module: nn.Module, style: ParallelStyle) -> None:
+    """DTensor shards need the plain module code: a module built with a single-device fast path
+    (`layout.fast_paths` decides them when the Decoder is built) is a programming error here."""
+    sharded = isinstance(style, SequenceParallel | HeadNorm) or name.endswith(("attn", "mlp"))
+    if sharded and getattr(module, "fused", False):
+        raise RuntimeError(f"{name} was built with a fused fast path; tensor parallel needs the plain one")
+
+
+def _gather_block_inputs(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallel: gather the sequence once per attention / MLP input (a mixture of experts
+    takes and gives whole plain rows: `ep.apply_ep`)."""
+    parallelize_module(
+        block.attn,
+        tp_mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+    )
+    moe = isinstance(block.mlp, MoE)
+    parallelize_module(
+        block.mlp,
+        tp_mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=moe
+        ),
+    )
+    if moe:
+        parallelize_module(
+            block.mlp,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False
+            ),
+        )
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -159,87 +223,39 @@ def apply_tp(
     sequence_parallel: bool = False,
     float8: bool = False,
 ) -> None:
-    """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`. `float8`: its
-    block linears are torchao's Float8Linear (`fp8.apply_fp8`), which take torchao's styles."""
+    """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`; it was built
+    without the fast paths tp cannot take (`layout.fast_paths`). `float8`: its block linears are
+    torchao's Float8Linear (`fp8.apply_fp8`), which take torchao's styles."""
     sp, tp = sequence_parallel, tp_mesh.size()
-    hidden_layout = Shard(1) if sp else Replicate()
-
-    def style(name: str, module: nn.Module) -> ParallelStyle | None:
-        dim = place(f"{name}.weight", config, tp).tp_dim
-        colwise, rowwise = _linear_styles(module, float8)
-        if isinstance(module, nn.Embedding) and dim == 0:  # vocab-parallel: rowwise over the rows
-            return RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=hidden_layout, use_local_output=not sp
-            )
-        if isinstance(module, nn.Linear) and dim == 0:
-            if name == "lm_head":  # logits stay sharded on the vocab for the vocab-parallel loss
-                return colwise(input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True)
-            return colwise()
-        if isinstance(module, nn.Linear) and dim == 1:
-            return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
-        if isinstance(module, GroupedLinear) or name.endswith("mlp.router"):
-            return None  # experts: split by `ep.apply_ep` (over tp too); the router replicated
-        if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
-            return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
-        if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard
-            return HeadNorm()
-        if isinstance(module, nn.LayerNorm | nn.RMSNorm) and dim is None:
-            return SequenceParallel() if sp else None
-        raise NotImplementedError(f"no tensor-parallel style for {name} placed on dim {dim}")
-
     for name, module in list(model.named_modules()):
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             continue
-        s = style(name, module)
-        if s is not None:
-            parallelize_module(module, tp_mesh, s)
-            if isinstance(s, SequenceParallel | HeadNorm):
-                module.fused = False  # its hand-written backward takes plain tensors only
-    for block in model.layers.values():
-        # Each rank holds a slice of every projection: one matmul per projection, not fused.
-        block.attn.fused = block.mlp.fused = False
-        if sp:  # gather the sequence once per attention / MLP input
-            parallelize_module(
-                block.attn,
-                tp_mesh,
-                PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-            )
-            moe = isinstance(block.mlp, MoE)  # takes and gives whole plain rows: `ep.apply_ep`
-            parallelize_module(
-                block.mlp,
-                tp_mesh,
-                PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=moe
-                ),
-            )
-            if moe:
-                parallelize_module(
-                    block.mlp,
-                    tp_mesh,
-                    PrepareModuleOutput(
-                        output_layouts=(Replicate(),),
-                        desired_output_layouts=(Shard(1),),
-                        use_local_output=False,
-                    ),
-                )
+        style = _style(name, module, config, tp, sp, float8)
+        if style is not None:
+            _check_plain(name, module, style)
+            parallelize_module(module, tp_mesh, style)
+    for name, block in model.layers.items():
+        _check_plain(f"layers.{name}.attn", block.attn, None)
+        _check_plain(f"layers.{name}.mlp", block.mlp, None)
+        if sp:
+            _gather_block_inputs(block, tp_mesh)
     if model.embed is None and sp:
         # A later pipeline stage receives its sequence shard as a plain tensor.
         model.register_forward_pre_hook(
             lambda mod, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
         )
     if model.norm is not None and model.lm_head is None:
-        # Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the
-        # final norm's output must be a replicated DTensor (gathered over the sequence with SP).
-        def replicate_norm_out(mod, args, out):
-            if isinstance(out, DTensor):
-                return out.redistribute(placements=[Replicate()])
-            return DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
-
-        model.norm.register_forward_hook(replicate_norm_out)
+        model.norm.register_forward_hook(partial(_replicate_norm_out, tp_mesh))
     # Stage outputs are plain: the local vocab shard of the logits, or the local hidden states.
     model.register_forward_hook(_to_local_hook if model.norm is not None else _to_local_copy_hook)
+
+
+def _replicate_norm_out(tp_mesh: DeviceMesh, mod: nn.Module, args: tuple, out: torch.Tensor) -> DTensor:
+    """Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the final
+    norm's output must be a replicated DTensor (gathered over the sequence with SP)."""
+    if isinstance(out, DTensor):
+        return out.redistribute(placements=[Replicate()])
+    return DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
 
 
 def lm_loss(

@@ -1,13 +1,24 @@
-"""Model families: the Hugging Face config / tensor-name maps, both directions."""
+"""Model families: the Hugging Face config / tensor-name maps, both directions, one module a family
+(`hf_config` and `tensor_map` hold what they share).
+
+Each family module lists the ModelConfig switches its config.json can set (`SWITCHES`), beyond the
+fields every family writes (`SHARED_FIELDS`); `check_expressible` refuses a config that sets any
+other, on export and on convert. An allow-list, so a switch added to ModelConfig is refused by every
+family until one writes it, never dropped silently.
+"""
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
-from megacore.config import ModelConfig
+import msgspec
+
+from megacore.config import TOKEN_ID_FIELDS, ModelConfig, config_differences, pad_vocab
 from megacore.errors import UserError
 from megacore.models.families import falcon, gemma3, llama, mistral, mixtral, qwen2, qwen3
-from megacore.models.families.common import TensorMap
+from megacore.models.families.hf_config import max_positions_to_hf
+from megacore.models.families.tensor_map import TensorMap
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
@@ -18,6 +29,30 @@ FAMILIES: dict[str, ModuleType] = {
     "gemma3": gemma3,
     "mixtral": mixtral,
 }
+
+# The ModelConfig fields every family's config.json writes: the family (its model_type), the sizes,
+# the context and RoPE, the norm's eps, the tie and the token ids ...
+WRITTEN_BY_ALL = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "max_seq_len",
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_embeddings",
+    "bos_id",
+    "eos_id",
+)
+# ... and those no config.json carries, left out on export by design: the vocab padding (export cuts
+# its rows off) and the router's z-loss weight, a training setting that changes nothing the model
+# computes (transformers' MoE models have no z-loss).
+NOT_CARRIED = ("padded_vocab_size", "router_z_loss_coef")
+SHARED_FIELDS = (*WRITTEN_BY_ALL, *NOT_CARRIED)
 
 
 def family_of(config: ModelConfig) -> ModuleType:
@@ -34,4 +69,84 @@ def family_for_model_type(model_type: object, where: str) -> ModuleType:
     )
 
 
-__all__ = ["FAMILIES", "TensorMap", "family_for_model_type", "family_of"]
+def check_expressible(config: ModelConfig, where: str = "config") -> None:
+    """UserError, one line naming the family and the fields, when `config` sets a field its family's
+    config.json cannot say: one outside SHARED_FIELDS and the family's SWITCHES that is not at
+    ModelConfig's default. Export calls it so nothing is dropped silently, convert so a reader never
+    produces what its writer cannot write back. Value constraints on listed switches (Llama's one
+    attention bias switch, ...) are each writer's."""
+    fam = family_of(config)
+    allowed = {*SHARED_FIELDS, *fam.SWITCHES}
+    unsaid = [
+        f.name for f in msgspec.structs.fields(config) if f.name not in allowed and not _at_default(config, f)
+    ]
+    if unsaid:
+        raise UserError(f"a {fam.NAME} config.json cannot express {', '.join(unsaid)}", where)
+
+
+def _at_default(config: ModelConfig, f: msgspec.structs.FieldInfo) -> bool:
+    """Whether field `f` holds its default, or what its default resolves to in this config
+    (head_dim None: hidden_size / num_heads)."""
+    default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+    if default is msgspec.NODEFAULT:  # a required field: the sizes, all shared
+        return False
+    value = getattr(config, f.name)
+    if value == default:
+        return True
+    try:
+        return value == getattr(msgspec.structs.replace(config, **{f.name: default}), f.name)
+    except ValueError:  # the default does not even make a valid config here
+        return False
+
+
+def config_from_hf(
+    hf: dict[str, Any] | Any, where: str = "config.json", pad_multiple: int | None = None
+) -> ModelConfig:
+    """ModelConfig from a HF config: a config.json dict (classic `rope_theta`/`rope_scaling` or
+    transformers 5 `rope_parameters`) or a transformers PretrainedConfig. `pad_multiple` sets
+    padded_vocab_size (None: no padding)."""
+    if not isinstance(hf, dict):
+        hf = hf.to_dict()
+    fam = family_for_model_type(hf.get("model_type"), where)
+    cfg = fam.config_from_hf(hf, where)
+    check_expressible(cfg, where)  # what the reader made, the family's writer can write back
+    if pad_multiple is not None:
+        if pad_multiple < 1:
+            raise UserError(f"must be at least 1, got {pad_multiple}", "--pad-vocab-multiple")
+        cfg = msgspec.structs.replace(cfg, padded_vocab_size=pad_vocab(cfg.vocab_size, pad_multiple))
+    return cfg
+
+
+def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
+    """A config.json dict that transformers (4.45+ and 5) loads as the matching *ForCausalLM; a
+    UserError when the config sets a switch the family's config.json cannot express."""
+    check_expressible(config)
+    out = family_of(config).config_to_hf(config)
+    if dtype is not None:
+        out["torch_dtype"] = dtype
+    return out
+
+
+def differences_from_hf(config: ModelConfig, hf_config: ModelConfig) -> list[str]:
+    """The fields in which a checkpoint's config and one read from a config.json differ, but for what
+    a config.json does not carry: the token ids (generation settings), the vocab padding and, under
+    dynamic RoPE scaling, max_seq_len (its max_position_embeddings is then the original context,
+    what transformers' dynamic NTK measures growth against: `max_positions_to_hf`)."""
+    ignore = (*TOKEN_ID_FIELDS, "padded_vocab_size")
+    s = config.rope_scaling
+    if s is not None and s.type == "dynamic" and hf_config.max_seq_len == max_positions_to_hf(config):
+        ignore = (*ignore, "max_seq_len")
+    return config_differences(config, hf_config, ignore)
+
+
+__all__ = [
+    "FAMILIES",
+    "SHARED_FIELDS",
+    "TensorMap",
+    "check_expressible",
+    "config_from_hf",
+    "config_to_hf",
+    "differences_from_hf",
+    "family_for_model_type",
+    "family_of",
+]

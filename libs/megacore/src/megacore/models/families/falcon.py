@@ -13,25 +13,32 @@ classic multi-head (KV = H: q, k, v interleaved per head). Alibi checkpoints are
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import (
-    HFConfig,
-    TensorMap,
-    build_config,
-    linear,
-    max_positions_to_hf,
-    refuse_gemma_switches,
-    rename,
-    rope_to_hf,
-)
+from megacore.models.families.hf_config import HFConfig, build_config, max_positions_to_hf, rope_to_hf
+from megacore.models.families.tensor_map import TensorMap, linear, rename
+
+if TYPE_CHECKING:  # torch is imported where tensors are moved: reading a config.json needs none
+    import torch
 
 MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 ARCHITECTURE = "FalconForCausalLM"
+NAME = "Falcon"
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Falcon config.json can set to other than
+# their defaults (`families.check_expressible` refuses the rest): its norm and activation are fixed
+# (layernorm with bias, gelu), its biases one `bias` switch; head_dim is always hidden / heads.
+SWITCHES = (
+    "norm",
+    "norm_bias",
+    "activation",
+    "parallel_attn",
+    "num_ln_in_parallel_attn",
+    "attn_bias",
+    "attn_out_bias",
+    "mlp_bias",
+)
 # Key names of the first Falcon configs (model_type RefinedWeb / RefinedWebModel).
 _ALIASES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "num_kv_heads": "n_head_kv"}
 
@@ -95,13 +102,12 @@ def _new_arch(config: ModelConfig) -> bool:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.norm != "layernorm" or not config.norm_bias or config.activation != "gelu" or config.qk_norm:
-        raise UserError("Falcon needs layernorm with bias and a gelu MLP, and has no q/k norms", "config")
-    refuse_gemma_switches(config, "Falcon")
+    if config.norm != "layernorm" or not config.norm_bias or config.activation != "gelu":
+        raise UserError(
+            "Falcon needs layernorm with bias and a gelu MLP (norm, norm_bias, activation)", "config"
+        )
     if not config.attn_bias == config.attn_out_bias == config.mlp_bias:
         raise UserError("Falcon has one `bias` switch; this config's bias switches differ", "config")
-    if config.sliding_window is not None or config.head_dim * config.num_heads != config.hidden_size:
-        raise UserError("sliding window / explicit head_dim cannot be expressed as a Falcon config", "config")
     new_arch = _new_arch(config)
     if new_arch and not config.parallel_attn:
         raise UserError("Falcon kv groups need parallel attention", "config")
@@ -144,6 +150,8 @@ def _fuse_qkv(ts: tuple[torch.Tensor, ...], kv: int, per_group: int, hd: int) ->
     q, k, v = ts
     rest = q.shape[1:]
     parts = (q.reshape(kv, per_group, hd, *rest), k.reshape(kv, 1, hd, *rest), v.reshape(kv, 1, hd, *rest))
+    import torch
+
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 

@@ -34,19 +34,39 @@ from typing import Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import (
-    HFConfig,
-    TensorMap,
-    build_config,
-    linear,
-    llama_style_to_hf,
-    rename,
-)
+from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
+from megacore.models.families.tensor_map import TensorMap, linear, rename
 
 MODEL_TYPES = ("gemma3_text",)
 ARCHITECTURE = "Gemma3ForCausalLM"
+NAME = "Gemma 3"
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Gemma 3 config.json can set to other
+# than their defaults (`families.check_expressible` refuses the rest); its norm, activation and
+# norm / embedding switches are fixed (`config_to_hf`).
+SWITCHES = (
+    "head_dim",
+    "norm",
+    "activation",
+    "sliding_window",
+    "layer_types",
+    "local_rope_theta",
+    "attn_scalar",
+    "attn_bias",
+    "attn_out_bias",
+    "qk_norm",
+    "sandwich_norm",
+    "scale_embeddings",
+)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATION = "gelu_pytorch_tanh"
+# The switches every Gemma 3 sets (of those on SWITCHES), and their values.
+_FIXED = {
+    "norm": "rmsnorm_plus1",
+    "activation": "geglu_tanh",
+    "qk_norm": True,
+    "sandwich_norm": True,
+    "scale_embeddings": True,
+}
 
 
 def layer_types(c: HFConfig, num_layers: int) -> list[str]:
@@ -159,17 +179,11 @@ def _pattern(types: list[str]) -> int | None:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    gemma = (
-        config.norm == "rmsnorm_plus1"
-        and config.activation == "geglu_tanh"
-        and config.qk_norm
-        and config.sandwich_norm
-        and config.scale_embeddings
-        and config.attn_bias == config.attn_out_bias
-        and not (config.mlp_bias or config.parallel_attn)
-    )
-    if not gemma:
-        raise UserError("this config has switches a Gemma 3 config.json cannot express", "config")
+    fixed = [f"{k} {v!r}" for k, v in _FIXED.items() if getattr(config, k) != v]
+    if fixed:
+        raise UserError(f"a Gemma 3 config.json always has {', '.join(fixed)}; this config differs", "config")
+    if config.attn_bias != config.attn_out_bias:
+        raise UserError("Gemma 3 has one attention bias switch; attn_bias and attn_out_bias differ", "config")
     if config.sliding_window is None or config.local_rope_theta is None:
         raise UserError(
             "Gemma 3 configs need a sliding_window and the local layers' local_rope_theta", "config"

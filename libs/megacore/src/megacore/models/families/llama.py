@@ -3,7 +3,8 @@ scaling), tied embeddings where the config says so (Llama 3.2 1B/3B).
 
 HF layout (LlamaForCausalLM): model.embed_tokens, model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
 post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head. Mistral and Qwen 2/3 use the
-same names (`tensor_maps`); Qwen 3 adds self_attn.{q,k}_norm (qk_norm).
+same names (`tensor_maps`); Qwen 3 adds self_attn.{q,k}_norm (qk_norm). Mistral and Mixtral also
+share its config.json keys but the bias switches (`lineage_fields`, `lineage_to_hf`).
 """
 
 from __future__ import annotations
@@ -12,84 +13,80 @@ from typing import Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families.common import (
-    HFConfig,
-    TensorMap,
-    build_config,
-    linear,
-    llama_style_to_hf,
-    refuse_gemma_switches,
-    rename,
-    stacked,
-)
+from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
+from megacore.models.families.tensor_map import TensorMap, linear, rename, stacked
 
 MODEL_TYPES = ("llama",)
 ARCHITECTURE = "LlamaForCausalLM"
+NAME = "Llama"
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Llama config.json can set to other than
+# their defaults (`families.check_expressible` refuses the rest): head_dim and the bias switches.
+SWITCHES = ("head_dim", "attn_bias", "attn_out_bias", "mlp_bias")
 
 
-def config_from_hf(hf: dict[str, Any], where: str, family: str = "llama", **extra: Any) -> ModelConfig:
-    """ModelConfig from a Llama-style config.json (defaults as transformers' LlamaConfig); `extra`:
-    fields of a family built on Llama's (Mixtral's experts)."""
+def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    """ModelConfig from a Llama config.json (defaults as transformers' LlamaConfig)."""
     c = HFConfig(hf, where)
-    act = c.str("hidden_act", "silu")
-    if act != "silu":
-        raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", where)
-    heads = c.int("num_attention_heads")
-    theta, scaling = c.rope()
     bias = c.bool("attention_bias", False)
-    # transformers' MistralConfig defaults the window to 4096, MixtralConfig to none.
-    window = {"mistral": c.data.get("sliding_window", 4096), "mixtral": c.data.get("sliding_window")}.get(
-        family
-    )
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise UserError(f"$.sliding_window: expected an integer or null, got {window!r}", where)
     return build_config(
         where,
-        family=family,
-        vocab_size=c.int("vocab_size"),
-        hidden_size=c.int("hidden_size"),
-        num_layers=c.int("num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=c.int("num_key_value_heads", heads),
-        ffn_hidden_size=c.int("intermediate_size"),
-        max_seq_len=c.int("max_position_embeddings", 2048),
-        norm="rmsnorm",
-        norm_eps=c.float("rms_norm_eps", 1e-6),
-        activation="swiglu",
-        head_dim=c.int("head_dim") if c.data.get("head_dim") else None,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        sliding_window=window,
+        family="llama",
+        **lineage_fields(c),
         attn_bias=bias,
         attn_out_bias=bias,
         mlp_bias=c.bool("mlp_bias", False),
-        tie_embeddings=c.bool("tie_word_embeddings", False),
-        bos_id=c.opt_int("bos_token_id"),
-        eos_id=c.opt_int("eos_token_id"),
-        **extra,
     )
 
 
+def lineage_fields(c: HFConfig) -> dict[str, Any]:
+    """The ModelConfig fields Llama, Mistral and Mixtral configs spell alike (defaults as
+    transformers' LlamaConfig): everything but the family's own keys (biases, window, experts)."""
+    act = c.str("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", c.where)
+    heads = c.int("num_attention_heads")
+    theta, scaling = c.rope()
+    return {
+        "vocab_size": c.int("vocab_size"),
+        "hidden_size": c.int("hidden_size"),
+        "num_layers": c.int("num_hidden_layers"),
+        "num_heads": heads,
+        "num_kv_heads": c.int("num_key_value_heads", heads),
+        "ffn_hidden_size": c.int("intermediate_size"),
+        "max_seq_len": c.int("max_position_embeddings", 2048),
+        "norm": "rmsnorm",
+        "norm_eps": c.float("rms_norm_eps", 1e-6),
+        "activation": "swiglu",
+        "head_dim": c.int("head_dim") if c.data.get("head_dim") else None,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_embeddings": c.bool("tie_word_embeddings", False),
+        "bos_id": c.opt_int("bos_token_id"),
+        "eos_id": c.opt_int("eos_token_id"),
+    }
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.attn_bias != config.attn_out_bias or config.norm != "rmsnorm" or config.activation != "swiglu":
-        raise UserError("this config has switches a Llama config.json cannot express", "config")
-    refuse_gemma_switches(config, "Mistral" if config.family == "mistral" else "Llama")
-    if (
-        config.parallel_attn
-        or config.qk_norm
-        or (config.sliding_window is not None and config.family not in ("mistral", "mixtral"))
-    ):
+    if config.attn_bias != config.attn_out_bias:
         raise UserError(
-            "parallel attention / q-k norms / sliding window cannot be expressed as a Llama config", "config"
+            "Llama has one attention bias switch; this config's attn_bias and attn_out_bias differ", "config"
         )
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        **lineage_to_hf(config, ARCHITECTURE, "llama"),
+        "attention_bias": config.attn_bias,
+        "mlp_bias": config.mlp_bias,
+    }
+
+
+def lineage_to_hf(config: ModelConfig, architecture: str, model_type: str) -> dict[str, Any]:
+    """The config.json keys Llama, Mistral and Mixtral write alike; each family adds its own (Llama
+    its bias keys, which Mistral's and Mixtral's configs do not have)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
         **llama_style_to_hf(config),
         "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "attention_bias": config.attn_bias,
-        "mlp_bias": config.mlp_bias,
     }
 
 

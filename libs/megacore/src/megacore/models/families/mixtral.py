@@ -15,11 +15,17 @@ from typing import Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families import llama
-from megacore.models.families.common import HFConfig, TensorMap
+from megacore.models.families import llama, mistral
+from megacore.models.families.hf_config import HFConfig, build_config
+from megacore.models.families.tensor_map import TensorMap
 
 MODEL_TYPES = ("mixtral",)
 ARCHITECTURE = "MixtralForCausalLM"
+NAME = "Mixtral"
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Mixtral config.json can set to other
+# than their defaults (`families.check_expressible` refuses the rest). The router always
+# renormalises its top-k (renormalize_top_k true).
+SWITCHES = ("head_dim", "sliding_window", "num_experts", "experts_per_token", "router_aux_loss_coef")
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -27,10 +33,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     jitter = c.data.get("router_jitter_noise") or 0.0
     if jitter:
         raise UserError(f"$.router_jitter_noise: {jitter!r} is not supported (0)", where)
-    return llama.config_from_hf(
-        hf,
+    return build_config(
         where,
         family="mixtral",
+        **llama.lineage_fields(c),
+        sliding_window=mistral.sliding_window(c, None),
         num_experts=c.int("num_local_experts", 8),
         experts_per_token=c.int("num_experts_per_tok", 2),
         router_aux_loss_coef=c.router_aux_loss_coef(),
@@ -38,22 +45,13 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.num_experts is None:
-        raise UserError("a Mixtral config needs experts (num_experts)", "config")
-    if config.attn_bias or config.attn_out_bias or config.mlp_bias:
-        raise UserError("Mixtral configs have no bias switches; this config uses biases", "config")
-    out = llama.config_to_hf(config)
-    for key in ("attention_bias", "mlp_bias"):
-        del out[key]
-    out.update(
-        architectures=[ARCHITECTURE],
-        model_type="mixtral",
-        sliding_window=config.sliding_window,
-        num_local_experts=config.num_experts,
-        num_experts_per_tok=config.experts_per_token,
-        router_aux_loss_coef=config.router_aux_loss_coef,
-    )
-    return out
+    return {
+        **llama.lineage_to_hf(config, ARCHITECTURE, "mixtral"),
+        "sliding_window": config.sliding_window,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+    }
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

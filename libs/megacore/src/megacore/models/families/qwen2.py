@@ -19,16 +19,15 @@ from typing import Any
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import llama
-from megacore.models.families.common import (
-    HFConfig,
-    TensorMap,
-    build_config,
-    llama_style_to_hf,
-    refuse_gemma_switches,
-)
+from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
+from megacore.models.families.tensor_map import TensorMap
 
 MODEL_TYPES = ("qwen2",)
 ARCHITECTURE = "Qwen2ForCausalLM"
+NAME = "Qwen 2"
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 2 config.json can set to other
+# than their defaults (`families.check_expressible` refuses the rest); attn_bias is always set.
+SWITCHES = ("head_dim", "sliding_window", "attn_bias")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -104,11 +103,8 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def common_hf(config: ModelConfig, name: str) -> dict[str, Any]:
-    """The config.json keys Qwen 2 and Qwen 3 share; UserError for what neither can express."""
-    if config.norm != "rmsnorm" or config.activation != "swiglu" or config.parallel_attn or config.mlp_bias:
-        raise UserError(f"this config has switches a {name} config.json cannot express", "config")
-    refuse_gemma_switches(config, name)
+def common_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json keys Qwen 2 and Qwen 3 share."""
     window = config.sliding_window
     return {
         **llama_style_to_hf(config),
@@ -121,11 +117,9 @@ def common_hf(config: ModelConfig, name: str) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if not config.attn_bias or config.attn_out_bias or config.qk_norm:
-        raise UserError(
-            "Qwen 2 has biases on q, k and v only and no q/k norms; this config differs", "config"
-        )
-    out = {"architectures": [ARCHITECTURE], "model_type": "qwen2", **common_hf(config, "Qwen 2")}
+    if not config.attn_bias:
+        raise UserError("Qwen 2 always has biases on q, k and v; this config has none (attn_bias)", "config")
+    out = {"architectures": [ARCHITECTURE], "model_type": "qwen2", **common_hf(config)}
     if config.head_dim * config.num_heads != config.hidden_size:  # published configs carry none
         out["head_dim"] = config.head_dim
     return out

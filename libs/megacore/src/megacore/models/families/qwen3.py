@@ -22,11 +22,27 @@ from typing import Any
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import llama, qwen2
-from megacore.models.families.common import HFConfig, TensorMap, build_config
+from megacore.models.families.hf_config import HFConfig, build_config
+from megacore.models.families.tensor_map import TensorMap
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 ARCHITECTURE = "Qwen3ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+NAME = "Qwen 3"
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 3 (or Qwen 3 MoE) config.json can
+# set to other than their defaults (`families.check_expressible` refuses the rest); qk_norm is
+# always set.
+SWITCHES = (
+    "head_dim",
+    "sliding_window",
+    "attn_bias",
+    "attn_out_bias",
+    "qk_norm",
+    "num_experts",
+    "experts_per_token",
+    "renormalize_top_k",
+    "router_aux_loss_coef",
+)
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -65,18 +81,17 @@ def _moe_fields(c: HFConfig) -> dict[str, Any]:
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if not config.qk_norm or config.attn_bias != config.attn_out_bias:
         raise UserError("Qwen 3 has q/k norms and one attention bias switch; this config differs", "config")
+    moe = config.num_experts is not None
     out = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        **qwen2.common_hf(config, "Qwen 3"),
+        "architectures": [MOE_ARCHITECTURE if moe else ARCHITECTURE],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        **qwen2.common_hf(config),
         "head_dim": config.head_dim,
         "attention_bias": config.attn_bias,
     }
-    if config.num_experts is None:
+    if not moe:
         return out
     return out | {
-        "architectures": [MOE_ARCHITECTURE],
-        "model_type": "qwen3_moe",
         "moe_intermediate_size": config.ffn_hidden_size,
         "num_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,

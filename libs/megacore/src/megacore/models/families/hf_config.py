@@ -1,58 +1,15 @@
-"""What the family modules share: reading HF config.json values with clear errors, RoPE settings in
-both config forms, and `TensorMap`, the one description of a name map used in both directions."""
+"""Reading a HF config.json with clear errors (`HFConfig`, RoPE settings in both config forms
+included) and writing the keys the families spell alike (`llama_style_to_hf`, `rope_to_hf`,
+`max_positions_to_hf`); `build_config` turns what a family read into a checked ModelConfig."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from megacore.config import ROPE_FIELDS, ModelConfig, RopeScaling
 from megacore.errors import UserError
 
 _MISSING = object()
-
-
-def _identity(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return ts
-
-
-@dataclass(frozen=True)
-class TensorMap:
-    """HF tensors <-> ours. `split` turns the HF tensors (in `hf` order) into ours (in `ours` order),
-    `fuse` is its exact inverse (export); both only slice, stack and concatenate, so round trips
-    are bit-exact. Most maps are one tensor to one (`rename`); Falcon's fused q/k/v is one to
-    three, an MoE layer's per-expert HF matrices many to one stacked tensor (`stacked`)."""
-
-    hf: tuple[str, ...]
-    ours: tuple[str, ...]
-    split: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] = field(default=_identity)
-    fuse: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] = field(default=_identity)
-
-
-def rename(hf: str, ours: str) -> TensorMap:
-    return TensorMap((hf,), (ours,))
-
-
-def linear(maps: list[TensorMap], hf: str, ours: str, bias: bool) -> None:
-    maps.append(rename(f"{hf}.weight", f"{ours}.weight"))
-    if bias:
-        maps.append(rename(f"{hf}.bias", f"{ours}.bias"))
-
-
-def _stack(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return (torch.stack(ts),)
-
-
-def _unstack(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(ts[0].unbind(0))
-
-
-def stacked(hf: list[str], ours: str) -> TensorMap:
-    """The experts' matrices, one HF tensor each, as our one tensor stacked on a leading dim."""
-    return TensorMap(tuple(hf), (ours,), _stack, _unstack)
 
 
 class HFConfig:
@@ -150,6 +107,10 @@ class HFConfig:
     def _scaling(self, kind: str, sub: HFConfig, at: str, trained: int) -> RopeScaling:
         """The scaling object `sub` (at `$.{at}`) of type `kind`, read as transformers reads it."""
         factor = sub.float("factor")
+        if factor < 1:  # (RopeScaling refuses it too: this names the config.json's field)
+            raise UserError(
+                f"$.{at}.factor: {factor:g} is below 1; a rope scaling stretches the context", self.where
+            )
         if kind == "linear":
             return RopeScaling(type="linear", factor=factor)
         if kind == "dynamic":  # transformers' dynamic NTK measures growth against max_position_embeddings
@@ -221,25 +182,6 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
         if s.type in ("llama3", "yarn"):
             scaling.update({k: getattr(s, k) for k in ROPE_FIELDS[s.type] if getattr(s, k) is not None})
     return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
-
-
-def refuse_gemma_switches(config: ModelConfig, name: str) -> None:
-    """UserError when the config sets a switch only Gemma 3's config.json expresses (per-layer
-    attention types, a local RoPE base, a score scale of its own, sandwich norms, scaled embeddings);
-    Gemma's norm and activation kinds are refused by each family's own norm / activation check."""
-    used = [
-        field
-        for field, on in (
-            ("layer_types", config.layer_types is not None),
-            ("local_rope_theta", config.local_rope_theta is not None),
-            ("attn_scalar", config.attn_scalar is not None),
-            ("sandwich_norm", config.sandwich_norm),
-            ("scale_embeddings", config.scale_embeddings),
-        )
-        if on
-    ]
-    if used:
-        raise UserError(f"a {name} config.json cannot express {', '.join(used)}", "config")
 
 
 def build_config(where: str, **fields: Any) -> ModelConfig:

@@ -1,0 +1,274 @@
+"""The planner's activations model: what autograd saves for backward on a rank during a training
+step, op by op (the `Decoder`'s ops as `ParallelModel` builds them), and how many microbatches a
+pipeline rank holds at its peak.
+
+Sizes are bytes; S = sequence length, T = micro batch x S / cp tokens per microbatch (a
+context-parallel rank holds S / cp tokens of each row, `parallel/cp.py`), c = bytes of the compute
+dtype (4 fp32, 2 bf16/fp16), "tp-local" = the part `place`/`tp_box` give a tp rank, kv = the
+tp-local width of k (kv heads x head_dim; one head where tp replicates them).
+
+What is counted (tests/train/test_planner.py measures a step on CPU):
+- per layer and microbatch, recompute none: the inputs of the norms (T·h·c each, /tp with sequence
+  parallel, plus their fp32 statistics), the norm outputs the projections read (T·h·c), rotated q
+  and k, v (with the fused q/k/v matmul at tp 1, v is a view of the whole projection output, which
+  stays alive: T·(q+2kv)·c), the attention output and the o_proj input (a copy of it), the
+  log-sum-exp (fp32), the MLP's gate, up, silu and product (4·T·f/tp·c; GELU: 2), and at tp 1 the
+  concatenated q/k/v and gate/up weights the fused matmuls save (GeGLU as SwiGLU); per-head q/k
+  norms (qk_norm) their fp32 statistics, and at tp > 1 their inputs; sandwich norms (Gemma) the
+  attention's and the MLP's outputs they normalise, and their statistics. Gemma's (1 + w) RMSNorm
+  saves what the fused RMSNorm does; where it runs as plain ops (on a sequence shard, a q/k norm
+  at tp > 1) its fp32 input and fp32 normalised input. A sliding window shorter than the sequence
+  adds the S x S mask SDPA saves (not with flash-attn), on the layers that slide
+  (`attention_window`). selective: without the attention kernel's output and log-sum-exp (its
+  kernels keep no S x S matrix to drop). full: the block's input only, plus one layer's recompute at
+  the peak of the backward.
+- context parallel (cp > 1): all of the above for the rank's T tokens; attention adds the whole
+  sequence's k and v, all-gathered per layer (2·micro·S·kv·c, SDPA keeping slices of them) and,
+  with a window shorter than a chunk's keys (not with flash-attn), that chunk's mask against the
+  keys up to its end (S/2cp x end), on the fullest rank, instead of the S x S one (on a CPU a late
+  chunk without a window materialises one too: not counted; on a GPU none).
+  Selective recompute drops both (the cp kernel reruns whole, its all-gather included).
+- per stage: token ids (first), the RoPE tables (twice with Gemma 3's local ones; cos and sin
+  [S, hd], under cp per row: [micro, S / cp, hd], as cp gives positions), the final norm and the
+  loss (last: the fused loss saves the hidden-state and weight gradients; vocab-parallel logits
+  keep their fp32 log-softmax, and a pipeline's last stage keeps its logits too), a pipeline
+  stage's output (kept until its backward).
+- in flight (`in_flight`): microbatch-chunks a pipeline rank holds at its peak, from the schedules'
+  own warmup counts: 1 without a pipeline (gradient accumulation runs microbatches one by one);
+  GPipe all m of them; 1F1B min(m, pp - rank), so pp on the first stage; interleaved 1F1B
+  min(m·v, (v-1)·r + 2·(pp-1-rank) + 1) chunks of one local stage, r = m / max(1, m // pp)
+  microbatches per round (interleaved zero bubble: 1 instead of 2 per hop, its deferred weight
+  gradients not counted); ZB-V min(2m, 2·pp).
+How close it comes to a measured step: `megacore.planner.memory`'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from megacore.config import GATED_ACTIVATIONS, ModelConfig, attention_window, local_rope
+from megacore.parallel.layout import Parallelism, check_parallelism, fast_paths, fused_loss, kv_replicated
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 but the float8 matmuls
+
+
+def sequence_shards(par: Parallelism) -> int:
+    """The parts sequence parallel cuts the residual stream into: tp with sequence parallel."""
+    return par.spec.tp if par.spec.sequence_parallel and par.spec.tp > 1 else 1
+
+
+def _norm_stat(config: ModelConfig) -> int:
+    """Bytes per token of a norm's fp32 statistics: RMSNorm's rstd; LayerNorm's mean and rstd."""
+    return 8 if config.norm == "layernorm" else 4
+
+
+def _plain_norm_extra(config: ModelConfig, saved: int, c: int) -> int:
+    """Bytes a norm running as plain ops (on a sequence shard) saves beyond its input of `saved`
+    bytes: nn.RMSNorm its normalised input (measured); Gemma's (1 + w) RMSNorm its fp32 normalised
+    input and, in a 2-byte dtype, an fp32 copy of the input in the input's place."""
+    if config.norm == "rmsnorm":
+        return saved
+    if config.norm == "rmsnorm_plus1":
+        return saved * 4 // c + saved * (4 - c) // c
+    return 0
+
+
+def kv_width(config: ModelConfig, tp: int) -> int:
+    """The width of a tp rank's k (and v) after the projection: its kv heads x head_dim, one head
+    where they are replicated (fewer kv heads than tp)."""
+    if tp == 1:
+        return config.num_kv_heads * config.head_dim
+    return config.head_dim * (1 if kv_replicated(config, tp) else config.num_kv_heads // tp)
+
+
+def _cp_attention(
+    config: ModelConfig, par: Parallelism, micro: int, seq: int, kv: int, layer: int, attention: str
+) -> int:
+    """What context parallel's attention saves beyond a sequence of seq / cp (`cp.py`): the whole
+    sequence's k and v (`kv` wide, tp-local), gathered once per layer, which SDPA keeps slices of;
+    with a window shorter than a chunk's keys, that chunk's mask of its n = seq / 2cp queries against
+    the keys up to its end, converted to an additive one in the compute dtype as SDPA saves it
+    (none with flash-attn). Rank r's chunks r and 2cp-1-r end at (r+1)·n and (2cp-r)·n; the fullest
+    rank counts."""
+    cp, c = par.spec.cp, COMPUTE_BYTES[par.precision]
+    gathered = 2 * micro * seq * kv * c
+    window, n = attention_window(config, layer), seq // (2 * cp)
+    if window is None or attention == "flash":
+        return gathered
+    ends = [((r + 1) * n, (2 * cp - r) * n) for r in range(cp)]
+    return gathered + max(sum(n * end * c for end in pair if end > window) for pair in ends)
+
+
+def _moe_activations(config: ModelConfig, tokens: int, c: int, tp: int) -> int:
+    """What a mixture-of-experts MLP saves (models/moe.py): each routed (token, expert) row's input,
+    gate, up, silu and product (tp-local: each expert's ffn is split over tp), and its output
+    before the routing weight; the router's logits and fp32 probabilities, and the int64 indices
+    and fp32 weights of the top-k choices."""
+    routed, experts = tokens * config.experts_per_token, config.num_experts
+    h, f = config.hidden_size, config.ffn_hidden_size // tp
+    return routed * (4 * f + 2 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
+
+
+def _norm_activations(config: ModelConfig, par: Parallelism, tokens: int, heads: int, kv: int) -> int:
+    """What a block's norms save: their inputs and fp32 statistics, the outputs the projections
+    read, and where they run as plain ops (`layout.fast_paths`) what those save besides."""
+    c, sp, h, hd = COMPUTE_BYTES[par.precision], sequence_shards(par), config.hidden_size, config.head_dim
+    fast = fast_paths(par)
+    residual = math.ceil(tokens / sp) * h * c
+    norm_in = 1 if config.parallel_attn else 2  # a parallel block's norms share their input
+    if config.sandwich_norm:  # the attention's and the MLP's outputs, normed before the residual add
+        norm_in += 2
+    # Norm outputs the projections read; with sequence parallel each of attention and MLP gathers its own.
+    norm_out = 1 if config.parallel_attn and config.num_ln_in_parallel_attn == 1 and sp == 1 else 2
+    norms = norm_in * (residual + math.ceil(tokens / sp) * _norm_stat(config)) + norm_out * tokens * h * c
+    if not fast["norms"]:  # measured: nn.RMSNorm on a sequence shard saves its normalised input
+        # too, and a block one more shard besides
+        norms += norm_in * _plain_norm_extra(config, residual, c) + residual
+    if config.qk_norm:  # per-head q/k norms: their fp32 rstd per head, and with unfused projections
+        # their inputs (the projections' outputs, otherwise freed by RoPE; fused, views of the kept q/k/v)
+        norms += tokens * (heads + kv // hd) * 4
+        if not fast["projections"]:
+            head_in = tokens * (heads * hd + kv) * c
+            plain = not fast["head_norms"] and config.norm == "rmsnorm_plus1"
+            norms += head_in + (_plain_norm_extra(config, head_in, c) if plain else 0)
+    return norms
+
+
+def layer_activations(
+    config: ModelConfig,
+    par: Parallelism,
+    micro: int,
+    seq: int,
+    recompute: str | None = None,
+    attention: str = "sdpa",
+    layer: int = 0,
+) -> int:
+    """Bytes transformer layer `layer` saves for backward for one microbatch (module docstring)."""
+    mode = par.recompute if recompute is None else recompute
+    tp, c, cp = par.spec.tp, COMPUTE_BYTES[par.precision], par.spec.cp
+    local = seq // cp  # the rank's tokens of each row: context parallel's part
+    tokens, sp = micro * local, sequence_shards(par)
+    h, hd = config.hidden_size, config.head_dim
+    residual = math.ceil(tokens / sp) * h * c  # a hidden state on the residual stream
+    if mode == "full":
+        return residual
+    heads = config.num_heads // tp
+    q, f = heads * hd, config.ffn_hidden_size // tp
+    kv = kv_width(config, tp)
+    fast = fast_paths(par)
+    if fast["projections"]:  # fused q/k/v: v is a view of the projection output, which stays alive whole
+        qkv = tokens * (2 * q + 3 * kv) * c
+        gate_up = config.activation in GATED_ACTIVATIONS and config.num_experts is None  # fused
+        weights = (q + 2 * kv) * h * c + (2 * f * h * c if gate_up else 0)
+    else:  # kv heads replicated: this rank's head is a view of the whole v projection output
+        v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
+        qkv = tokens * (q + kv + v) * c
+        weights = 0
+    norms = _norm_activations(config, par, tokens, heads, kv)
+    o_proj_in = tokens * q * c
+    kernel = tokens * q * c + micro * heads * local * 4  # the kernel's output and log-sum-exp
+    window = attention_window(config, layer)
+    if cp > 1:  # selective recompute reruns the cp kernel whole, its gather included
+        kernel += _cp_attention(config, par, micro, seq, kv, layer, attention)
+    elif window is not None and seq > window and attention != "flash":
+        kernel += seq * seq * c  # SDPA's additive mask
+    mlp = (4 if config.activation in GATED_ACTIVATIONS else 2) * tokens * f * c
+    if config.num_experts is not None:
+        mlp = _moe_activations(config, tokens, c, tp)
+    total = norms + qkv + o_proj_in + mlp + weights
+    return total if mode == "selective" else total + kernel
+
+
+def _layer_kinds(config: ModelConfig, layers: Sequence[int]) -> dict[int, int]:
+    """A layer of each kind among `layers` (their window: what `layer_activations` reads of a layer)
+    and how many of `layers` are of its kind; the planner's long-sequence search sizes a layer once."""
+    if config.layer_types is None:  # every layer alike
+        return {layers[0]: len(layers)} if len(layers) else {}
+    kinds: dict[int | None, list[int]] = {}
+    for i in layers:
+        kinds.setdefault(attention_window(config, i), []).append(i)
+    return {same[0]: len(same) for same in kinds.values()}
+
+
+def stage_activations(
+    config: ModelConfig, par: Parallelism, stage: int, micro: int, seq: int, attention: str = "sdpa"
+) -> int:
+    """Bytes a pipeline stage (or the whole model) saves for one microbatch."""
+    return _stage_activations(config, par, check_parallelism(config, par), stage, micro, seq, attention)
+
+
+def _stage_activations(
+    config: ModelConfig,
+    par: Parallelism,
+    layers: list[list[int]],
+    stage: int,
+    micro: int,
+    seq: int,
+    attention: str,
+) -> int:
+    first, last, pipelined = stage == 0, stage == len(layers) - 1, len(layers) > 1
+    c, tp, cp = COMPUTE_BYTES[par.precision], par.spec.tp, par.spec.cp
+    tokens, h = micro * seq // cp, config.hidden_size
+    residual = math.ceil(tokens / sequence_shards(par)) * h * c
+    total = sum(
+        n * layer_activations(config, par, micro, seq, attention=attention, layer=i)
+        for i, n in _layer_kinds(config, layers[stage]).items()
+    )
+    tables = len({local_rope(config, i) for i in _layer_kinds(config, layers[stage])}) or 1  # Gemma 3
+    # The RoPE tables (cos and sin): [S, 1, hd]; under cp per row, [b, S / cp, 1, hd] (positions given)
+    total += tables * 2 * (tokens if cp > 1 else seq) * config.head_dim * c
+    if first:
+        total += tokens * 8  # token ids, for the embedding's backward
+    else:
+        total -= residual  # the first block's input is a receive buffer (`rank_buffers`)
+    if last:
+        stat = _norm_stat(config)
+        total += residual + math.ceil(tokens / sequence_shards(par)) * stat  # the final norm's input
+        if not fast_paths(par)["norms"]:  # and what it saves besides on a sequence shard (plain ops)
+            total += _plain_norm_extra(config, residual, c)
+        vocab = config.padded_vocab_size
+        if fused_loss(par):
+            total += tokens * h * c + vocab * h * c  # the gradients the fused loss computed in forward
+        else:
+            local_vocab = vocab // tp
+            total += tokens * h * c + tokens * local_vocab * 4  # the head's input, fp32 log-softmax
+            if pipelined:
+                total += tokens * local_vocab * c  # logits: the stage's output, kept for its backward
+    elif pipelined:
+        total += residual  # the stage's output, kept for its backward
+    return total
+
+
+def in_flight(par: Parallelism, pp_rank: int) -> int:
+    """Microbatch-chunks whose activations pipeline rank `pp_rank` holds at its peak (module docstring)."""
+    P, m, v = par.spec.pp, par.microbatches, par.stages_per_rank
+    schedule = par.spec.schedule
+    if P * v == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, P - pp_rank)
+    if schedule == "zbv":
+        return min(2 * m, 2 * P)
+    per_round = m // max(1, m // P)
+    hop = 2 if schedule == "interleaved1f1b" else 1
+    return min(m * v, (v - 1) * per_round + hop * (P - 1 - pp_rank) + 1)
+
+
+def rank_activations(
+    config: ModelConfig, par: Parallelism, pp_rank: int, micro: int, seq: int, attention: str = "sdpa"
+) -> int:
+    """Bytes of activations pipeline rank `pp_rank` holds at its peak: its in-flight chunks (of its
+    local stages, on average) and, with full recompute, one layer recomputed in the backward."""
+    stages, layers = par.rank_stages(pp_rank), check_parallelism(config, par)
+    chunks = [_stage_activations(config, par, layers, s, micro, seq, attention) for s in stages]
+    per_chunk = sum(chunks) / len(chunks)
+    total = round(in_flight(par, pp_rank) * per_chunk)
+    if par.recompute == "full":  # the largest layer (a sliding one may add its mask)
+        total += max(
+            layer_activations(config, par, micro, seq, "none", attention, i)
+            for i in _layer_kinds(config, range(config.num_layers))
+        )
+    return total

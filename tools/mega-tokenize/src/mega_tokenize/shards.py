@@ -1,0 +1,110 @@
+"""The output's shards: one Megatron indexed dataset per key (and a conversation's roles beside
+it), appended batch by batch in input order."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from mega_tokenize.encoding import Encoded
+from mega_tokenize.parsing import Parsed
+from megacore.artifacts import ArtifactWriter
+from megacore.artifacts import manifest as mf
+from megacore.data.indexed import IndexedWriter
+
+
+def safe_name(key: str) -> str:
+    """A json key as a shard's file name (`shards/<name>.bin`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key) or "text"
+
+
+class Shards:
+    """The output's shards: one per key, and for conversations `chat.roles` beside them (a role
+    code per token); batches are appended in input order, the sums computed while writing."""
+
+    def __init__(
+        self, w: ArtifactWriter, keys: list[str], dtype: str, bos: int | None, eos: int | None, chat: bool
+    ) -> None:
+        self.w, self.keys, self.bos, self.eos = w, keys, bos, eos
+        self.writers = {k: IndexedWriter(w.path(f"shards/{safe_name(k)}"), dtype) for k in keys}
+        self.roles = IndexedWriter(w.path("shards/chat.roles"), "uint8") if chat else None
+        self.every = [*self.writers.values(), *([self.roles] if self.roles is not None else [])]
+
+    def write(self, parsed: Parsed, encoded: Encoded) -> tuple[int, int]:
+        """Append one batch; (documents, tokens) it added."""
+        ndocs = ntok = 0
+        for k, (flat, lengths) in encoded.items():
+            if parsed.chats is not None:
+                ndocs, ntok = _assemble_chats(
+                    parsed.chats, flat, lengths, self.bos, self.eos, self.writers[k], self.roles
+                )
+            else:
+                self.writers[k].add(flat, lengths)
+                ndocs, ntok = len(lengths), ntok + len(flat)
+        return ndocs, ntok
+
+    def close(self) -> None:
+        """Finish every file and record its sums with the artifact (commit need not reread them)."""
+        for wr in self.every:
+            wr.close()
+            self.w.record(f"shards/{wr.prefix.name}.bin", wr.bin_sha256)
+            self.w.record(f"shards/{wr.prefix.name}.idx", wr.idx_sha256)
+
+    def abort(self) -> None:
+        for wr in self.every:
+            wr.abort()
+
+    @property
+    def documents(self) -> int:
+        return self.writers[self.keys[0]].documents
+
+    def entries(self) -> list[mf.Shard]:
+        """The manifest's shard entries."""
+        sidecars = {"roles": "shards/chat.roles"} if self.roles is not None else {}
+        return [
+            mf.Shard(
+                prefix=f"shards/{safe_name(k)}",
+                json_key=k,
+                documents=self.writers[k].documents,
+                tokens=self.writers[k].tokens,
+                sidecars=sidecars,
+            )
+            for k in self.keys
+        ]
+
+
+def _assemble_chats(
+    chats, flat: np.ndarray, lengths: np.ndarray, bos, eos, writer: IndexedWriter, roles_writer
+) -> tuple[int, int]:
+    """Conversations from their text pieces' ids (encoded in one engine call) and marker ids."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids_parts: list[np.ndarray] = []
+    role_parts: list[np.ndarray] = []
+    doc_lengths = np.empty(len(chats), dtype=np.int64)
+    ti = 0
+    for ci, chat in enumerate(chats):
+        n = 0
+        if bos is not None:
+            ids_parts.append(np.array([bos], np.uint32))
+            role_parts.append(np.zeros(1, np.uint8))
+            n += 1
+        for p in chat:
+            if p.text is None:
+                ids = np.array([p.token], np.uint32)
+            else:
+                ids = flat[offsets[ti] : offsets[ti + 1]]
+                ti += 1
+            ids_parts.append(ids)
+            role_parts.append(np.full(len(ids), p.role, np.uint8))
+            n += len(ids)
+        if eos is not None:
+            ids_parts.append(np.array([eos], np.uint32))
+            role_parts.append(np.zeros(1, np.uint8))
+            n += 1
+        doc_lengths[ci] = n
+    all_ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.uint32)
+    all_roles = np.concatenate(role_parts) if role_parts else np.zeros(0, np.uint8)
+    writer.add(all_ids, doc_lengths)
+    roles_writer.add(all_roles, doc_lengths)
+    return len(chats), len(all_ids)
