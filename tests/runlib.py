@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from helpers import BIN, run_tool
+from helpers import BIN, run_in_process, run_tool
 
 # Tiny Llama, vocab 400 (the tokenizer's) padded to 512: GQA, the padding rows stay zero.
 TINY_LLAMA = {
@@ -85,8 +85,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(run_json: Path, *args: str, **kw) -> subprocess.CompletedProcess:
-    return run_tool("mega-train", "--manifest", run_json, *args, **kw)
+def train(run_json: Path, *args: str, fresh: bool = False, **kw) -> subprocess.CompletedProcess:
+    """`mega-train --manifest run_json *args`: in this process through its CLI (a process group of
+    one, made and destroyed by the run: the same code, without a second of interpreter and torch
+    start-up a run), or as its own process where the test needs one: an environment of its own
+    (`env`: injected faults, W&B, ...), its own launcher (`--nproc-per-node`), or a `fresh` one (a
+    first compile)."""
+    if fresh or kw or "--nproc-per-node" in args:
+        return run_tool("mega-train", "--manifest", run_json, *args, **kw)
+    return run_in_process("mega-train", "--manifest", run_json, *args)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -45,6 +45,7 @@ def node(run_json: Path, nnodes: int, nproc: int, endpoint: str) -> subprocess.P
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow  # 25 s; make test keeps two nodes through the SLURM script (its save, requeue, resume)
 def test_two_nodes_match_one_process(tmp_path: Path, tokens: Path, one_process: Path) -> None:
     """tp2 x dp2 over two nodes of two processes: torchrun gives each node a block of ranks, so tp
     stays within a node and data parallel (FSDP2's gathers and reductions) crosses between them, as
