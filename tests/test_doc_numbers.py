@@ -442,14 +442,12 @@ def largest_uint16_vocab() -> int:
 
 
 def pad_multiple() -> tuple[object, int]:
-    """mega-convert's --pad-vocab-multiple default (the config's default too) and the largest
-    power-of-two tensor-parallel size that divides it."""
+    """mega-convert's --pad-vocab-multiple default (`megacore.config.DEFAULT_PAD_MULTIPLE`) and the
+    largest power-of-two tensor-parallel size that divides it."""
     from mega_convert.cli import hf
-    from megacore.config import DEFAULT_PAD_MULTIPLE
 
     given = inspect.signature(hf).parameters["pad_vocab_multiple"].default.default
-    value = given if given == DEFAULT_PAD_MULTIPLE else f"{given} (cli), {DEFAULT_PAD_MULTIPLE} (config)"
-    return value, DEFAULT_PAD_MULTIPLE & -DEFAULT_PAD_MULTIPLE
+    return given, given & -given
 
 
 def _tolerances() -> tuple:

@@ -10,6 +10,7 @@ import typer
 from mega_convert import __version__
 from megacore.artifacts.manifest import FloatName
 from megacore.cli import add_group_options, main_for, make_app
+from megacore.config import DEFAULT_PAD_MULTIPLE
 from megacore.progress import plural
 
 app = make_app(
@@ -33,7 +34,7 @@ def hf(
         None, "--dtype", help="Weight dtype of the checkpoint (default: the dtype the weights are stored in)."
     ),
     pad_vocab_multiple: int = typer.Option(
-        128,
+        DEFAULT_PAD_MULTIPLE,
         "--pad-vocab-multiple",
         help="Pad the embedding / lm_head rows to a multiple of this (zero rows).",
     ),
