@@ -90,7 +90,7 @@ def train(run_json: Path, *args: str, fresh: bool = False, **kw) -> subprocess.C
     one, made and destroyed by the run: the same code, without a second of interpreter and torch
     start-up a run), or as its own process where the test needs one: an environment of its own
     (`env`: injected faults, W&B, ...), its own launcher (`--nproc-per-node`), or a `fresh` one (a
-    first compile)."""
+    first compile, a peak memory of its own)."""
     if fresh or kw or "--nproc-per-node" in args:
         return run_tool("mega-train", "--manifest", run_json, *args, **kw)
     return run_in_process("mega-train", "--manifest", run_json, *args)
