@@ -29,6 +29,7 @@ from megacore.checkpoint import CheckpointWriter, shard_file
 from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, tensor_maps
+from megacore.models.families.hf_config import read_config_json
 from megacore.progress import Progress
 
 TOKENIZER_FILES = (
@@ -47,18 +48,10 @@ INDEX = "model.safetensors.index.json"
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's config.json (`families.read_config_json`): the weights beside it are read too."""
     if not model_dir.is_dir():
         raise UserError("not a directory (expected a Hugging Face model directory)", str(model_dir))
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise UserError("no config.json: not a Hugging Face model directory", str(model_dir))
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"not valid JSON ({e})", str(path)) from None
-    if not isinstance(data, dict):
-        raise UserError("expected a JSON object", str(path))
-    return data
+    return read_config_json(model_dir)
 
 
 def read_license(model_dir: Path) -> License | None:

@@ -335,17 +335,11 @@ def read_hf_config(path: Path, where: str) -> tuple[ModelConfig, list[str]]:
     holding one), its vocab padded as mega-convert pads it, and the note that says so; torch-free
     (`megacore.models.families`): a dry run plans a model whose weights are not here."""
     from megacore.models import config_from_hf
+    from megacore.models.families.hf_config import read_config_json
 
-    file = path / "config.json" if path.is_dir() else path
     at = f"{where}: $.model.hf_config"
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read {file} ({e.strerror or e})", at) from None
-    except ValueError as e:
-        raise UserError(f"{file} is not valid JSON ({e})", at) from None
-    if not isinstance(data, dict):
-        raise UserError(f"{file} holds no JSON object", at)
+    data = read_config_json(path, at)
+    file = path / "config.json" if path.is_dir() else path
     config = config_from_hf(data, f"{at}: {file}", pad_multiple=DEFAULT_PAD_MULTIPLE)
     note = (
         f"the model of {file} ({config.family}), from fresh weights: its weights are not read (to "

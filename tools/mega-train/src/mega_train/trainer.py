@@ -599,7 +599,6 @@ class Trainer:
                 return self.summary(name)
             if saves:
                 self.save()
-        self.flush()
         if self.saved_at != pos.step:
             self.save()
         progress.done()

@@ -257,18 +257,19 @@ class Dims:
     ) -> None:
         """`seq_length` splits as `seq_multiple` says."""
         _positive(self.cp, "cp", where)
-        if self.cp > 1 and seq_length % (2 * self.cp):
+        if seq_length % self.seq_multiple(sequence_parallel) == 0:
+            return
+        if seq_length % (2 * self.cp):
             raise UserError(
                 f"cp {self.cp} splits each sequence into {2 * self.cp} equal chunks: seq_length "
                 f"{seq_length} is not a multiple of {2 * self.cp}",
                 where,
             )
-        if self.cp > 1 and sequence_parallel and (seq_length // self.cp) % self.tp:
-            raise UserError(
-                f"sequence parallel splits each cp rank's {seq_length // self.cp} tokens over tp "
-                f"{self.tp}: choose a seq_length that divides",
-                where,
-            )
+        raise UserError(
+            f"sequence parallel splits each cp rank's {seq_length // self.cp} tokens over tp "
+            f"{self.tp}: choose a seq_length that divides",
+            where,
+        )
 
     def microbatches(self, global_batch: int, micro: int, where: str = "$.batch.global_batch_size") -> int:
         """The batch rule: a step's global batch is micro batch x dp x the microbatches each dp rank

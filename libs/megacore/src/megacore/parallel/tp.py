@@ -180,11 +180,10 @@ def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool,
     raise NotImplementedError(f"no tensor-parallel style for {name} placed on dim {dim}")
 
 
-def _check_plain(name: str, module: nn.Module, style: ParallelStyle) -> None:
-    """DTensor shards need the plain module code: a module built with a single-device fast path
+def _check_plain(name: str, module: nn.Module) -> None:
+    """A module DTensor shards reach needs its plain code: one built with a single-device fast path
     (`layout.fast_paths` decides them when the Decoder is built) is a programming error here."""
-    sharded = isinstance(style, SequenceParallel | HeadNorm) or name.endswith(("attn", "mlp"))
-    if sharded and getattr(module, "fused", False):
+    if getattr(module, "fused", False):
         raise RuntimeError(f"{name} was built with a fused fast path; tensor parallel needs the plain one")
 
 
@@ -231,12 +230,13 @@ def apply_tp(
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             continue
         style = _style(name, module, config, tp, sp, float8)
+        if isinstance(style, SequenceParallel | HeadNorm):  # norms on sharded sequences or heads
+            _check_plain(name, module)
         if style is not None:
-            _check_plain(name, module, style)
             parallelize_module(module, tp_mesh, style)
-    for name, block in model.layers.items():
-        _check_plain(f"layers.{name}.attn", block.attn, None)
-        _check_plain(f"layers.{name}.mlp", block.mlp, None)
+    for name, block in model.layers.items():  # each rank holds a slice of every projection
+        _check_plain(f"layers.{name}.attn", block.attn)
+        _check_plain(f"layers.{name}.mlp", block.mlp)
         if sp:
             _gather_block_inputs(block, tp_mesh)
     if model.embed is None and sp:

@@ -4,10 +4,30 @@ included) and writing the keys the families spell alike (`llama_style_to_hf`, `r
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from megacore.config import ROPE_FIELDS, ModelConfig, RopeScaling
 from megacore.errors import UserError
+
+
+def read_config_json(path: Path, where: str = "") -> dict[str, Any]:
+    """The JSON object of a Hugging Face `config.json` (`path`: the file, or a model directory
+    holding one); a UserError naming it (after `where`, when given) otherwise."""
+    file = path / "config.json" if path.is_dir() else path
+    at = f"{where}: {file}" if where else str(file)
+    if not file.is_file():
+        missing = "no config.json: not a Hugging Face model directory" if path.is_dir() else "no such file"
+        raise UserError(missing, f"{where}: {path}" if where else str(path))
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as e:  # invalid JSON or text
+        raise UserError(f"not valid JSON ({e})", at) from None
+    if not isinstance(data, dict):
+        raise UserError("expected a JSON object", at)
+    return data
+
 
 _MISSING = object()
 
