@@ -599,6 +599,11 @@ CHECKED: list[Check] = [
         "within {})",
         lambda: (EQ["REL"], EQ["STEPS"], EQ["ADAM_REL"]),
     ),
+    Check(
+        TRAIN,
+        "(loss and gradients within {}, the adapters after {} AdamW steps within {})",
+        lambda: (EQ["REL"], EQ["STEPS"], EQ["ADAM_REL"]),
+    ),
     Check(TRAIN, "{} s by default), then torchrun exits", lambda: (shutdown_timeout(),)),
     Check(TRAIN, "aborts at once, exit {}:", _aborted),
 ]

@@ -91,6 +91,7 @@ def test_every_kind_has_its_path_fields_typed():
         "tokenizer_files": "file",
         "tokenizer.info.files": "file",
         "training.rng_files": "file",
+        "adapter.base.path": "record",
     }
     assert schema_paths("hf") == {"parents.path": "record", "files.path": "file"}
     assert schema_paths("run") == {
@@ -101,6 +102,7 @@ def test_every_kind_has_its_path_fields_typed():
         "model.hf_config": "ref",
         "data.sources.path": "ref",
         "checkpoint.dir": "ref",
+        "lora.init": "ref",
     }
 
 

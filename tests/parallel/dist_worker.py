@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megacore.artifacts.manifest import ParallelSpec, TrainingState
-from megacore.config import ModelConfig, RopeScaling
-from megacore.models import Decoder
+from megacore.artifacts.manifest import Adapter, BaseModel, ParallelSpec, TrainingState
+from megacore.config import LoRA, ModelConfig, RopeScaling, is_adapter_tensor
+from megacore.models import Decoder, adapters
+from megacore.models.decoder import initial_value
+from megacore.models.lora import add_lora, freeze_base
 from megacore.models.loss import IGNORE
 from megacore.models.moe import MoE
 from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
@@ -40,6 +42,8 @@ REL = 1e-5
 ADAM_REL = 1e-4
 BF16_REL = 3e-2
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 1e-3
+# `"lora": true` scenarios: adapters on every projection PEFT's users target, the base frozen.
+LORA = LoRA(4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 DOCS = [[3, 5], [8], [2, 2, 4], [6, 2]]  # `"packed": true` scenarios: each row's documents
 FAMILIES = {
     # GQA, vocab padded (60 -> 64) so the padded columns are masked in the loss.
@@ -143,18 +147,35 @@ def reference_loss(
     return total / (targets != IGNORE).sum()
 
 
-def reference(family: str, tokens, targets, positions=None):
+def add_adapters(model: Decoder, cfg: ModelConfig) -> None:
+    """LORA's adapters, A as PEFT starts it and B drawn (PEFT's zero B would leave A no gradient),
+    and the base frozen: what a LoRA scenario's one process trains."""
+    add_lora(model, adapters.modules(cfg, LORA.targets), LORA.rank, LORA.scale)
+    freeze_base(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(initial_value(name, tuple(p.shape), cfg))
+                if name.endswith("lora_B.weight"):
+                    p.normal_(0.0, 0.05, generator=g)
+
+
+def reference(family: str, tokens, targets, positions=None, lora: bool = False):
     cfg, chunks = FAMILIES[family], MOE_CHUNKS.get(family, 1)
     torch.manual_seed(0)
     model = Decoder(cfg, attention="sdpa")
     model.init_weights()
+    if lora:
+        add_adapters(model, cfg)
     if family == "mixtral-collapsed":
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, MoE):
                     m.router.weight.zero_()
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR)
     out = {"init": init}
     for step in range(STEPS):
         loss = reference_loss(model, cfg, tokens, targets, positions, chunks)
@@ -164,16 +185,17 @@ def reference(family: str, tokens, targets, positions=None):
             moes = [m for m in model.modules() if isinstance(m, MoE)]
             if moes:  # the router losses' mean over layers and microbatches
                 out["router"] = sum(m.stats.totals()[1] for m in moes) / (len(moes) * chunks)
-            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            out["norm"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            out["grads"] = {n: p.grad.detach().clone() for n, p in named}
+            out["norm"] = torch.nn.utils.get_total_norm([p.grad for p in trained])
             # The clipped gradients, as one process clips them; the AdamW steps use the unclipped ones.
             out["max_norm"] = CLIP * float(out["norm"])
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), out["max_norm"])
-            out["clipped"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            norm = torch.nn.utils.clip_grad_norm_(trained, out["max_norm"])
+            out["clipped"] = {n: p.grad.detach().clone() for n, p in named}
             clipped_norm = torch.nn.utils.get_total_norm(list(out["clipped"].values()))
             assert rel(norm, out["norm"]) < 1e-6 and rel(clipped_norm, torch.tensor(out["max_norm"])) < 1e-5
             with torch.no_grad():
-                for n, p in model.named_parameters():
+                for n, p in named:
                     p.grad.copy_(out["grads"][n])
         opt.step()
         opt.zero_grad()
@@ -206,24 +228,30 @@ def first_step_checks(
         assert rel(got, ref["router"]) < tol, (label, got, ref["router"])
         checks.append("router-losses")
     names = []
-    for name, p in pm.loaded_parameters():  # a tied copy's gradient: the shared one
+    for name, p in trained(pm.loaded_parameters()):  # a tied copy's gradient: the shared one
         e = rel(full(p.grad), ref["grads"][name])
         assert e < tol, (label, "grad", name, e)
         names.append(name)
     checks.append(f"grads({len(names)})")
+    params = [p for p in pm.parameters() if p.requires_grad]
     with torch.no_grad():
-        unclipped = [p.grad.clone() for p in pm.parameters()]
-    norm = clip_grad_norm(pm.parameters(), ref["max_norm"], pp_group, pm.tied_copy)
+        unclipped = [p.grad.clone() for p in params]
+    norm = clip_grad_norm(params, ref["max_norm"], pp_group, pm.tied_copy)
     assert rel(norm, ref["norm"]) < tol, (label, "norm", float(norm), float(ref["norm"]))
     checks.append("grad-norm")
-    for name, p in pm.loaded_parameters():
+    for name, p in trained(pm.loaded_parameters()):
         e = rel(full(p.grad), ref["clipped"][name])
         assert e < tol, (label, "clipped grad", name, e)
     checks.append("clipped-grads")
     with torch.no_grad():
-        for p, g in zip(pm.parameters(), unclipped, strict=True):
+        for p, g in zip(params, unclipped, strict=True):
             p.grad.copy_(g)
     return checks
+
+
+def trained(named):
+    """The (name, parameter) pairs that are trained: a LoRA scenario's adapters, else all."""
+    return [(n, p) for n, p in named if p.requires_grad]
 
 
 def eval_checks(pm: ParallelModel, inputs: dict, want: torch.Tensor, label: str, tol: float) -> list[str]:
@@ -251,14 +279,15 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         # reference does (k_proj.bias gets a pure rounding-noise gradient that AdamW amplifies).
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
         compile=sc.get("compile", False), recompute=sc.get("recompute", "none"), attention="sdpa",
+        lora=LORA if sc.get("lora") else None,
     )  # fmt: skip
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
-    ref = refs[sc["family"], sc.get("packed", False)]
+    ref = refs[case_of(sc)]
     tokens, targets, positions = data
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     pm = ParallelModel(cfg, par, mesh, "cpu")
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=LR)
     pp_group = mesh["pp"].get_group() if spec.pp > 1 else None
     label = json.dumps(sc, sort_keys=True)
     checks = []
@@ -284,8 +313,11 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         checks.append(what)
 
     if "load" in sc:
-        # Resume from a checkpoint another layout saved: weights, AdamW moments and step count.
-        load_checkpoint(Path(sc["load"]), pm, opt)
+        # Resume from a checkpoint another layout saved: weights, AdamW moments and step count
+        # (LoRA: the adapters' alone, over the base).
+        if par.lora is not None:
+            load_state(pm, ref["init"])
+        load_checkpoint(Path(sc["load"]), pm, opt, only=is_adapter_tensor if par.lora is not None else None)
         compare_params("params", "loaded-params")
         step(rows)
         opt.step()
@@ -308,7 +340,11 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     if not (par.compile and spec.tp == 1):
         checks += eval_checks(pm, mine(rows), ref["logits"][rows], label, tol)
     if "save" in sc:
-        save_checkpoint(Path(sc["save"]), pm, opt, TrainingState(step=STEPS), force=True)
+        adapter = None
+        if par.lora is not None:  # the adapters and their moments only
+            base = BaseModel(path="reference", manifest_sha256="0" * 64)
+            adapter = Adapter(rank=LORA.rank, alpha=LORA.alpha, targets=list(LORA.targets), base=base)
+        save_checkpoint(Path(sc["save"]), pm, opt, TrainingState(step=STEPS), force=True, adapter=adapter)
         checks.append("saved")
     dist.barrier()
     return [f"{label}: {' '.join(checks)}"]
@@ -321,7 +357,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(300, exit=True)
     torch.manual_seed(1)
     init_distributed()
-    cases = {(sc["family"], sc.get("packed", False)) for sc in scenarios}
+    cases = {case_of(sc) for sc in scenarios}
     g = torch.Generator().manual_seed(42)
     data = {}
     for fam in sorted(set(FAMILIES) - {"mixtral4", "mixtral-collapsed"}):
@@ -334,12 +370,17 @@ def main() -> None:
     for packed_rows in (False, True):  # mixtral's rows
         for fam in ("mixtral4", "mixtral-collapsed"):
             data[fam, packed_rows] = data["mixtral", packed_rows]
-    refs = {case: reference(case[0], *data[case]) for case in sorted(cases)}
+    refs = {case: reference(case[0], *data[case[:2]], lora=case[2]) for case in sorted(cases)}
     for sc in scenarios:
         lines = run_scenario(sc, refs, data[sc["family"], sc.get("packed", False)])
         if dist.get_rank() == 0:
             print("PASS", *lines, flush=True)
     shutdown()
+
+
+def case_of(sc: dict) -> tuple[str, bool, bool]:
+    """The reference a scenario compares with: its family, packed rows or not, LoRA or not."""
+    return sc["family"], sc.get("packed", False), sc.get("lora", False)
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ def launch(tmp_path: Path, nproc: int, scenarios: list[dict]) -> list[str]:
 # Each launch runs its scenarios one after another. `make test` runs one scenario per capability
 # (CORE_*); the rest of the matrix, other combinations of what CORE covers, runs with `make
 # test-slow` (MORE_*). Scenarios that save and load a checkpoint stay in one launch.
-def two_process_core(ckpt: Path, tied: Path) -> list[dict]:
+def two_process_core(ckpt: Path, tied: Path, lora: Path) -> list[dict]:
     return [
         {"family": "llama", "tp": 2, "sp": True},
         {"family": "llama", "save": str(ckpt)},  # dp 2, FSDP2: every rank writes its shards
@@ -76,6 +76,13 @@ def two_process_core(ckpt: Path, tied: Path) -> list[dict]:
         # Gemma 3: (1 + w) and sandwich norms as DTensor ops, local / global layers per stage.
         {"family": "gemma3", "tp": 2, "sp": True},
         {"family": "gemma3", "pp": 2, "schedule": "1f1b"},
+        # LoRA: adapters on all seven projections over a frozen base; tp with SP (A or B split with
+        # the linear), a pipeline, FSDP2 over dp and cp, saved at pp 2 (adapters and their moments
+        # only) and resumed at dp 2.
+        {"family": "llama", "lora": True, "tp": 2, "sp": True},
+        {"family": "llama", "lora": True, "pp": 2, "schedule": "1f1b", "save": str(lora)},
+        {"family": "llama", "lora": True, "load": str(lora)},
+        {"family": "llama", "lora": True, "cp": 2},
     ]
 
 
@@ -108,6 +115,9 @@ MORE_TWO = [
     {"family": "qwen3", "cp": 2, "precision": "bf16"},  # bf16 through FSDP2 over cp alone
     {"family": "llama", "cp": 2, "recompute": "selective"},  # the gathers run again in backward
     {"family": "mistral", "cp": 2, "recompute": "full"},
+    {"family": "llama", "lora": True, "pp": 2, "schedule": "zbv"},
+    {"family": "llama", "lora": True, "packed": True, "tp": 2, "recompute": "full"},
+    {"family": "llama", "lora": True, "precision": "bf16"},
 ]
 
 
@@ -130,6 +140,7 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
         {"family": "llama", "cp": 2, "packed": True, "save": str(cp_dp)},
         {"family": "llama", "packed": True, "tp": 2, "load": str(cp_dp)},
         {"family": "mistral", "cp": 2, "tp": 2},
+        {"family": "llama", "lora": True, "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
     ]
 
 
@@ -182,6 +193,7 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
+        {"family": "mixtral", "lora": True, "ep": 2},  # the attention adapted, the experts frozen
     ]
 
 
@@ -199,7 +211,7 @@ def moe_four(ep2tp2: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two")
-    launch(out, 2, two_process_core(out / "ckpt-dp2", out / "ckpt-tied-pp2")
+    launch(out, 2, two_process_core(out / "ckpt-dp2", out / "ckpt-tied-pp2", out / "ckpt-lora-pp2")
            + moe_two(out / "ckpt-moe-dp2", out / "ckpt-moe-ep2"))  # fmt: skip
     return out
 
@@ -223,6 +235,27 @@ def test_two_processes_tp_pp_dp_match_one_process(tmp_path: Path, two_processes:
     assert len(saved.tensors["layers.0.mlp.up_proj.weight"].pieces) == 2
     assert "optim.exp_avg_sq.layers.3.attn.k_proj.weight" in saved.tensors
     assert_reshards_bit_exactly(ckpt, tmp_path / "tp2pp2", 2, 2)
+
+
+@pytest.mark.dist
+def test_lora_matches_one_process(tmp_path: Path, two_processes: Path) -> None:
+    """The LoRA scenarios of the 2-process launch passed (`two_process_core`); the pp 2 checkpoint
+    holds the adapters and their AdamW moments and nothing of the frozen base, each adapter in
+    its layer's stage, and mega-shard takes it to tp 2 (B split on the rows of q/k/v/gate/up, A on
+    the columns of o/down) bit-exactly."""
+    saved = open_artifact(two_processes / "ckpt-lora-pp2", "checkpoint")
+    assert saved.adapter is not None and saved.adapter.rank == 4
+    names = set(saved.tensors)
+    assert len(names) == 4 * 7 * 2 * 3  # layers x projections x (A, B) x (weight, two moments)
+    assert "layers.3.mlp.down_proj.lora_B.weight" in names and "embed.weight" not in names
+    assert "optim.exp_avg.layers.0.attn.q_proj.lora_A.weight" in names
+    files = {p.file for p in saved.tensors["layers.3.attn.q_proj.lora_A.weight"].pieces}
+    assert files == {"model-pp01-tp00.safetensors"}
+    assert_reshards_bit_exactly(two_processes / "ckpt-lora-pp2", tmp_path / "tp2", 2, 1)
+    tp2 = open_artifact(tmp_path / "tp2", "checkpoint")
+    assert [p.shape for p in tp2.tensors["layers.0.attn.q_proj.lora_B.weight"].pieces] == [[16, 4], [16, 4]]
+    assert [p.shape for p in tp2.tensors["layers.0.attn.o_proj.lora_A.weight"].pieces] == [[4, 16], [4, 16]]
+    assert [p.shape for p in tp2.tensors["layers.0.attn.q_proj.lora_A.weight"].pieces] == [[4, 32]]
 
 
 @pytest.mark.dist

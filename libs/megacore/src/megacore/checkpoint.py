@@ -47,7 +47,7 @@ from megacore.artifacts import (
     open_artifact,
     piece_entry,
 )
-from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
+from megacore.artifacts.manifest import Adapter, Layout, License, Parent, TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import Verify, artifact_root, check_model_tensors
 from megacore.config import ModelConfig
 from megacore.errors import UserError
@@ -153,6 +153,7 @@ class CheckpointWriter:
         training: TrainingState | None = None,
         license: License | None = None,
         order: Sequence[str] | None = None,
+        adapter: Adapter | None = None,
     ) -> CheckpointManifest:
         """Write the manifest (tensors in `order`, default as declared) and move the artifact in."""
         names = list(self._tensors) if order is None else list(order)
@@ -168,6 +169,7 @@ class CheckpointWriter:
             tokenizer=tokenizer,
             training=training,
             license=license,
+            adapter=adapter,
         )
         return self.w.commit(manifest)
 

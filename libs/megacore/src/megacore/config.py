@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
@@ -313,6 +314,46 @@ def model_tensors(
         if not (config.tie_embeddings and embed):
             out["lm_head.weight"] = (config.padded_vocab_size, config.hidden_size)
     return out
+
+
+LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
+OPTIM_PREFIX = "optim."  # optimizer state's tensors: `optim.<kind>.<param>` (`parallel.layout`)
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """A run's resolved LoRA settings (its manifest's `lora`, or the adapter it continues;
+    `megacore.models.adapters` has the rules)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # Hugging Face module names (PEFT's target_modules)
+    dropout: float = 0.0
+    rslora: bool = False
+    base_dtype: str | None = None  # "nf4": QLoRA's frozen base
+
+    @property
+    def scale(self) -> float:
+        """PEFT's: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def adapter_tensors(config: ModelConfig, modules: Sequence[str], rank: int) -> dict[str, tuple[int, ...]]:
+    """A LoRA adapter's tensors (PEFT's shapes) on the linear `modules` (contract names, as
+    "layers.3.attn.q_proj"): `<module>.lora_A.weight` [rank, in] and `<module>.lora_B.weight`
+    [out, rank], in `modules`' order."""
+    shapes = model_tensors(config)
+    out: dict[str, tuple[int, ...]] = {}
+    for module in modules:
+        rows, cols = shapes[f"{module}.weight"]
+        out[f"{module}.{LORA_A}"] = (rank, cols)
+        out[f"{module}.{LORA_B}"] = (rows, rank)
+    return out
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor name (a moment's too) is a LoRA adapter's."""
+    return name.endswith((f".{LORA_A}", f".{LORA_B}"))
 
 
 # model_tensors' parts: each appends to `out`, whose insertion order is the state-dict order.

@@ -60,6 +60,39 @@ def hf(
 
 
 @app.command()
+def peft(
+    adapter_dir: Path = typer.Argument(
+        ...,
+        metavar="ADAPTER_DIR",
+        help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).",
+    ),
+    out: Path = typer.Argument(..., metavar="OUT", help="Output adapter checkpoint artifact directory."),
+    base: Path = typer.Option(
+        ..., "--base", metavar="CKPT", help="The checkpoint of the model the adapter was trained on."
+    ),
+    dtype: FloatName | None = typer.Option(None, "--dtype", help="Weight dtype (default: the adapter's)."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace OUT when it is a checkpoint these tools wrote (even this conversion)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary on stdout."),
+) -> None:
+    """Convert a PEFT LoRA adapter of BASE into an adapter checkpoint a run continues from
+    (`"lora": {"init": OUT}`).
+
+    Example: mega-convert peft ./my-lora ckpt/my-lora --base ckpt/llama2-7b
+    """
+    from mega_convert.peft import convert_peft
+
+    s = convert_peft(adapter_dir, out, base, dtype=dtype, force=force)
+    if as_json:
+        typer.echo(json.dumps(s))
+    elif not s["reused"]:
+        typer.echo(
+            f"wrote {s['out']}: a {s['family']} LoRA adapter, rank {s['rank']}, {plural(s['tensors'], 'tensor')}"
+        )
+
+
+@app.command()
 def verify(
     checkpoint: Path = typer.Argument(
         ..., metavar="CHECKPOINT", help="Checkpoint artifact (any layout), e.g. made by `mega-convert hf`."

@@ -30,6 +30,15 @@ def export(
     force: bool = typer.Option(
         False, "--force", help="Replace OUT when it is an export these tools wrote from other inputs."
     ),
+    adapter: bool = typer.Option(
+        False,
+        "--adapter",
+        help="CHECKPOINT is a LoRA adapter: write it as a PEFT adapter directory (default: the model "
+        "with the adapter merged in).",
+    ),
+    base: Path | None = typer.Option(
+        None, "--base", metavar="CKPT", help="A LoRA adapter's base checkpoint, when it moved since training."
+    ),
     push_to_hub: str | None = typer.Option(
         None,
         "--push-to-hub",
@@ -69,7 +78,7 @@ def export(
     stray = [flag for flag, given in pushing if given]
     if stray and push_to_hub is None:
         raise UserError(f"{stray[0]} is an option of --push-to-hub REPO, which is not given")
-    s = export_hf(checkpoint, out, dtype=dtype, force=force)
+    s = export_hf(checkpoint, out, dtype=dtype, force=force, adapter=adapter, base=base)
     if not as_json:
         _report(s, out)
     if push_to_hub is not None:

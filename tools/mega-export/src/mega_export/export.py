@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mega_export import __version__
+from mega_export.adapter import open_weights, write_peft
 from mega_export.card import model_card
 from megacore.artifacts import (
     TORCH_DTYPES,
@@ -32,6 +35,7 @@ from megacore.artifacts import (
 from megacore.artifacts.manifest import float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models import config_to_hf, export_tensors, hf_shapes
 from megacore.models.hf_tokenizer import hf_tokenizer_files
@@ -73,7 +77,8 @@ def _write_tokenizer(ckpt: CheckpointReader, w: ArtifactWriter) -> None:
 
 
 def _write_weights(
-    ckpt: CheckpointReader,
+    get: Callable[[str], torch.Tensor],
+    config: ModelConfig,
     w: ArtifactWriter,
     shapes: dict[str, tuple[int, ...]],
     dtype: str,
@@ -81,7 +86,7 @@ def _write_weights(
     shown: Progress,
 ) -> list[str]:
     """The weights as safetensors files (`_shards`), with an index when there are several; returns
-    the files' names."""
+    the files' names. `get(name)`: our tensor `name`, whole."""
     elem = TORCH_DTYPES[dtype].itemsize
     shards = _shards(shapes, elem, max_shard_bytes)
     files = (
@@ -89,13 +94,7 @@ def _write_weights(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-
-    def get(name: str) -> torch.Tensor:
-        t = ckpt.read(name)
-        ckpt.release()  # unmap: pages of a mapping left open count as resident (RSS ~ model)
-        return t
-
-    tensors = export_tensors(ckpt.config, get)
+    tensors = export_tensors(config, get)
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
         decl = [(n, dtype, shapes[n]) for n in names]
@@ -122,39 +121,63 @@ def export_hf(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     force: bool = False,
     progress: bool | None = None,
+    adapter: bool = False,
+    base: Path | None = None,
 ) -> dict[str, Any]:
-    """Write `checkpoint` as a Hugging Face model directory at `out`; returns a summary."""
+    """Write `checkpoint` as a Hugging Face model directory at `out`; returns a summary. A LoRA
+    adapter checkpoint: the merged model (its base's weights with W + scale · B A), or with
+    `adapter` a PEFT adapter directory (`mega_export.adapter`); `base` where its base checkpoint
+    is now, when it moved."""
     t0 = time.perf_counter()
     checkpoint, out = Path(checkpoint), Path(out)
-    with CheckpointReader(checkpoint) as ckpt:
+    with CheckpointReader(checkpoint) as ckpt, ExitStack() as stack:
         # Either spelling (bf16 or bfloat16), as mega-convert takes it; the default, the checkpoint's.
         config, dtype = ckpt.config, float_dtype(dtype) if dtype is not None else ckpt.manifest.dtype
-        parent = parent_of(checkpoint)
+        weights = open_weights(ckpt, adapter, base, stack)
+        parents = [parent_of(checkpoint)] + ([parent_of(weights.base)] if weights.base is not None else [])
         recipe = recipe_sha256(
-            checkpoint=parent.manifest_sha256, dtype=dtype, max_shard_bytes=max_shard_bytes
-        )
+            checkpoint=parents[0].manifest_sha256, dtype=dtype, max_shard_bytes=max_shard_bytes,
+            **({"adapter": True} if adapter else {}),
+        )  # fmt: skip
         summary: dict[str, Any] = {"out": str(out), "dtype": dtype, "family": config.family}
         if not force and (old := reusable(out, "hf", recipe)) is not None:
             files = sorted(e.path for e in old.files if e.path.endswith(".safetensors"))
             return {**summary, "reused": True, "files": files, "seconds": round(time.perf_counter() - t0, 3)}
-
-        shapes = hf_shapes(config)
-        total = sum(math.prod(s) * TORCH_DTYPES[dtype].itemsize for s in shapes.values())
-        shown = Progress("mega-export", "tensors", total=len(shapes), total_bytes=total, enabled=progress)
-        with write_artifact(out, "hf", inputs=[checkpoint], force=force, recipe=recipe) as w:
-            files = _write_weights(ckpt, w, shapes, dtype, max_shard_bytes, shown)
-            w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+        inputs = [checkpoint] + ([weights.base] if weights.base is not None else [])
+        with write_artifact(out, "hf", inputs=inputs, force=force, recipe=recipe) as w:
+            if adapter:
+                files, count = write_peft(ckpt, w, dtype)
+            else:
+                files, count = _write_model(ckpt, weights.get, w, dtype, max_shard_bytes, progress)
             w.path("README.md").write_text(model_card(out.name, ckpt.manifest), encoding="utf-8")
             _write_tokenizer(ckpt, w)
-            ckpt.confirm()  # the checkpoint's sums, hashed meanwhile: a damaged one leaves no output
+            weights.confirm()  # the checkpoints' sums, hashed meanwhile: a damaged one leaves no output
             w.commit(
-                HFManifest(**new_header_fields("mega-export", __version__), parents=[parent], dtype=dtype)
+                HFManifest(**new_header_fields("mega-export", __version__), parents=parents, dtype=dtype)
             )
-        shown.done()
     return {
         **summary,
         "reused": False,
         "files": files,
-        "tensors": len(shapes),
+        "tensors": count,
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _write_model(
+    ckpt: CheckpointReader,
+    get: Callable[[str], torch.Tensor],
+    w: ArtifactWriter,
+    dtype: str,
+    max_shard_bytes: int,
+    progress: bool | None,
+) -> tuple[list[str], int]:
+    """The model's weights (`get`) and config.json; (the files, the tensors)."""
+    config = ckpt.config
+    shapes = hf_shapes(config)
+    total = sum(math.prod(s) * TORCH_DTYPES[dtype].itemsize for s in shapes.values())
+    shown = Progress("mega-export", "tensors", total=len(shapes), total_bytes=total, enabled=progress)
+    files = _write_weights(get, config, w, shapes, dtype, max_shard_bytes, shown)
+    w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+    shown.done()
+    return files, len(shapes)

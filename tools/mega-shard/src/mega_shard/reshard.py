@@ -185,6 +185,7 @@ def _commit(
         training=manifest.training,
         license=manifest.license,
         order=names,
+        adapter=manifest.adapter,  # a LoRA adapter stays one, of the same base
     )
 
 

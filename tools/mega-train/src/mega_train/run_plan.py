@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 
 from mega_train.evaluation import load_metric
+from mega_train.lora_plan import LoraPlan, plan_lora
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manifest
 from megacore.artifacts.output import check_inputs
@@ -27,6 +28,7 @@ from megacore.config import (
     DEFAULT_PAD_MULTIPLE,
     INIT_OVERRIDES,
     ROUTER_LOSS_FIELDS,
+    LoRA,
     ModelConfig,
     RopeScaling,
     flops_per_token,
@@ -56,6 +58,7 @@ class RunPlan:
     fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
     eval_metrics: list[Callable] = field(default_factory=list)  # $.eval.metrics, imported
     notes: list[str] = field(default_factory=list)  # said once by rank 0, in a run and a dry run alike
+    lora: LoraPlan | None = None  # adapters on a frozen base (`lora_plan`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`, decided by `start_checks`)
 
     def resume_notes(self, verify: Verify = "size") -> list[str]:
@@ -110,7 +113,8 @@ class RunPlan:
     def parallelism(self) -> Parallelism:
         """What the engine builds for this run (every rank alike); "compile": "auto" is decided on
         the machine that trains (`compiles`)."""
-        return parallelism(self.run, self.grad_accum, self.fp8_emulate)
+        lora = self.lora.lora if self.lora is not None else None
+        return parallelism(self.run, self.grad_accum, self.fp8_emulate, lora)
 
     def compiles(self, gpu: bool) -> bool:
         """Whether the blocks are compiled: `compile` when it is true or false; "auto" (the
@@ -150,7 +154,8 @@ class RunPlan:
     @property
     def inputs(self) -> list[Path]:
         """The artifacts this run reads: never written over, nor into."""
-        return ([self.init[0]] if self.init else []) + [path for path, _, _ in self.data]
+        adapter = [self.lora.init[0]] if self.lora is not None and self.lora.init is not None else []
+        return ([self.init[0]] if self.init else []) + adapter + [path for path, _, _ in self.data]
 
     def summary(self) -> dict:
         """The plan as JSON-able data; every path is resolved the same way (against the manifest's
@@ -248,16 +253,13 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     sources = _open_sources(base, run, config, verify, where)
     _check_init_tokenizer(init, sources, where)
     _check_schedule(run, config, init is not None, where)
+    lora = plan_lora(run, init, base, verify, where)
     dims, microbatches, stages = _check_layout(run, config, world_size, where)
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
     out = resolve_ref(base, run.out)
     checkpoints = resolve_ref(base, run.checkpoint.dir) if run.checkpoint.dir else out / "checkpoints"
-    inputs = ([init[0]] if init else []) + [path for path, _, _ in sources]
-    check_inputs(out, inputs, "$.out")
-    check_inputs(checkpoints, inputs, "$.checkpoint.dir")
-    check_run_dir(out, "$.out")
-    return RunPlan(
+    plan = RunPlan(
         path=manifest_path,
         run=run,
         config=config,
@@ -268,10 +270,15 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         stage_layers=stages,
         out=out,
         checkpoints=checkpoints,
-        fingerprint=fingerprint(run, init, sources),
+        fingerprint=fingerprint(run, init, sources, lora),
         eval_metrics=metrics,
         notes=notes,
+        lora=lora,
     )
+    check_inputs(out, plan.inputs, "$.out")
+    check_inputs(checkpoints, plan.inputs, "$.checkpoint.dir")
+    check_run_dir(out, "$.out")
+    return plan
 
 
 def _open_init(
@@ -430,7 +437,9 @@ def _check_layout(
     return dims, microbatches, stages
 
 
-def parallelism(run: RunManifest, microbatches: int, fp8_emulate: bool = False) -> Parallelism:
+def parallelism(
+    run: RunManifest, microbatches: int, fp8_emulate: bool = False, lora: LoRA | None = None
+) -> Parallelism:
     """The engine's layout settings of a run whose step has `microbatches` microbatches per rank."""
     return Parallelism(
         run.parallel,
@@ -441,6 +450,7 @@ def parallelism(run: RunManifest, microbatches: int, fp8_emulate: bool = False) 
         run.fp8_scaling,
         run.attention,
         fp8_emulate,
+        lora,
     )
 
 
@@ -493,6 +503,7 @@ def fingerprint(
     run: RunManifest,
     init: tuple[Path, CheckpointManifest] | None,
     sources: list[tuple[Path, TokensManifest, float]],
+    lora: LoraPlan | None = None,
 ) -> dict[str, str]:
     """What decides the model's start, the sequence of batches and the updates, by manifest field: a
     run resumes only from a checkpoint with the same values. The layout, the precision and
@@ -508,6 +519,10 @@ def fingerprint(
         "$.model.init": sha256_bytes(read_manifest_bytes(init[0])[1]) if init else "none",
         "$.data.sources": str(len(sources)),
     }
+    if lora is not None:  # the adapters' shape and start; their base is $.model.init's
+        out["$.lora"] = json.dumps(dataclasses.asdict(lora.lora))
+        if lora.init is not None:
+            out["$.lora.init"] = sha256_bytes(read_manifest_bytes(lora.init[0])[1])
     for name, value in msgspec.structs.asdict(run.optimizer).items():
         out[f"$.optimizer.{name}"] = json.dumps(value)
     for i, (path, _, weight) in enumerate(sources):

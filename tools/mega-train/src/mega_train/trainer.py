@@ -73,7 +73,7 @@ from mega_train.wandb_run import WandbLog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
 from megacore.artifacts.reader import parent_of
 from megacore.artifacts.writer import staging_dir
-from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token
+from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token, is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
@@ -180,7 +180,7 @@ class Trainer:
             self.plan.parallelism, compile=self.plan.compiles(torch.cuda.is_available())
         )
         self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
-        self.params = list(self.pm.parameters())
+        self.params = [p for p in self.pm.parameters() if p.requires_grad]  # LoRA: the adapters
         self.opt = make_optimizer(self.params, run.optimizer)
         fp16 = run.precision == "fp16"
         self.scaler = LossScale(
@@ -258,7 +258,11 @@ class Trainer:
     # --- resume -------------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """The newest intact checkpoint of this run, else `init`'s weights, else fresh ones."""
+        """The newest intact checkpoint of this run, else `init`'s weights, else fresh ones. LoRA:
+        the frozen base from `init` first, then the adapters likewise (`lora.init`'s, else PEFT's
+        fresh ones)."""
+        if self.plan.lora is not None:
+            self._load_init(only=lambda name: not is_adapter_tensor(name))
         while (found := self.on_rank0(self._resume_point)) is not None:
             path, manifest = found
             try:
@@ -275,12 +279,23 @@ class Trainer:
                 return
             self.on_rank0(lambda path=path, damage=damage: self._set_aside(path, damage))
         self.opt.state.clear()  # whatever a damaged checkpoint left there
-        if self.plan.init is not None:
-            # Weights only: fine-tuning starts a new optimizer; the run may set another context.
-            load_checkpoint(self.plan.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES))
+        lora = self.plan.lora
+        if lora is not None and lora.init is not None:
+            load_checkpoint(
+                lora.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=is_adapter_tensor
+            )
+        elif lora is not None:
+            self.pm.init_weights(seed=self.run.seed, only=is_adapter_tensor)
+        elif self.plan.init is not None:
+            self._load_init()
         else:
             self.pm.init_weights(self.run.model.init_std, self.run.seed)
         self._open_reports(resumed=False)
+
+    def _load_init(self, only: Callable[[str], bool] | None = None) -> None:
+        """`init`'s weights (`only`: some of them): fine-tuning starts a new optimizer, and the run
+        may set another context."""
+        load_checkpoint(self.plan.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=only)
 
     def _resume_point(self) -> tuple[Path, CheckpointManifest] | None:
         """Rank 0: the newest complete checkpoint that opens cleanly, newer damaged ones set aside,
@@ -301,7 +316,8 @@ class Trainer:
         found (its files are hashed as they are read), else None. Every rank learns the same."""
         damage = ""
         try:
-            load_checkpoint(path, self.pm, self.opt)
+            trained = is_adapter_tensor if self.plan.lora is not None else None
+            load_checkpoint(path, self.pm, self.opt, only=trained)
             self._rng = load_rank_state(path, manifest)
         except DamagedFile as e:
             damage = str(e)
@@ -551,7 +567,7 @@ class Trainer:
                 rank_state={"cpu": torch.get_rng_state()},
                 on_written=self.faults.in_save(pos.step) if self.faults is not None else None,
                 tokenizer=plan.tokenizer, parents=[parent_of(p) for p in plan.inputs] if self.rank == 0 else [],
-                license=plan.license,
+                license=plan.license, adapter=plan.lora.adapter() if plan.lora is not None else None,
             )  # fmt: skip
         except UserError:
             if self.rank != 0:

@@ -242,10 +242,37 @@ class License(Struct):
     link: str | None = None
 
 
+LoRATarget = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class BaseModel(Struct):
+    """The checkpoint an adapter belongs to: its path when the adapter was made (resolved, as a
+    record) and its manifest's sha256, which is what identifies it."""
+
+    path: Record
+    manifest_sha256: str
+
+
+class Adapter(Struct):
+    """A LoRA adapter checkpoint (`megacore.models.adapters`): it holds the low-rank matrices
+    (`<module>.lora_A.weight` [rank, in], `<module>.lora_B.weight` [out, rank]) of the `targets`
+    (Hugging Face module names, PEFT's `target_modules`) and their moments, not the base's weights;
+    `config` is the base's. The update is scale · B A, scale = alpha / rank (alpha / sqrt(rank)
+    with `rslora`)."""
+
+    rank: Positive
+    alpha: PositiveFloat
+    targets: Annotated[list[LoRATarget], msgspec.Meta(min_length=1)]
+    base: BaseModel
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    rslora: bool = False
+
+
 class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     """`tokenizer_files`: a Hugging Face model's tokenizer files as mega-convert found them;
     `tokenizer`: the tokenizer of the data the weights were trained on (mega-train); `license`: the
-    source model's, carried by every tool that derives weights from it."""
+    source model's, carried by every tool that derives weights from it; `adapter`: set for a LoRA
+    adapter, whose tensors are the adapter's and whose config is its base's."""
 
     config: ModelConfig
     dtype: DType
@@ -255,6 +282,7 @@ class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     tokenizer: TrainedTokenizer | None = None
     training: TrainingState | None = None
     license: License | None = None
+    adapter: Adapter | None = None
 
 
 # --- hf ------------------------------------------------------------------------------------------
@@ -289,6 +317,22 @@ class ModelSpec(Struct):
     router_aux_loss_coef: NonNegativeFloat | None = None
     router_z_loss_coef: NonNegativeFloat | None = None
     init_std: PositiveFloat = 0.02  # of fresh weights (with `config`), drawn per tensor from the seed
+
+
+class LoRASpec(Struct):
+    """Train low-rank adapters on a frozen base (`megacore.models.adapters`), PEFT's LoRA: `targets`
+    by their Hugging Face module names (PEFT's `target_modules`), `alpha` None: the rank (a scale
+    of 1); `rslora`: scale alpha / sqrt(rank). `init`: an adapter checkpoint to continue from (its
+    rank, alpha and targets then hold). `base_dtype` "nf4": the frozen base stored in 4 bits
+    (QLoRA)."""
+
+    rank: Positive | None = None
+    alpha: PositiveFloat | None = None
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    targets: list[LoRATarget] | None = None
+    rslora: bool = False
+    init: Ref | None = None
+    base_dtype: Literal["nf4"] | None = None
 
 
 class DataSource(Struct):
@@ -410,6 +454,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     nan: NanSpec = msgspec.field(default_factory=NanSpec)
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
     logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)
+    lora: LoRASpec | None = None
     seed: int = 1234
 
     def __post_init__(self) -> None:

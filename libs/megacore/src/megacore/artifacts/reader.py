@@ -38,7 +38,7 @@ from megacore.artifacts.manifest import (
 )
 from megacore.artifacts.pieces import check_pieces
 from megacore.artifacts.writer import sha256_bytes, sha256_file
-from megacore.config import model_tensors
+from megacore.config import LORA_A, OPTIM_PREFIX, adapter_tensors, model_tensors
 from megacore.errors import DamagedFile, UserError
 
 Verify = Literal["sha256", "size", "none"]
@@ -238,8 +238,9 @@ def check_sha256(entry: FileEntry, digest: str, where: str, piece: Piece | None 
 def check_model_tensors(manifest: CheckpointManifest, where: str) -> None:
     """Every tensor the checkpoint's config implies (`model_tensors`) is in it with that shape: a
     hand-edited config whose files still match would otherwise build a model its weights do not
-    fit. Other tensors (optimizer moments) are not the config's to judge."""
-    for name, shape in model_tensors(manifest.config).items():
+    fit. Other tensors (optimizer moments) are not the config's to judge. An adapter's
+    (`manifest.adapter`): the A and B of every module it has an A of, with its rank's shapes."""
+    for name, shape in _expected(manifest, where).items():
         entry = manifest.tensors.get(name)
         if entry is None:
             raise UserError(f"{name}: missing from the checkpoint, the config implies {list(shape)}", where)
@@ -248,6 +249,21 @@ def check_model_tensors(manifest: CheckpointManifest, where: str) -> None:
                 f"{name}: shape {list(entry.shape)} in the checkpoint, the config implies {list(shape)}",
                 where,
             )
+
+
+def _expected(manifest: CheckpointManifest, where: str) -> dict[str, tuple[int, ...]]:
+    if manifest.adapter is None:
+        return model_tensors(manifest.config)
+    known = model_tensors(manifest.config)
+    modules = [
+        n.removesuffix(f".{LORA_A}")
+        for n in manifest.tensors
+        if n.endswith(f".{LORA_A}") and not n.startswith(OPTIM_PREFIX)
+    ]
+    for module in modules:
+        if f"{module}.weight" not in known or len(known[f"{module}.weight"]) != 2:
+            raise UserError(f"{module}.{LORA_A}: the base model has no linear {module}", where)
+    return adapter_tensors(manifest.config, modules, manifest.adapter.rank)
 
 
 def artifact_root(path: Path) -> Path:

@@ -17,6 +17,7 @@ initialised in any layout holds the same weights.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megacore.config import GATED_ACTIVATIONS, ModelConfig, attention_window, local_rope
+from megacore.config import GATED_ACTIVATIONS, LORA_A, LORA_B, ModelConfig, attention_window, local_rope
 from megacore.models.attention import Impl, causal_attention, document_ids
+from megacore.models.lora import delta, has_adapter
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.moe import MoE
 from megacore.models.rope import apply_rope, rope_tables
@@ -122,8 +124,9 @@ def project(x: torch.Tensor, *linears: nn.Linear, fused: bool = True) -> tuple[t
     weights = [lin.weight for lin in linears]
     biases = [lin.bias for lin in linears]
     bias = None if biases[0] is None else torch.cat(biases)
-    out = F.linear(x, torch.cat(weights), bias)
-    return out.split([w.shape[0] for w in weights], dim=-1)
+    out = F.linear(x, torch.cat(weights), bias).split([w.shape[0] for w in weights], dim=-1)
+    # LoRA adapters (their hooks run on module calls only, which this path makes none of)
+    return tuple(o + delta(lin, x) if has_adapter(lin) else o for o, lin in zip(out, linears, strict=True))
 
 
 def make_norm(config: ModelConfig, fast: FastPaths, head_dim: int | None = None) -> nn.Module:
@@ -369,12 +372,18 @@ def initial_value(
 ) -> torch.Tensor:
     """The fresh fp32 value of parameter `name` (a contract name): normal(0, std) matrices and
     embeddings, zero biases, unit norm scales (weights of 0 for rmsnorm_plus1's 1 + weight), zero
-    padded-vocab rows. Drawn from a generator seeded by `seed` and the name, so every layout (each
-    rank slicing what it holds) gets the same model."""
+    padded-vocab rows; a LoRA adapter as PEFT starts one: B zero, A Kaiming-uniform (a = sqrt(5):
+    uniform within 1 / sqrt(in)). Drawn from a generator seeded by `seed` and the name, so every
+    layout (each rank slicing what it holds) gets the same model."""
+    if name.endswith(LORA_B):
+        return torch.zeros(shape)
     if len(shape) == 1:
         zero = name.endswith(".bias") or config.norm == "rmsnorm_plus1"
         return torch.zeros(shape) if zero else torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith(LORA_A):
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     value = torch.empty(shape).normal_(0.0, std, generator=gen)
     if name in ("embed.weight", "lm_head.weight"):
         value[config.vocab_size :] = 0

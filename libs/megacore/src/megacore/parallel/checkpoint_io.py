@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate
 
 from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
-from megacore.artifacts.manifest import Layout, License, Parent, TrainedTokenizer, TrainingState
+from megacore.artifacts.manifest import Adapter, Layout, License, Parent, TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import check_file
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
 from megacore.config import TOKEN_ID_FIELDS, config_differences
@@ -48,8 +48,11 @@ def _owner(t: torch.Tensor, mesh) -> bool:
     return all(mesh[d].get_local_rank() == 0 for d in ("tp", "dp", "cp"))
 
 
-def _named_tensors(pm: ParallelModel, optimizer: torch.optim.Optimizer | None):
+def _named_tensors(pm: ParallelModel, optimizer: torch.optim.Optimizer | None, trained_only: bool):
+    """Parameters and their moments; `trained_only` (LoRA): the adapters, not the frozen base."""
     for name, p in pm.named_parameters():
+        if trained_only and not p.requires_grad:
+            continue
         yield name, p
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for kind in ADAMW_STATE_KINDS:
@@ -70,17 +73,19 @@ def save_checkpoint(
     tokenizer: tuple[Path, TrainedTokenizer] | None = None,
     parents: Sequence[Parent] = (),
     license: License | None = None,
+    adapter: Adapter | None = None,
 ) -> None:
     """Collective: every rank calls it with its part of the model (and optimizer) and its
     `rank_state`. `inputs` (the run's init checkpoint and data) are never written over, nor into
     (the output policy). `on_written` runs on every rank once its files are written, before the
     commit (a point for fault-injection tests). `tokenizer`: the one the weights were trained
     with and the directory its files are relative to (copied in by rank 0); `parents`: the
-    lineage rank 0 records (the run's init checkpoint and data); `license`: the init's."""
+    lineage rank 0 records (the run's init checkpoint and data); `license`: the init's; `adapter`
+    (LoRA): the checkpoint holds the adapters and their moments only, and names their base."""
     w = ArtifactWriter(_staging(out, inputs, force), "checkpoint")
     try:
         cw = CheckpointWriter(w)
-        _write_pieces(cw, pm, optimizer)
+        _write_pieces(cw, pm, optimizer, adapter is not None)
         if rank_state is not None:
             save_file(
                 {k: v.contiguous().cpu() for k, v in rank_state.items()},
@@ -105,6 +110,7 @@ def save_checkpoint(
                 producer=producer,
                 training=training,
                 license=license,
+                adapter=adapter,
                 order=sorted(cw.tensor_names()),
             )
     except BaseException:
@@ -131,14 +137,16 @@ def _staging(out: Path, inputs: Sequence[Path], force: bool) -> Path:
     return decided[0]
 
 
-def _write_pieces(cw: CheckpointWriter, pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> None:
+def _write_pieces(
+    cw: CheckpointWriter, pm: ParallelModel, optimizer: torch.optim.Optimizer | None, trained_only: bool
+) -> None:
     """This rank's file: the pieces it owns of every parameter and moment."""
     mesh, dims = pm.mesh, pm.dims
     pp, tp, cp = (mesh[d].get_local_rank() for d in ("pp", "tp", "cp"))
     replica = dims.replica(dp_mesh(mesh).get_local_rank(), cp)  # of the weights' dp x cp shards
     file = shard_file(pp, tp, replica if dims.replicas > 1 else None)
     mine = []
-    for name, t in _named_tensors(pm, optimizer):
+    for name, t in _named_tensors(pm, optimizer, trained_only):
         offset, shape, local = local_piece(t.detach())
         if _owner(t, mesh) and local.numel():
             mine.append((name, list(t.shape), (offset, shape), local))
@@ -152,11 +160,14 @@ def load_checkpoint(
     pm: ParallelModel,
     optimizer: torch.optim.Optimizer | None = None,
     ignore: tuple[str, ...] = TOKEN_ID_FIELDS,
+    only: Callable[[str], bool] | None = None,
 ) -> CheckpointManifest:
     """Fill this rank's parameters (and AdamW moments, when the checkpoint has them) from a
     checkpoint of any layout, reading only the slices this rank holds. `DamagedFile` when a file
     read is damaged; the parameters and moments may then hold some of its values. The checkpoint's
-    config must be the model's, but for the fields in `ignore` (a run's init: its context too)."""
+    config must be the model's, but for the fields in `ignore` (a run's init: its context too).
+    `only`: the parameters to fill, by name (LoRA: the frozen base from its checkpoint, the
+    adapters from theirs), else all."""
     with CheckpointReader(path) as ckpt:
         diff = config_differences(pm.config, ckpt.config, ignore)
         if diff:
@@ -167,6 +178,8 @@ def load_checkpoint(
         if training is not None and training.optimizer_steps is not None:
             step = training.optimizer_steps  # AdamW's bias correction counts applied updates
         for name, p in pm.loaded_parameters():  # a tied output copy from embed.weight
+            if only is not None and not only(name):
+                continue
             entry = ckpt.entry(name)
             if list(entry.shape) != list(p.shape):
                 raise UserError(

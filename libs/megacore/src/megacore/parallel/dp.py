@@ -102,7 +102,8 @@ class ComputeCopies:
                     continue
                 if id(p) not in copies:
                     copy = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
-                    copy.register_post_accumulate_grad_hook(partial(_add_grad, p))
+                    if p.requires_grad:  # a frozen base (LoRA) gets no gradient
+                        copy.register_post_accumulate_grad_hook(partial(_add_grad, p))
                     copies[id(p)] = copy
                     self.pairs.append((p, copy))
                 setattr(m, name, copies[id(p)])

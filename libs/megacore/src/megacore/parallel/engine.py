@@ -57,7 +57,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from megacore.artifacts.pieces import Box
 from megacore.config import ModelConfig
 from megacore.data.packing import IGNORE
+from megacore.models import adapters
 from megacore.models.attention import document_ids
+from megacore.models.lora import freeze_base
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.dp import COMPUTE_DTYPES, ComputeCopies, apply_dp
@@ -76,7 +78,7 @@ from megacore.parallel.layout import (
     fused_loss,
 )
 from megacore.parallel.mesh import dp_mesh
-from megacore.parallel.tp import apply_tp, lm_loss, loss_context
+from megacore.parallel.tp import apply_tp, distribute_adapters, lm_loss, loss_context
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -165,10 +167,14 @@ class ParallelModel:
             apply_fp8(part, par.fp8_scaling, par.fp8_emulate, self.float8_gather)
         if self.tp_mesh is not None:
             apply_tp(part, self.tp_mesh, config, par.spec.sequence_parallel, par.precision == "fp8")
+        if par.lora is not None:  # after tp: its styles stay the linears', the adapters placed apart
+            self._add_adapters(part, s)
         if self.cp_mesh is not None:
             apply_cp(part, self.cp_mesh)
         if self.experts_mesh is not None:
             apply_ep(part, self.experts_mesh, config)
+        if par.lora is not None:  # after every plan that makes parameters anew (ep's experts)
+            freeze_base(part)
         if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
             part.compile_blocks()
         if fsdp_wrapped(par, self.dims):
@@ -178,6 +184,17 @@ class ParallelModel:
         if compute_copies(par, self.dims):
             self.copies.append(ComputeCopies(part, COMPUTE_DTYPES[par.precision]))
         return part
+
+    def _add_adapters(self, part: nn.Module, s: int) -> None:
+        """Stage `s`'s LoRA adapters on the meta device, placed over tp."""
+        from megacore.models.lora import add_lora
+
+        lora = self.par.lora
+        with torch.device("meta"):
+            names = adapters.modules(self.config, lora.targets, self.layers[s])
+            add_lora(part, names, lora.rank, lora.scale, lora.dropout)
+        if self.tp_mesh is not None:
+            distribute_adapters(part, self.tp_mesh, self.config)
 
     def _build_schedule(self):
         """The pipeline schedule over this rank's stages."""
@@ -328,7 +345,7 @@ class ParallelModel:
                 mean = self._mean(losses, counted)
             else:
                 losses = self._scheduled(self.schedule.step, tokens, targets, inputs, weight=weight)
-                if self.config.tie_embeddings:
+                if self.config.tie_embeddings and self.par.lora is None:  # LoRA: both frozen
                     self._sum_tied_grads()
                 mean = self._mean(losses, counted, weight) if self.has_last else None
         return Step(mean, self._router_report(n))
@@ -520,12 +537,17 @@ class ParallelModel:
                 part.set_requires_gradient_sync(on)
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
+    def init_weights(
+        self, std: float = 0.02, seed: int = 0, only: Callable[[str], bool] | None = None
+    ) -> None:
         """Fresh weights, the same as a single-process `Decoder.init_weights(std, seed)`'s: each
-        rank draws a whole tensor and keeps its slice."""
+        rank draws a whole tensor and keeps its slice. `only`: the names to fill (LoRA: the
+        adapters), else all."""
         from megacore.models.decoder import initial_value
 
         for name, p in self.loaded_parameters():
+            if only is not None and not only(name):
+                continue
             offset, shape, local = local_piece(p)
             if local.numel():
                 local.copy_(

@@ -22,10 +22,9 @@ from typing import get_args
 
 from megacore.artifacts.manifest import FLOAT_DTYPES, ParallelSpec, Schedule
 from megacore.artifacts.pieces import Box, even_split, whole
-from megacore.config import ModelConfig
+from megacore.config import OPTIM_PREFIX, LoRA, ModelConfig, is_adapter_tensor
 from megacore.errors import UserError
 
-OPTIM_PREFIX = "optim."
 ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -76,8 +75,11 @@ class TensorPlace:
 
 
 def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
-    """The placement of a checkpoint tensor (parameter or optimizer state) under tensor parallel `tp`."""
+    """The placement of a checkpoint tensor (parameter or optimizer state) under tensor parallel `tp`.
+    A LoRA adapter's follow its linear's (`_adapter_place`)."""
     _, param = split_optim_name(name)
+    if is_adapter_tensor(param):
+        return _adapter_place(param, config, tp)
     if param == "embed.weight":
         return TensorPlace(None, "first", 0)
     if param == "lm_head.weight":
@@ -102,6 +104,18 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     if module in _ROWWISE and kind == "weight":
         return TensorPlace(layer, "layer", 1)
     raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
+
+
+def _adapter_place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
+    """A LoRA adapter on a column-parallel linear (split on its output rows): A [rank, in]
+    replicated, B [out, rank] split on its rows like the weight; on a row-parallel one (split on
+    its input columns): A split on its columns, B replicated. Each rank's B A x is then what its
+    part of the linear's output needs, with no communication of its own."""
+    module, _, tensor = name.removesuffix(".weight").rpartition(".")
+    base = place(f"{module}.weight", config, tp)
+    if tensor == "lora_A":
+        return TensorPlace(base.layer, base.where, 1 if base.tp_dim == 1 else None)
+    return TensorPlace(base.layer, base.where, 0 if base.tp_dim == 0 else None)
 
 
 def is_experts(name: str) -> bool:
@@ -323,6 +337,7 @@ class Parallelism:
     fp8_scaling: str = "tensorwise"  # precision fp8: tensorwise or rowwise (megacore.parallel.fp8)
     attention: str = "auto"  # the attention kernel: auto, sdpa or flash (`models.attention`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`: tests only)
+    lora: LoRA | None = None  # adapters trained on a frozen base (`megacore.models.adapters`)
 
     def dims(self, dp: int) -> Dims:
         """The mesh's sizes: this layout's with `dp` data-parallel ranks."""

@@ -250,6 +250,19 @@ def apply_tp(
     model.register_forward_hook(_to_local_hook if model.norm is not None else _to_local_copy_hook)
 
 
+def distribute_adapters(model: nn.Module, tp_mesh: DeviceMesh, config: ModelConfig) -> None:
+    """A stage's LoRA adapters (attached after `apply_tp`) as DTensors placed as `layout.place`
+    says; their linear's hooks then compute B A x on its DTensor input, and its output style
+    reduces or keeps the sum of both parts as it did the linear's alone."""
+    tp = tp_mesh.size()
+    for name, module in list(model.named_modules()):
+        if name.rpartition(".")[2] not in ("lora_A", "lora_B"):
+            continue
+        dim = place(f"{name}.weight", config, tp).tp_dim
+        layout = [Replicate() if dim is None else Shard(dim)]
+        module.weight = nn.Parameter(distribute_tensor(module.weight, tp_mesh, layout))
+
+
 def _replicate_norm_out(tp_mesh: DeviceMesh, mod: nn.Module, args: tuple, out: torch.Tensor) -> DTensor:
     """Tied embeddings: logits = x @ embed.weight^T with the vocab-sharded embedding, so the final
     norm's output must be a replicated DTensor (gathered over the sequence with SP)."""

@@ -1,0 +1,109 @@
+"""LoRA runs of mega-train: adapters trained on a frozen base checkpoint (the reference run's), their
+checkpoints (adapters, moments, the base named), a run killed and resumed in another layout equal
+to one uninterrupted process, and bad `lora` sections refused in one line before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error
+from runlib import assert_losses_close, checkpoint_tensors, losses, ok, torchrun, train, write_run
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"rank": 4, "alpha": 8, "targets": PROJECTIONS}
+STEPS = {"train_steps": 6, "checkpoint": {"every": 3}, "eval": {"every": 0}}
+
+
+@pytest.fixture(scope="module")
+def base(reference: Path) -> Path:
+    return reference / "checkpoints" / "step-00000012"
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tokens: Path, base: Path) -> Path:
+    """6 LoRA steps in one process, checkpoints at 3 and 6."""
+    run_json = write_run(tmp_path_factory.mktemp("lora-one"), tokens, init=base, lora=LORA, **STEPS)
+    ok(train(run_json))
+    return run_json.parent / "run"
+
+
+def test_lora_checkpoints_hold_the_adapters_and_name_their_base(one_process: Path, base: Path) -> None:
+    """A LoRA run's checkpoint: the 4 layers x 7 projections' A and B and their two AdamW moments,
+    none of the base's tensors, and the base by path and manifest sha256; the base is unchanged
+    (frozen) and the adapters moved from PEFT's start (B zero)."""
+    ckpt = one_process / "checkpoints" / "step-00000006"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert len(manifest["tensors"]) == 4 * 7 * 2 * 3
+    assert not any(name.startswith(("embed", "norm", "lm_head")) for name in manifest["tensors"])
+    adapter = manifest["adapter"]
+    assert (adapter["rank"], adapter["alpha"], adapter["targets"]) == (4, 8.0, PROJECTIONS)
+    import hashlib
+
+    assert (
+        adapter["base"]["manifest_sha256"]
+        == hashlib.sha256((base / "manifest.json").read_bytes()).hexdigest()
+    )
+    assert Path(adapter["base"]["path"]) == base
+    tensors = checkpoint_tensors(ckpt)
+    assert tensors["layers.0.attn.q_proj.lora_B.weight"].abs().max() > 0
+    assert tensors["layers.0.attn.q_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors["layers.3.mlp.down_proj.lora_B.weight"].shape == (32, 4)
+
+
+def test_lora_killed_and_resumed_in_another_layout_matches_one_process(
+    tmp_path: Path, tokens: Path, base: Path, one_process: Path
+) -> None:
+    """Killed (SIGKILL) in step 5 at tp 2 with sequence parallel, resumed from step 3's checkpoint at
+    pp 2: the losses are the uninterrupted process's (fp32, 1e-5) and so are the final adapters,
+    within 1e-4 norm-wise after six AdamW steps (the equivalence tests' ADAM_REL: AdamW divides
+    each element by its own running RMS; measured up to 1.6e-5 here)."""
+    run_json = write_run(
+        tmp_path, tokens, init=base, lora=LORA, **STEPS, parallel={"tp": 2, "sequence_parallel": True}
+    )
+    killed = torchrun(2, run_json, env={"MEGA_TRAIN_INJECT": "kill@5"})
+    assert killed.returncode != 0
+    write_run(tmp_path, tokens, init=base, lora=LORA, **STEPS, parallel={"pp": 2})
+    ok(torchrun(2, run_json))
+    assert_losses_close(losses(tmp_path / "run"), losses(one_process), rel=1e-5)
+    want = checkpoint_tensors(one_process / "checkpoints" / "step-00000006")
+    got = checkpoint_tensors(tmp_path / "run" / "checkpoints" / "step-00000006")
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert float((got[name] - t).norm() / t.norm()) < 1e-4, name
+
+
+@pytest.mark.parametrize(
+    ("lora", "fragments"),
+    [
+        ({"rank": 0, "targets": ["q_proj"]}, ("$.lora.rank", ">= 1")),
+        ({"rank": 64, "targets": ["q_proj"]}, ("$.lora.rank", "rank 64 is above q_proj's size")),
+        ({"targets": ["q_proj", "qkv"]}, ("$.lora.targets", "'qkv' is no module", "q_proj, k_proj")),
+        ({"rank": 4}, ("$.lora.targets", "give the modules to adapt")),
+        ({"targets": ["q_proj"], "base_dtype": "nf4"}, ("$.lora.base_dtype", "nf4")),
+    ],
+    ids=["rank-0", "rank-above-size", "unknown-target", "no-targets", "nf4"],
+)
+def test_bad_lora_sections_are_one_line(
+    tmp_path: Path, tokens: Path, base: Path, lora: dict, fragments
+) -> None:
+    run_json = write_run(tmp_path, tokens, init=base, lora=lora)
+    assert_one_line_error(train(run_json, "--dry-run"), *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_needs_a_base_and_its_own_adapter(
+    tmp_path: Path, tokens: Path, base: Path, one_process: Path
+) -> None:
+    """LoRA from fresh weights, an adapter given as the base, and an adapter of another base as
+    `lora.init`: each one line."""
+    fresh = write_run(tmp_path / "fresh", tokens, lora=LORA)
+    assert_one_line_error(train(fresh, "--dry-run"), "$.lora", "give it as $.model.init")
+    adapter = one_process / "checkpoints" / "step-00000003"
+    swapped = write_run(tmp_path / "swapped", tokens, init=adapter, lora=LORA)
+    assert_one_line_error(train(swapped, "--dry-run"), "$.model.init", "is a LoRA adapter")
+    other = base.parent / "step-00000008"  # the same model 4 steps earlier: another base
+    foreign = write_run(tmp_path / "foreign", tokens, init=other, lora={"init": str(adapter)})
+    assert_one_line_error(train(foreign, "--dry-run"), "$.lora.init", "an adapter of another base")
