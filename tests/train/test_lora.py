@@ -4,6 +4,7 @@ to one uninterrupted process, and bad `lora` sections refused in one line before
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -40,8 +41,6 @@ def test_lora_checkpoints_hold_the_adapters_and_name_their_base(one_process: Pat
     assert not any(name.startswith(("embed", "norm", "lm_head")) for name in manifest["tensors"])
     adapter = manifest["adapter"]
     assert (adapter["rank"], adapter["alpha"], adapter["targets"]) == (4, 8.0, PROJECTIONS)
-    import hashlib
-
     assert (
         adapter["base"]["manifest_sha256"]
         == hashlib.sha256((base / "manifest.json").read_bytes()).hexdigest()

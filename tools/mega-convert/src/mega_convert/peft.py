@@ -18,12 +18,12 @@ from typing import Any
 from safetensors.torch import load_file
 
 from mega_convert import __version__
-from megacore.artifacts import TORCH_DTYPES, whole
+from megacore.artifacts import TORCH_DTYPES, open_artifact, whole
 from megacore.artifacts.manifest import Adapter, BaseModel, Layout, float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.reader import parent_of
 from megacore.artifacts.writer import sha256_file
-from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
+from megacore.checkpoint import CheckpointWriter, dtype_of, shard_file
 from megacore.config import ModelConfig, adapter_tensors
 from megacore.errors import UserError
 from megacore.models.adapters import check_targets, modules, peft_names
@@ -71,10 +71,10 @@ def convert_peft(
     t0 = time.perf_counter()
     adapter_dir, out, base = Path(adapter_dir), Path(out), Path(base)
     cfg = read_adapter_config(adapter_dir)
-    with CheckpointReader(base) as ckpt:
-        if ckpt.manifest.adapter is not None:
-            raise UserError(f"{base} is itself an adapter; give the base model's checkpoint", "--base")
-        config = ckpt.config
+    base_manifest = open_artifact(base, "checkpoint")
+    if base_manifest.adapter is not None:
+        raise UserError(f"{base} is itself an adapter; give the base model's checkpoint", "--base")
+    config = base_manifest.config
     parent = parent_of(base)
     weights = adapter_dir / WEIGHTS
     if not weights.is_file():

@@ -262,7 +262,7 @@ class Trainer:
         the frozen base from `init` first, then the adapters likewise (`lora.init`'s, else PEFT's
         fresh ones)."""
         if self.plan.lora is not None:
-            self._load_init(only=lambda name: not is_adapter_tensor(name))
+            self._load_weights(self.plan.init[0], only=lambda name: not is_adapter_tensor(name))
         while (found := self.on_rank0(self._resume_point)) is not None:
             path, manifest = found
             try:
@@ -281,21 +281,19 @@ class Trainer:
         self.opt.state.clear()  # whatever a damaged checkpoint left there
         lora = self.plan.lora
         if lora is not None and lora.init is not None:
-            load_checkpoint(
-                lora.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=is_adapter_tensor
-            )
+            self._load_weights(lora.init[0], only=is_adapter_tensor)
         elif lora is not None:
             self.pm.init_weights(seed=self.run.seed, only=is_adapter_tensor)
         elif self.plan.init is not None:
-            self._load_init()
+            self._load_weights(self.plan.init[0])
         else:
             self.pm.init_weights(self.run.model.init_std, self.run.seed)
         self._open_reports(resumed=False)
 
-    def _load_init(self, only: Callable[[str], bool] | None = None) -> None:
-        """`init`'s weights (`only`: some of them): fine-tuning starts a new optimizer, and the run
-        may set another context."""
-        load_checkpoint(self.plan.init[0], self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=only)
+    def _load_weights(self, path: Path, only: Callable[[str], bool] | None = None) -> None:
+        """A start's weights (`init`'s, an adapter's; `only`: some of them), no moments: fine-tuning
+        starts a new optimizer, and the run may set another context."""
+        load_checkpoint(path, self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=only)
 
     def _resume_point(self) -> tuple[Path, CheckpointManifest] | None:
         """Rank 0: the newest complete checkpoint that opens cleanly, newer damaged ones set aside,

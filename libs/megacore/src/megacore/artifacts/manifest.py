@@ -321,8 +321,8 @@ class ModelSpec(Struct):
 
 class LoRASpec(Struct):
     """Train low-rank adapters on a frozen base (`megacore.models.adapters`), PEFT's LoRA: `targets`
-    by their Hugging Face module names (PEFT's `target_modules`), `alpha` None: the rank (a scale
-    of 1); `rslora`: scale alpha / sqrt(rank). `init`: an adapter checkpoint to continue from (its
+    by their Hugging Face module names (PEFT's `target_modules`), `rank` None: PEFT's 8, `alpha`
+    None: the rank (a scale of 1); `rslora`: scale alpha / sqrt(rank). `init`: an adapter checkpoint to continue from (its
     rank, alpha and targets then hold). `base_dtype` "nf4": the frozen base stored in 4 bits
     (QLoRA)."""
 

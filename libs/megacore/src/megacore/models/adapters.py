@@ -75,11 +75,11 @@ def check_targets(config: ModelConfig, targets: Sequence[str], where: str) -> No
 def modules(config: ModelConfig, targets: Iterable[str], layers: Iterable[int] | None = None) -> list[str]:
     """Our module names the `targets` adapt, in the model's order (`layers`: a stage's only)."""
     wanted = set(targets)
-    keep = None if layers is None else {f"layers.{i}." for i in layers}
+    keep = None if layers is None else set(layers)
     return [
-        ours
+        ours  # "layers.<i>.<module>"
         for hf, ours, _ in _layer_maps(config)
-        if _short(hf) in wanted and (keep is None or ours[: ours.index(".", 7) + 1] in keep)
+        if _short(hf) in wanted and (keep is None or int(ours.split(".")[1]) in keep)
     ]
 
 

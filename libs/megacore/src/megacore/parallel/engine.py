@@ -59,7 +59,7 @@ from megacore.config import ModelConfig
 from megacore.data.packing import IGNORE
 from megacore.models import adapters
 from megacore.models.attention import document_ids
-from megacore.models.lora import freeze_base
+from megacore.models.lora import add_lora, freeze_base
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.dp import COMPUTE_DTYPES, ComputeCopies, apply_dp
@@ -187,8 +187,6 @@ class ParallelModel:
 
     def _add_adapters(self, part: nn.Module, s: int) -> None:
         """Stage `s`'s LoRA adapters on the meta device, placed over tp."""
-        from megacore.models.lora import add_lora
-
         lora = self.par.lora
         with torch.device("meta"):
             names = adapters.modules(self.config, lora.targets, self.layers[s])
