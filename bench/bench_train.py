@@ -271,19 +271,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(kind: str, setup: Setup, rows: Path, python: Path, work: Path) -> dict:
-    """One configuration in a fresh subprocess (this file with `--child KIND SPEC`): its result
-    (tokens_per_s, params, ...) plus rss, or {"error": ...}."""
+def measure(
+    kind: str, setup: Setup, rows: Path, python: Path, work: Path, script: Path = Path(__file__), **extra: str
+) -> dict:
+    """One configuration in a fresh subprocess (`script`, this file by default, with `--child KIND
+    SPEC`; `extra`: more fields of SPEC): its result (tokens_per_s, params, ...) plus rss, or
+    {"error": ...}."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     spec = {"setup": asdict(setup), "rows": str(rows), "work": str(work), "result": str(work / "result.json")}
+    spec |= extra
     (work / "spec.json").write_text(json.dumps(spec))
     env = child_env()
     # A 1-process torch.distributed group for the engine (what torchrun would set).
     env.update(
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    rc, rss = launch([python, __file__, "--child", kind, work / "spec.json"], work / "log.txt", env, work)
+    rc, rss = launch([python, script, "--child", kind, work / "spec.json"], work / "log.txt", env, work)
     result_path = Path(spec["result"])
     if rc or not result_path.is_file():
         return {"error": f"exit {rc}: {last_line((work / 'log.txt').read_text(errors='replace'))}"}
@@ -417,9 +421,12 @@ def child_bare(setup: Setup, spec: dict) -> dict:
     }
 
 
-def child_hf(setup: Setup, spec: dict) -> dict:
+def trainer_feed(setup: Setup, spec: dict) -> tuple:
+    """What the Trainer configurations are given: a dataset of the rows (input and labels alike:
+    the model shifts the labels itself) and a callback recording each step's end and its span from
+    on_step_begin (`ends`, `spans`)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     rows = load_rows(spec)
 
@@ -427,7 +434,7 @@ def child_hf(setup: Setup, spec: dict) -> dict:
         def __len__(self) -> int:
             return len(rows)
 
-        def __getitem__(self, i: int) -> dict:  # the model shifts the labels itself
+        def __getitem__(self, i: int) -> dict:
             return {"input_ids": rows[i, : setup.seq], "labels": rows[i, : setup.seq]}
 
     class StepEnds(TrainerCallback):
@@ -442,21 +449,35 @@ def child_hf(setup: Setup, spec: dict) -> dict:
             self.ends.append(time.perf_counter())
             self.spans.append(self.ends[-1] - self.begin)
 
+    return Rows(), StepEnds()
+
+
+def hf_llama(setup: Setup):
+    """transformers' LlamaForCausalLM of the setup's shape, random weights (seed 0)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=setup.vocab, hidden_size=setup.hidden, intermediate_size=setup.ffn,
         num_hidden_layers=setup.layers, num_attention_heads=setup.heads, num_key_value_heads=setup.kv_heads,
         max_position_embeddings=setup.seq, tie_word_embeddings=False,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def child_hf(setup: Setup, spec: dict) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    dataset, callback = trainer_feed(setup, spec)
+    model = hf_llama(setup)
     args = TrainingArguments(
         output_dir=spec["work"], max_steps=setup.steps, per_device_train_batch_size=setup.micro,
         gradient_accumulation_steps=setup.accum, learning_rate=3e-4, bf16=True, use_cpu=True,
         report_to="none", dataloader_num_workers=0, save_strategy="no", eval_strategy="no", seed=0,
         lr_scheduler_type="cosine",
     )  # fmt: skip
-    callback = StepEnds()
-    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[callback]).train()
+    Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback]).train()
     params = sum(p.numel() for p in model.parameters())
     spans = setup.timed_tokens / sum(callback.spans[setup.warmup :])
     return {"tokens_per_s": tokens_per_s(setup, callback.ends), "params": params, "optim": args.optim,

@@ -239,3 +239,23 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 def tokens(vocab: int, seq: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def peft_chain(root: Path, hf: Path, rank: int, alpha: int, targets: list[str], seed: int) -> dict[str, Path]:
+    """`hf` converted to root/base; a PEFT LoRA adapter on it with B drawn (PEFT's zero B would give A
+    no gradient), saved by PEFT in root/peft and imported with `mega-convert peft` as root/adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from helpers import run_in_process
+
+    assert run_in_process("mega-convert", "hf", hf, root / "base").returncode == 0
+    model = get_peft_model(load_hf(hf), LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(root / "peft")
+    proc = run_in_process("mega-convert", "peft", root / "peft", root / "adapter", "--base", root / "base")
+    assert proc.returncode == 0, proc.stderr
+    return {"root": root, "hf": hf, "base": root / "base", "peft": root / "peft", "adapter": root / "adapter"}

@@ -212,6 +212,7 @@ def literals(relative: str) -> dict[str, object]:
 PLANNER_TEST = "tests/train/test_planner.py"
 FP8_TEST = "tests/train/test_fp8.py"
 CONTEXT_TEST = "tests/train/test_context.py"
+QLORA_TEST = "tests/train/test_qlora.py"
 EQUIVALENCE_WORKER = "tests/parallel/dist_worker.py"  # test_equivalence.py's bounds live there
 TOUR_TEST = "tests/test_readme_tour.py"
 GPU_MEMORY = "80GB"  # what the pages' planner figures are planned for (test_planner's too)
@@ -499,6 +500,12 @@ def _gpu_memory() -> tuple[float, float]:
     return given, parse_size(GPU_MEMORY) / planner.GiB
 
 
+def _nf4() -> tuple[int, int, int]:
+    from megacore.config import NF4_BLOCK, NF4_QUANTUM, NF4_SCALER_BLOCK
+
+    return NF4_BLOCK, NF4_SCALER_BLOCK, NF4_QUANTUM
+
+
 TRAIN = "docs/mega-train.md"
 EQ = literals(EQUIVALENCE_WORKER)
 CHECKED: list[Check] = [
@@ -604,6 +611,13 @@ CHECKED: list[Check] = [
         "(loss and gradients within {}, the adapters after {} AdamW steps within {})",
         lambda: (EQ["REL"], EQ["STEPS"], EQ["ADAM_REL"]),
     ),
+    Check(
+        TRAIN,
+        "(blocks of {} values, the scales in blocks of {}, as QLoRA",
+        lambda: _nf4()[:2],
+    ),
+    Check(TRAIN, "scaler blocks of {} values", lambda: _nf4()[2:]),
+    Check(TRAIN, "the loss and every adapter gradient within {}", lambda: (literals(QLORA_TEST)["REL"],)),
     Check(TRAIN, "{} s by default), then torchrun exits", lambda: (shutdown_timeout(),)),
     Check(TRAIN, "aborts at once, exit {}:", _aborted),
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, run_tool, write_checkpoint
+from helpers import BIN, run_in_process, run_tool, write_checkpoint
 from tokenize_testlib import corpus, write_jsonl
 
 MAKEFILE = Path(__file__).resolve().parents[1] / "examples" / "Makefile"
@@ -182,10 +182,12 @@ def test_airflow_dag_runs_the_chain(tmp_path: Path, sp_model: Path, airflow_venv
     assert ModelCard.load(tmp_path / "chain" / "hf" / "README.md").data.license == "apache-2.0"
 
 
-def test_instruct_example_plans_on_what_make_demo_writes(tmp_path: Path, sp_model: Path) -> None:
-    """examples/instruct.json after `make demo`: its data is the demo's chat tokens (made here by the
-    demo's own step, with the tests' tokenizer) and its init a tp 2 x pp 2 checkpoint where the demo
-    writes one (here of random weights; the whole demo takes a minute); the dry run passes."""
+def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path, sp_model: Path) -> None:
+    """examples/instruct.json and examples/lora.json after `make demo`: their data is the demo's chat
+    tokens (made here by the demo's own step, with the tests' tokenizer) and their init a tp 2 x pp 2
+    checkpoint where the demo writes one (here of random weights; the whole demo takes a minute);
+    the dry runs pass. The LoRA chain run to the end (PEFT answering from the exported adapter):
+    tests/train/test_instruct.py."""
     import importlib.util
 
     import torch
@@ -209,9 +211,11 @@ def test_instruct_example_plans_on_what_make_demo_writes(tmp_path: Path, sp_mode
     )
     run_tool("mega-shard", tmp_path / "ckpt", out / "ckpt-tp2pp2", "--tp", "2", "--pp", "2", check=True)
     (tmp_path / "examples").mkdir()
-    shutil.copy(MAKEFILE.parent / "instruct.json", tmp_path / "examples")
-    proc = run_tool(
-        "mega-train", "--manifest", tmp_path / "examples" / "instruct.json", "--dry-run", "--world-size", "2"
-    )
-    assert proc.returncode == 0, (proc.stdout, proc.stderr)
-    assert "instruct.json: ok" in proc.stdout and "world 2 = tp 2 x pp 1 x dp 1" in proc.stdout, proc.stdout
+    for name in ("instruct.json", "lora.json"):  # lora.json: adapters on the same data
+        shutil.copy(MAKEFILE.parent / name, tmp_path / "examples")
+        proc = run_in_process(
+            "mega-train", "--manifest", tmp_path / "examples" / name, "--dry-run", "--world-size", "2"
+        )
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        assert f"{name}: ok" in proc.stdout and "world 2 = tp 2 x pp 1 x dp 1" in proc.stdout, proc.stdout
+    assert "trained in LoRA adapters" in proc.stdout, proc.stdout

@@ -86,7 +86,13 @@ def test_a_part_is_cut_at_its_timeout_with_what_it_started(tmp_path: Path) -> No
     assert time.monotonic() - t0 < 3 + gc.GRACE_S
     assert record["status"] == "failed" and record["timed_out"] is True, record
     assert record["reason"] == "cut at its timeout, 3 s" and record["timeout_s"] == 3
-    assert not alive(int(pid_file.read_text()))
+    # Signalled with its group, the orphan it started exits as the kernel gets to it: on a loaded
+    # machine a moment after the part's own end (the full suite once saw it still running).
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 2
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
 
 
 def test_the_budget_skips_what_it_leaves_no_room_for(tmp_path: Path) -> None:

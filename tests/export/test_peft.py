@@ -33,18 +33,9 @@ def chain(tmp_path_factory) -> dict[str, Path]:
     """A tiny Llama (GQA) from transformers converted; a PEFT adapter on it with B drawn (PEFT's
     zero B gives A no gradient), saved by PEFT and imported with mega-convert peft."""
     root = tmp_path_factory.mktemp("peft")
-    hf = hf_cases.build("llama2-70b-gqa", root / "hf")
-    assert run_in_process("mega-convert", "hf", hf, root / "base").returncode == 0
-    model = get_peft_model(hf_cases.load_hf(hf), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(root / "peft")
-    proc = run_in_process("mega-convert", "peft", root / "peft", root / "adapter", "--base", root / "base")
-    assert proc.returncode == 0, proc.stderr
-    return {"root": root, "hf": hf, "base": root / "base", "peft": root / "peft", "adapter": root / "adapter"}
+    return hf_cases.peft_chain(
+        root, hf_cases.build("llama2-70b-gqa", root / "hf"), RANK, ALPHA, TARGETS, seed=3
+    )
 
 
 def ours(chain: dict[str, Path]) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:

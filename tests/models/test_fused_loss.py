@@ -123,3 +123,22 @@ def test_evaluation_computes_the_loss_alone(chunk_elements: int, monkeypatch: py
     assert names.count("aten::addmm") == 0 and names.count("aten::mm") >= 1, sorted(set(names))
     _, train_names = ops(True)  # the same call with autograd does make them: the count means something
     assert train_names.count("aten::addmm") >= 2
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 700], ids=["one-chunk", "many-chunks"])
+def test_a_frozen_output_layer_gets_no_gradient_matmul(chunk_elements: int, monkeypatch) -> None:
+    """LoRA's frozen head: the input's gradient is the unfused one's, the weight gets none, and each
+    chunk makes one `addmm` (the input's), not two."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_ELEMENTS", chunk_elements)
+    h, w, t = _case(40, 16, 90, 96, torch.float32, 4)
+    chunks = -(-40 // min(40, chunk_elements // 96))
+    (_, gh_ref, _), _ = _both(h, w, t, 90)
+    hh = h.clone().requires_grad_()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss = fused_linear_cross_entropy(hh, w, t, 90)
+    loss.backward()
+    torch.testing.assert_close(hh.grad, gh_ref, rtol=1e-5, atol=1e-7)
+    assert not w.requires_grad and w.grad is None
+    assert [e.name for e in prof.events()].count("aten::addmm") == chunks

@@ -11,6 +11,7 @@ on rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -20,14 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchao.quantization import to_nf4
 
 from megacore.artifacts.manifest import Adapter, BaseModel, ParallelSpec, TrainingState
-from megacore.config import LoRA, ModelConfig, RopeScaling, is_adapter_tensor
+from megacore.config import LoRA, ModelConfig, RopeScaling, is_adapter_tensor, is_block_projection
 from megacore.models import Decoder, adapters
 from megacore.models.decoder import initial_value
 from megacore.models.lora import add_lora, freeze_base
 from megacore.models.loss import IGNORE
 from megacore.models.moe import MoE
+from megacore.models.nf4 import fill, is_nf4
 from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
 from megacore.parallel.clip import clip_grad_norm
 from megacore.parallel.engine import ParallelModel, Step, box_slice, local_piece
@@ -44,6 +47,9 @@ BF16_REL = 3e-2
 BATCH, SEQ, STEPS, LR = 4, 8, 3, 1e-3
 # `"lora": true` scenarios: adapters on every projection PEFT's users target, the base frozen.
 LORA = LoRA(4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+# `"lora": "nf4"`: QLoRA, the base's projections stored in NF4 (on "llama-nf4", whose projections
+# hold whole NF4 scaler blocks, two or more: FSDP2's shards do too at dp 2).
+QLORA = dataclasses.replace(LORA, base_dtype="nf4")
 DOCS = [[3, 5], [8], [2, 2, 4], [6, 2]]  # `"packed": true` scenarios: each row's documents
 FAMILIES = {
     # GQA, vocab padded (60 -> 64) so the padded columns are masked in the loss.
@@ -103,6 +109,8 @@ FAMILIES = {
                            router_aux_loss_coef=0.05, router_z_loss_coef=0.01),
 }  # fmt: skip
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
+FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=256, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, ffn_hidden_size=512)  # fmt: skip
 # Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
 # ep 2 the second rank receives no rows at all.
 FAMILIES["mixtral-collapsed"] = FAMILIES["mixtral"]
@@ -161,7 +169,7 @@ def add_adapters(model: Decoder, cfg: ModelConfig) -> None:
                     p.normal_(0.0, 0.05, generator=g)
 
 
-def reference(family: str, tokens, targets, positions=None, lora: bool = False):
+def reference(family: str, tokens, targets, positions=None, lora: bool | str = False):
     cfg, chunks = FAMILIES[family], MOE_CHUNKS.get(family, 1)
     torch.manual_seed(0)
     model = Decoder(cfg, attention="sdpa")
@@ -174,6 +182,11 @@ def reference(family: str, tokens, targets, positions=None, lora: bool = False):
                 if isinstance(m, MoE):
                     m.router.weight.zero_()
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if lora == "nf4":  # one QLoRA process computes with its NF4 codes' values, as torchao decodes them
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if is_block_projection(name):
+                    p.copy_(to_nf4(p.detach(), 64, 256).get_original_weight())
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR)
     out = {"init": init}
@@ -279,7 +292,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         # reference does (k_proj.bias gets a pure rounding-noise gradient that AdamW amplifies).
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
         compile=sc.get("compile", False), recompute=sc.get("recompute", "none"), attention="sdpa",
-        lora=LORA if sc.get("lora") else None,
+        lora={"nf4": QLORA, True: LORA}.get(sc.get("lora")),
     )  # fmt: skip
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     ref = refs[case_of(sc)]
@@ -308,6 +321,8 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     def compare_params(key: str, what: str) -> None:
         limit = max(tol, ADAM_REL)  # every stored reference is after AdamW steps
         for name, p in pm.loaded_parameters():  # a tied output copy against the embedding
+            if is_nf4(local_piece(p)[2]):  # QLoRA's frozen base: its codes, not the weights
+                continue
             e = rel(full(p.detach()), ref[key][name])
             assert e < limit, (label, what, name, e)
         checks.append(what)
@@ -325,6 +340,10 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         dist.barrier()
         return [f"{label}: {' '.join(checks)}"]
     load_state(pm, ref["init"])
+    if par.lora is QLORA:  # the base's 14 projections (7 a layer) are NF4 tensors on this rank
+        stored = [n for n, p in pm.loaded_parameters() if is_nf4(local_piece(p)[2])]
+        assert len(stored) == 7 * sum(len(part.layers) for part in pm.parts), (label, stored)
+        checks.append(f"nf4({len(stored)})")
     for i in range(STEPS):
         out = step(rows)
         if i == 0:
@@ -378,8 +397,9 @@ def main() -> None:
     shutdown()
 
 
-def case_of(sc: dict) -> tuple[str, bool, bool]:
-    """The reference a scenario compares with: its family, packed rows or not, LoRA or not."""
+def case_of(sc: dict) -> tuple[str, bool, bool | str]:
+    """The reference a scenario compares with: its family, packed rows or not, LoRA (or QLoRA's
+    "nf4") or not."""
     return sc["family"], sc.get("packed", False), sc.get("lora", False)
 
 
@@ -388,7 +408,9 @@ def load_state(pm: ParallelModel, state: dict[str, torch.Tensor]) -> None:
     """Fill every local parameter with its slice of a single-process model's tensors."""
     for name, p in pm.loaded_parameters():
         offset, shape, local = local_piece(p)
-        if local.numel():
+        if is_nf4(local):
+            fill(p, state[name], offset, shape)
+        elif local.numel():
             local.copy_(box_slice(state[name], (offset, shape)))
 
 

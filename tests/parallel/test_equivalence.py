@@ -49,30 +49,26 @@ def two_process_core(ckpt: Path, tied: Path, lora: Path) -> list[dict]:
         {"family": "llama", "tp": 2, "sp": True},
         {"family": "llama", "save": str(ckpt)},  # dp 2, FSDP2: every rank writes its shards
         {"family": "llama", "pp": 2, "schedule": "1f1b", "load": str(ckpt)},
-        {"family": "llama", "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
         {"family": "llama", "pp": 2, "schedule": "zbv"},
         {"family": "llama", "precision": "bf16"},  # FSDP2 bf16 compute, fp32 master: 3e-2
         # Without dp: bf16 compute copies (a pipeline stage's).
         {"family": "llama", "pp": 2, "schedule": "1f1b", "precision": "bf16"},
         {"family": "falcon", "tp": 2, "sp": True},  # multi-query, tied at pp 1
-        {"family": "falcon40b", "tp": 2, "sp": True},
         {"family": "mistral", "pp": 2, "schedule": "1f1b"},  # a window shorter than the sequence
         # Packed documents, some targets ignored: dp ranks counting different numbers of
-        # targets, tp with SP, and every stage of a pipeline taking the positions.
+        # targets, and tp with SP (every stage of a pipeline taking the positions: 4 processes).
         {"family": "llama", "packed": True},
         {"family": "llama", "packed": True, "tp": 2, "sp": True},
-        {"family": "llama", "packed": True, "pp": 2, "schedule": "zbv"},
         # Tied embeddings under pp: the last stage's output copy gets the shared gradient and
         # stays equal to the embedding; saved at pp 2, resumed at pp 1.
         {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "save": str(tied)},
         {"family": "llama-tied", "load": str(tied)},
         {"family": "llama-tied", "pp": 2, "schedule": "zbv"},  # one rank holds both ends
         {"family": "falcon40b-tied", "pp": 2, "schedule": "interleavedzb", "virtual_stages": 2},
-        # Qwen 2 (q/k/v biases) and Qwen 3 (per-head q/k norms, k replicated under tp 2).
+        # Qwen 2 (q/k/v biases) and Qwen 3 (per-head q/k norms, k replicated under tp 2); under pp
+        # with `make test-slow`.
         {"family": "qwen2", "tp": 2},
-        {"family": "qwen2", "pp": 2, "schedule": "1f1b"},
         {"family": "qwen3", "tp": 2, "sp": True},
-        {"family": "qwen3", "pp": 2, "schedule": "1f1b"},
         # Gemma 3: (1 + w) and sandwich norms as DTensor ops, local / global layers per stage.
         {"family": "gemma3", "tp": 2, "sp": True},
         {"family": "gemma3", "pp": 2, "schedule": "1f1b"},
@@ -83,10 +79,19 @@ def two_process_core(ckpt: Path, tied: Path, lora: Path) -> list[dict]:
         {"family": "llama", "lora": True, "pp": 2, "schedule": "1f1b", "save": str(lora)},
         {"family": "llama", "lora": True, "load": str(lora)},
         {"family": "llama", "lora": True, "cp": 2},
+        # QLoRA: the base's projections in NF4, FSDP2's shards of them NF4 shards of the codes one
+        # process quantizes; a pipeline's stages each with their layers' (`QLORA`).
+        {"family": "llama-nf4", "lora": "nf4"},
+        {"family": "llama-nf4", "lora": "nf4", "pp": 2, "schedule": "1f1b"},
     ]
 
 
 MORE_TWO = [
+    {"family": "llama", "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
+    {"family": "falcon40b", "tp": 2, "sp": True},
+    {"family": "llama", "packed": True, "pp": 2, "schedule": "zbv"},
+    {"family": "qwen2", "pp": 2, "schedule": "1f1b"},
+    {"family": "qwen3", "pp": 2, "schedule": "1f1b"},
     {"family": "llama", "tp": 2},
     {"family": "llama", "pp": 2, "schedule": "gpipe"},
     {"family": "llama", "pp": 2, "schedule": "interleavedzb", "virtual_stages": 2},
@@ -118,6 +123,14 @@ MORE_TWO = [
     {"family": "llama", "lora": True, "pp": 2, "schedule": "zbv"},
     {"family": "llama", "lora": True, "packed": True, "tp": 2, "recompute": "full"},
     {"family": "llama", "lora": True, "precision": "bf16"},
+    {"family": "llama-nf4", "lora": "nf4", "precision": "bf16"},
+    {
+        "family": "llama-nf4",
+        "lora": "nf4",
+        "pp": 2,
+        "schedule": "1f1b",
+        "precision": "bf16",
+    },  # NF4 kept, no copy
 ]
 
 
@@ -132,19 +145,21 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
         # Tied embeddings: the shared gradient summed over each (tp, dp) pair of end ranks.
         {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
         # Context parallel: each row over cp ranks (one token per chunk at cp 4), with tp and SP,
-        # a pipeline (ZBV, tied: the pair group spans cp too), dp x cp with packed documents and ignored
-        # targets, saved at cp 2 and resumed at cp 1, and Mistral's window.
+        # dp x cp with packed documents and ignored targets, saved at cp 2 and resumed at cp 1 (with
+        # a pipeline and Mistral's window: `make test-slow`).
         {"family": "llama", "cp": 4},
         {"family": "llama", "cp": 2, "tp": 2, "sp": True},
-        {"family": "llama-tied", "cp": 2, "pp": 2, "schedule": "zbv"},
         {"family": "llama", "cp": 2, "packed": True, "save": str(cp_dp)},
         {"family": "llama", "packed": True, "tp": 2, "load": str(cp_dp)},
-        {"family": "mistral", "cp": 2, "tp": 2},
         {"family": "llama", "lora": True, "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
     ]
 
 
 MORE_FOUR = [
+    {"family": "llama-tied", "cp": 2, "pp": 2, "schedule": "zbv"},
+    {"family": "mistral", "cp": 2, "tp": 2},
+    {"family": "mixtral", "ep": 2, "tp": 2, "sp": True, "packed": True},
+    {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "1f1b"},
     {"family": "llama-tied", "pp": 2, "schedule": "1f1b", "packed": True},  # pp2 x dp2, FSDP2
     {"family": "falcon40b-tied", "tp": 2, "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
     {"family": "gemma3", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
@@ -202,8 +217,6 @@ def moe_four(ep2tp2: Path) -> list[dict]:
         {"family": "mixtral4", "ep": 4},
         {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
         {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
-        {"family": "mixtral", "ep": 2, "tp": 2, "sp": True, "packed": True},
-        {"family": "mixtral4", "ep": 2, "pp": 2, "schedule": "1f1b"},
     ]
 
 
@@ -275,9 +288,9 @@ def test_mixture_of_experts_matches_one_process(tmp_path: Path, two_processes: P
 
 @pytest.mark.dist
 def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path, four_processes: Path) -> None:
-    """ep 4 (one expert per rank); ep 2 x tp 2 (each expert's ffn split over tp; with sequence
-    parallel and packed documents too), saved and resumed at tp 2 x pp 2 (ep 1); ep 2 x pp 2
-    (`moe_four`, in the 4-process launch). The ep 2 x tp 2 checkpoint's pieces are each rank's
+    """ep 4 (one expert per rank); ep 2 x tp 2 (each expert's ffn split over tp), saved and resumed
+    at tp 2 x pp 2 (ep 1) (`moe_four`, in the 4-process launch; with sequence parallel and packed
+    documents, and ep 2 x pp 2: `make test-slow`). The ep 2 x tp 2 checkpoint's pieces are each rank's
     experts and ffn slice; mega-shard takes it to one file and back bit-exactly."""
     ep2tp2 = four_processes / "ckpt-ep2tp2"
     gate = open_artifact(ep2tp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"]

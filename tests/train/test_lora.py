@@ -81,9 +81,12 @@ def test_lora_killed_and_resumed_in_another_layout_matches_one_process(
         ({"rank": 64, "targets": ["q_proj"]}, ("$.lora.rank", "rank 64 is above q_proj's size")),
         ({"targets": ["q_proj", "qkv"]}, ("$.lora.targets", "'qkv' is no module", "q_proj, k_proj")),
         ({"rank": 4}, ("$.lora.targets", "give the modules to adapt")),
-        ({"targets": ["q_proj"], "base_dtype": "nf4"}, ("$.lora.base_dtype", "nf4")),
+        (
+            {"targets": ["q_proj"], "base_dtype": "nf4"},
+            ("$.parallel", "(32 x 32) in NF4 blocks of 16384 values"),
+        ),
     ],
-    ids=["rank-0", "rank-above-size", "unknown-target", "no-targets", "nf4"],
+    ids=["rank-0", "rank-above-size", "unknown-target", "no-targets", "nf4-too-small"],
 )
 def test_bad_lora_sections_are_one_line(
     tmp_path: Path, tokens: Path, base: Path, lora: dict, fragments

@@ -84,6 +84,7 @@ MOE = {"family": "mixtral", "num_experts": 2, "experts_per_token": 1}
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 30 s of 4 processes on 2 cores; the 2-process layouts run with `make test`
 def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
     """tp2 x pp2, tp2 x dp2 (FSDP2 over tensor-parallel shards), pp2 x dp2, tp4 (kv heads
     replicated), dp4 with chunks of 17, 17, 17 and 14 rows (ffn 65) and of 2, 2, 2 and none

@@ -32,6 +32,7 @@ def _run_json(directory: Path, init: Path, tokens: Path, **overrides) -> Path:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 35 s; the tied embedding saved at pp 2 and resumed at pp 1: the equivalence tests
 def test_tied_falcon_trains_at_pp2_resumes_at_pp1_and_exports_tied(tmp_path: Path, tokens: Path) -> None:
     hf = build("falcon-40b", tmp_path / "hf", vocab_size=400, num_hidden_layers=4)
     assert load_hf(hf).config.tie_word_embeddings

@@ -11,6 +11,7 @@ no consumer re-derives or re-checks them. `msgspec.structs.replace` keeps the re
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -436,3 +437,26 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
     return 6.0 * matmul + 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length
+
+
+# The blocks' dense projections, not a mixture's router or experts, the embedding or the output
+# layer: the weights precision fp8 runs in float8 (`parallel.fp8`) and QLoRA stores in NF4.
+_BLOCK_PROJECTION = re.compile(r"^layers\.\d+\.(attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def is_block_projection(name: str) -> bool:
+    """Whether a parameter (checkpoint name) is one of the blocks' dense projection weights."""
+    return bool(_BLOCK_PROJECTION.match(name))
+
+
+# QLoRA's NF4 (`models.nf4`): an absmax scale per NF4_BLOCK values, the scales quantized to int8
+# per NF4_SCALER_BLOCK with one fp32 factor each (double quantization); torchao's NF4 tensors hold
+# whole scaler blocks, NF4_QUANTUM values each.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_QUANTUM = NF4_BLOCK * NF4_SCALER_BLOCK
+
+
+def nf4_bytes(numel: int) -> int:
+    """The bytes of an NF4 tensor of `numel` values: 4-bit codes, an int8 scale per block and an
+    fp32 factor per scaler block."""
+    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // NF4_QUANTUM)

@@ -213,6 +213,9 @@ def _report(
     sizes = f"{_count(model['parameters'])} parameters" + (
         f", {_count(active)} active per token" if active != model["parameters"] else ""
     )
+    if summary["lora"] is not None:  # what the run trains, and how its base is held
+        nf4 = " on an NF4 base" if summary["lora"]["base_dtype"] == "nf4" else ""
+        sizes += f", {_count(model['trained_parameters'])} trained in LoRA adapters{nf4}"
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
         f"world {par['world_size']} = {plan.dims.label}; "

@@ -4,6 +4,8 @@ checkpoints record of their base."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,9 +13,9 @@ from megacore.artifacts import CheckpointManifest, RunManifest, open_artifact, r
 from megacore.artifacts.manifest import Adapter, BaseModel
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import LoRA
+from megacore.config import LoRA, ModelConfig, adapter_tensors
 from megacore.errors import UserError
-from megacore.models.adapters import check_rank, check_targets
+from megacore.models.adapters import check_rank, check_targets, modules
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,11 @@ class LoraPlan:
     init: tuple[Path, CheckpointManifest] | None
     base: Path
     base_sha256: str
+
+    def trained_parameters(self, config: ModelConfig) -> int:
+        """The adapters' parameters: all the run trains."""
+        shapes = adapter_tensors(config, modules(config, self.lora.targets), self.lora.rank)
+        return sum(math.prod(s) for s in shapes.values())
 
     def adapter(self) -> Adapter:
         """What the run's checkpoints record of the adapters they hold."""
@@ -56,10 +63,9 @@ def plan_lora(
         )
     if run.precision == "fp8":
         raise UserError("LoRA with precision fp8 is not supported: use bf16", f"{where}: $.precision")
-    if spec.base_dtype == "nf4":
+    if spec.base_dtype == "nf4" and importlib.util.find_spec("torchao") is None:
         raise UserError(
-            "nf4 (QLoRA) is not available yet in this version: leave base_dtype out (the base in the "
-            "run's precision)",
+            "nf4 (QLoRA) needs torchao, which is not installed (pip install torchao)",
             f"{where}: $.lora.base_dtype",
         )
     base_sha = sha256_bytes(read_manifest_bytes(init[0])[1])

@@ -37,7 +37,7 @@ from megacore.config import (
 )
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.layout import Dims, Parallelism, check_parallelism, check_tp
+from megacore.parallel.layout import Dims, Parallelism, check_nf4, check_parallelism, check_tp
 from megacore.tokenizer_files import first_difference, recorded_vocabulary
 
 
@@ -123,9 +123,11 @@ class RunPlan:
         2 cores, compiling a 125M Llama's blocks costs about 15 s on the first step and saves 7%
         (fp32) to 15% (bf16) of every later step, so it pays after about 3.5 minutes of steps;
         COMPILE_PAYS_S (10 minutes) of estimated compute (`cpu_run_seconds`) leaves a margin. A
-        CPU also needs a C++ compiler, which Inductor's code for it is built with."""
+        CPU also needs a C++ compiler, which Inductor's code for it is built with. QLoRA runs eager."""
         if self.run.compile != "auto":
             return self.run.compile
+        if self.lora is not None and self.lora.lora.base_dtype == "nf4":
+            return False  # QLoRA runs eager (`layout.check_nf4`)
         if gpu:
             return True
         return self.cpu_run_seconds() >= COMPILE_PAYS_S and any(map(shutil.which, ("c++", "g++", "clang++")))
@@ -170,7 +172,9 @@ class RunPlan:
                 "max_seq_len": self.config.max_seq_len,
                 "parameters": parameters,
                 "active_parameters": active,
+                "trained_parameters": self.lora.trained_parameters(self.config) if self.lora else parameters,
             },
+            "lora": None if self.lora is None else dataclasses.asdict(self.lora.lora),
             "init": str(self.init[0]) if self.init is not None else None,
             "out": str(self.out),
             "checkpoints": str(self.checkpoints),
@@ -255,6 +259,8 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     _check_schedule(run, config, init is not None, where)
     lora = plan_lora(run, init, base, verify, where)
     dims, microbatches, stages = _check_layout(run, config, world_size, where)
+    if lora is not None and lora.lora.base_dtype == "nf4":
+        check_nf4(config, parallelism(run, microbatches, lora=lora.lora), dims, f"{where}: $.parallel")
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
     out = resolve_ref(base, run.out)

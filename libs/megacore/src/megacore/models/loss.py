@@ -42,6 +42,22 @@ def fused_linear_cross_entropy(
     return _FusedLinearCE.apply(h, weight, t, vocab_size, reduction == "sum", grads)
 
 
+def _add_weight_grad(
+    grad_w: torch.Tensor,
+    acc: torch.Tensor | None,
+    g: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    first: bool,
+) -> None:
+    """A chunk's part of the output layer's gradient, scale · gᵀ rows, added to `grad_w`, or with
+    `acc` (a low-precision gradient's fp32 sum over the chunks) to `acc`. beta=0 ignores what grad_w
+    holds: nothing yet, or (with acc) the previous chunk's part."""
+    torch.addmm(grad_w, g.T, rows, beta=0 if first or acc is not None else 1, alpha=scale, out=grad_w)
+    if acc is not None:
+        acc.copy_(grad_w) if first else acc.add_(grad_w)
+
+
 class _FusedLinearCE(torch.autograd.Function):
     """`fused_linear_cross_entropy`'s autograd function (benchmark figures in its docstring)."""
 
@@ -58,9 +74,15 @@ class _FusedLinearCE(torch.autograd.Function):
         counted = None if summed else int(keep.sum())
         scale = 1.0 if summed else 1.0 / max(counted, 1)
         low_precision = h.dtype != torch.float32
-        grad_h, grad_w = (torch.empty_like(h), torch.empty_like(w)) if grads else (None, None)
+        grad_h = torch.empty_like(h) if grads else None
+        # A frozen output layer (LoRA's base) needs no gradient: not its vocab x hidden matmul either.
+        grad_w = torch.empty_like(w) if grads and ctx.needs_input_grad[1] else None
         # Over several chunks a low-precision weight gradient is summed in fp32, then rounded once.
-        acc = torch.empty_like(w, dtype=torch.float32) if grads and low_precision and n > chunk else None
+        acc = (
+            torch.empty_like(w, dtype=torch.float32)
+            if grad_w is not None and low_precision and n > chunk
+            else None
+        )
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
             hc, tc, kc = (
@@ -88,15 +110,10 @@ class _FusedLinearCE(torch.autograd.Function):
                 g = low.copy_(g)
             torch.addmm(gh, g, w, beta=0, alpha=scale, out=gh)
             gh.mul_(kc)  # an ignored row's input gradient: none
-            # beta=0 ignores what grad_w holds: nothing yet, or (with acc) the previous chunk's part.
-            # An ignored row adds nothing to the weight's gradient: its input row taken as zeros
-            # (hidden-wide, where zeroing its gradient row would be vocab-wide).
-            first = start == 0
-            torch.addmm(
-                grad_w, g.T, hc * kc, beta=0 if first or acc is not None else 1, alpha=scale, out=grad_w
-            )
-            if acc is not None:
-                acc.copy_(grad_w) if first else acc.add_(grad_w)
+            if grad_w is not None:
+                # An ignored row adds nothing to the weight's gradient: its input row taken as zeros
+                # (hidden-wide, where zeroing its gradient row would be vocab-wide).
+                _add_weight_grad(grad_w, acc, g, hc * kc, scale, first=start == 0)
         if acc is not None:
             grad_w.copy_(acc)
         if grads:
@@ -108,4 +125,5 @@ class _FusedLinearCE(torch.autograd.Function):
         # Always scaled: asking whether `grad` is 1 would read it back to the host (the engine's is
         # the step's weight anyway).
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype), None, None, None, None
+        grad_w = None if grad_w is None else grad_w * grad.to(grad_w.dtype)
+        return grad_h * grad.to(grad_h.dtype), grad_w, None, None, None, None

@@ -27,6 +27,7 @@ from megacore.artifacts.reader import check_file
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file
 from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
+from megacore.models.nf4 import fill, is_nf4
 from megacore.parallel.engine import ParallelModel, local_piece
 from megacore.parallel.layout import ADAMW_STATE_KINDS, optim_state_name
 from megacore.parallel.mesh import dp_mesh
@@ -186,7 +187,9 @@ def load_checkpoint(
                     f"tensor {name!r} has shape {entry.shape}, the model needs {list(p.shape)}", str(path)
                 )
             offset, shape, local = local_piece(p)
-            if local.numel():
+            if is_nf4(local):  # quantized whole, as one process quantizes it (QLoRA's base)
+                fill(p, ckpt.read(name), offset, shape)
+            elif local.numel():
                 local.copy_(ckpt.read(name, (offset, shape)))
             kinds = [k for k in ADAMW_STATE_KINDS if optim_state_name(k, name) in tensors]
             if optimizer is None or not kinds:

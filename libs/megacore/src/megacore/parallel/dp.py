@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from megacore.models.nf4 import is_nf4
 from megacore.parallel.layout import Dims, Parallelism, fsdp_dim, fsdp_unit
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -90,23 +91,27 @@ class ComputeCopies:
     did it through all-gather and reduce-scatter buffers that are pure copying: 26% of a bf16 step
     of a 125M Llama on CPU (2 threads, profiled). This costs one cast per parameter per step and one
     add per parameter per microbatch. The fp32 parameters, which the optimizer, clipping and
-    checkpoints see, are `named`; the module holds the copies."""
+    checkpoints see, are `named`; the module holds the copies. A frozen parameter (LoRA's base) has
+    its compute-dtype copy alone, in `named` too; an NF4 one (QLoRA's) is left as it is."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
-        self.named = list(module.named_parameters())
+        named = list(module.named_parameters())
         copies: dict[int, nn.Parameter] = {}  # by id: a tied parameter gets one copy
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         for m in module.modules():
             for name, p in list(m._parameters.items()):
-                if p is None:
+                if p is None or is_nf4(p):  # QLoRA's NF4 base dequantizes to the input's dtype
                     continue
                 if id(p) not in copies:
                     copy = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
-                    if p.requires_grad:  # a frozen base (LoRA) gets no gradient
+                    if p.requires_grad:
                         copy.register_post_accumulate_grad_hook(partial(_add_grad, p))
+                        self.pairs.append((p, copy))
                     copies[id(p)] = copy
-                    self.pairs.append((p, copy))
                 setattr(m, name, copies[id(p)])
+        # A frozen base (LoRA) is never updated: it is held in the compute dtype alone, without an
+        # fp32 master, and loaded into directly.
+        self.named = [(n, p if p.requires_grad or id(p) not in copies else copies[id(p)]) for n, p in named]
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -43,21 +43,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megacore.artifacts.pieces import Box
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, is_block_projection
 from megacore.data.packing import IGNORE
-from megacore.models import adapters
+from megacore.models import adapters, nf4
 from megacore.models.attention import document_ids
 from megacore.models.lora import add_lora, freeze_base
 from megacore.models.moe import MoE
@@ -76,16 +68,19 @@ from megacore.parallel.layout import (
     float8_all_gather,
     fsdp_wrapped,
     fused_loss,
+    nf4_base,
 )
 from megacore.parallel.mesh import dp_mesh
 from megacore.parallel.tp import apply_tp, distribute_adapters, lm_loss, loss_context
 
+# torch.distributed.pipelining's classes by name, imported by a pipeline only: the package pulls in
+# torch.export and dynamo, a second of every worker's start-up a run without stages would pay.
 SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved1f1b": ScheduleInterleaved1F1B,
-    "interleavedzb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
@@ -175,12 +170,16 @@ class ParallelModel:
             apply_ep(part, self.experts_mesh, config)
         if par.lora is not None:  # after every plan that makes parameters anew (ep's experts)
             freeze_base(part)
+        if nf4_base(par):  # before FSDP2, whose shards are then NF4 shards
+            nf4.quantize_base(part, [n.removesuffix(".weight") for n, _ in part.named_parameters()
+                                     if is_block_projection(n)])  # fmt: skip
         if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
             part.compile_blocks()
         if fsdp_wrapped(par, self.dims):
             experts = self.mesh["edp"] if self.ep_mesh is not None else None
             apply_dp(part, self.data_mesh, par, self.dims, experts)
         part.to_empty(device=self.device)
+        nf4.materialize(part)
         if compute_copies(par, self.dims):
             self.copies.append(ComputeCopies(part, COMPUTE_DTYPES[par.precision]))
         return part
@@ -196,12 +195,14 @@ class ParallelModel:
 
     def _build_schedule(self):
         """The pipeline schedule over this rank's stages."""
+        from torch.distributed.pipelining import PipelineStage, schedules
+
         group = self.mesh["pp"].get_group()
         stages = [
             PipelineStage(part, s, self.num_stages, self.device, group=group)
             for part, s in zip(self.parts, self.stage_ids, strict=True)
         ]
-        cls = SCHEDULE_CLASSES[self.par.spec.schedule]
+        cls = getattr(schedules, SCHEDULE_CLASSES[self.par.spec.schedule])
         first = stages if self.par.spec.schedule in MULTI_STAGE else stages[0]
         # The loss is weighted (the step's scale over the count, not the microbatch count: grads
         # are summed): scaling the gradients afterwards would miss the fp32 parameters behind

@@ -22,7 +22,15 @@ from typing import get_args
 
 from megacore.artifacts.manifest import FLOAT_DTYPES, ParallelSpec, Schedule
 from megacore.artifacts.pieces import Box, even_split, whole
-from megacore.config import OPTIM_PREFIX, LoRA, ModelConfig, is_adapter_tensor
+from megacore.config import (
+    NF4_QUANTUM,
+    OPTIM_PREFIX,
+    LoRA,
+    ModelConfig,
+    is_adapter_tensor,
+    is_block_projection,
+    model_tensors,
+)
 from megacore.errors import UserError
 
 ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
@@ -464,26 +472,24 @@ def fast_paths(par: Parallelism) -> dict[str, bool]:
     """The Decoder's single-device fast paths (`models.decoder.FastPaths`), where every tensor they
     see is a whole plain one: the hidden norms' hand-written backward but on sequence-parallel
     shards, the per-head q/k norms' but under tp (DTensor heads), q/k/v and gate/up as one matmul
-    each but under tp (each rank holds a slice of every projection) or fp8 (each Float8Linear runs
-    its own matmuls)."""
+    each but under tp (each rank holds a slice of every projection), fp8 (each Float8Linear runs
+    its own matmuls) or an NF4 base (each NF4 weight dequantizes in its own matmul)."""
     tp = par.spec.tp
     return {
         "norms": not (par.spec.sequence_parallel and tp > 1),
         "head_norms": tp == 1,
-        "projections": tp == 1 and par.precision != "fp8",
+        "projections": tp == 1 and par.precision != "fp8" and not nf4_base(par),
     }
 
 
-# precision fp8: the weights whose linears run float8 matmuls (megacore.parallel.fp8), the blocks'
-# projections, not a mixture's router or experts, the embedding or the output layer; float8 matmul
-# kernels need both dims a multiple of 16.
-_FLOAT8 = re.compile(r"^layers\.\d+\.(attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# precision fp8: the weights whose linears run float8 matmuls (megacore.parallel.fp8) are the blocks'
+# projections (`config.is_block_projection`); float8 matmul kernels need both dims a multiple of 16.
 FLOAT8_DIM_MULTIPLE = 16
 
 
 def float8_weight(name: str, shape: Sequence[int]) -> bool:
     """Whether precision fp8 runs this weight's (checkpoint name, shape) matmuls in float8."""
-    return bool(_FLOAT8.match(name)) and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in shape)
+    return is_block_projection(name) and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in shape)
 
 
 def float8_all_gather(par: Parallelism, dims: Dims) -> bool:
@@ -495,3 +501,40 @@ def float8_all_gather(par: Parallelism, dims: Dims) -> bool:
         and dims.replicas > 1
         and par.spec.dp_mode == "fsdp"
     )
+
+
+def nf4_base(par: Parallelism) -> bool:
+    """Whether the run is QLoRA's: its frozen base's projections stored in NF4 (`models.nf4`)."""
+    return par.lora is not None and par.lora.base_dtype == "nf4"
+
+
+def check_nf4(config: ModelConfig, par: Parallelism, dims: Dims, where: str = "$.parallel") -> None:
+    """The layouts QLoRA covers: one process, dp with FSDP2 and pp (not tp, cp or ep, nor compiled
+    blocks); each NF4 weight holds whole scaler blocks of NF4_QUANTUM values, and so does each of
+    its FSDP2 shards (whole rows)."""
+    spec = par.spec
+    for name, size in (("tp", spec.tp), ("cp", spec.cp), ("ep", spec.ep)):
+        if size > 1:
+            raise UserError(
+                f"QLoRA (base_dtype nf4) covers dp (FSDP2) and pp; {name} must be 1", f"{where}.{name}"
+            )
+    if dims.replicas > 1 and spec.dp_mode != "fsdp":
+        raise UserError(
+            "QLoRA (base_dtype nf4) shards its base with FSDP2 (dp_mode fsdp)", f"{where}.dp_mode"
+        )
+    if par.compile:
+        raise UserError(
+            "QLoRA (base_dtype nf4) runs eager: set compile to false or auto", _field(where, "compile")
+        )
+    shards = dims.replicas if fsdp_wrapped(par, dims) else 1
+    for name, shape in model_tensors(config).items():
+        if not is_block_projection(name):
+            continue
+        numel = shape[0] * shape[1]
+        if numel % (NF4_QUANTUM * shards) or shape[0] % shards:
+            over = f" over dp {shards}" if shards > 1 else ""
+            raise UserError(
+                f"QLoRA stores {name} ({shape[0]} x {shape[1]}) in NF4 blocks of {NF4_QUANTUM} values{over}, "
+                "which its size does not divide into",
+                where,
+            )
