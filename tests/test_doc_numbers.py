@@ -140,22 +140,24 @@ LAYOUT = r"tp \d+(?:\s+×\s+(?:pp|cp|dp)\s+\d+)*"  # a layout as the pages write
 
 @dataclass(frozen=True)
 class Check:
-    """A page's figures in their phrase: literal text with `{}` for a number and `{layout}` for a
-    layout (any whitespace matching any), and the values the code gives for them, in order: a str
-    is compared as written, a number by value (1,024 = 1024; 4 = 4.0)."""
+    """A page's figures in their phrase: literal text with `{}` for a number, `{layout}` for a
+    layout and `{word}` for a word (any whitespace matching any), and the values the code gives for
+    them, in order: a str is compared as written, a number by value (1,024 = 1024; 4 = 4.0)."""
 
     doc: str
     phrase: str
     values: Callable[[], tuple]
 
     def regex(self) -> re.Pattern:
-        parts = re.split(r"(\{\}|\{layout\})", self.phrase)
+        parts = re.split(r"(\{\}|\{layout\}|\{word\})", self.phrase)
         out = []
         for part in parts:
             if part == "{}":
                 out.append(f"({NUMBER})")
             elif part == "{layout}":
                 out.append(f"({LAYOUT})")
+            elif part == "{word}":
+                out.append(r"(\w+)")
             else:
                 out.append(r"\s+".join(re.escape(w) for w in part.split(" ")))
         return re.compile("".join(out))
@@ -279,6 +281,16 @@ def table_row(shape: str) -> tuple:
     pick = first_fit(found)
     picked = doc_layout(pick.dims) + ("" if pick.recompute == "none" else f", recompute {pick.recompute}")
     return doc_layout(Dims(tp, pp)), tp * pp, gib(peak), allowance(), picked
+
+
+def lora_row(name: str, method: str) -> tuple:
+    """docs/mega-train.md's LoRA/QLoRA row: the fewest GPUs that fit, the planner's first pick (its
+    layout, its recompute as the page writes it), its peak and the allowance (test_planner's search)."""
+    from megacore.config import ModelConfig
+
+    config = ModelConfig(**planner_test("LORA_MODELS")[name])
+    gpus, pick = planner_test("fewest_gpus")(config, method == "QLoRA")
+    return gpus, doc_layout(pick.dims), pick.recompute, gib(pick.peak), allowance()
 
 
 def mixtral_counts() -> tuple[str, str]:
@@ -566,6 +578,17 @@ CHECKED: list[Check] = [
     Check(TRAIN, "| Falcon 40B | {layout} ({}) | {} + {} GiB | {layout} |", lambda: table_row("falcon-40b")),
     Check(TRAIN, "| Llama 2 70B | {layout} ({}) | {} + {} GiB | {layout} |", lambda: table_row("llama2-70b")),
     Check(TRAIN, "Mixtral 8×7B ({}B parameters, {}B active per token", mixtral_counts),
+    Check(TRAIN, "LoRA and QLoRA (rank {} on every projection", lambda: (planner_test("LORA_RANK"),)),
+    Check(TRAIN, "The fewest {} GB GPUs that fit", lambda: (_gpu_memory()[0],)),
+    *(
+        Check(
+            TRAIN,
+            f"| {name} | {method} | {{}} | {{layout}}, recompute {{word}} | {{}} + {{}} GiB |",
+            lambda name=name, method=method: lora_row(name, method),
+        )
+        for name in ("Llama 2 7B", "Llama 2 70B", "Mixtral 8×7B")
+        for method in ("LoRA", "QLoRA")
+    ),
     Check(
         TRAIN,
         "on {} GPUs the planner's first pick is {layout} without recompute ({} + {} GiB)",

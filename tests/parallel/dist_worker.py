@@ -50,6 +50,9 @@ LORA = LoRA(4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 # `"lora": "nf4"`: QLoRA, the base's projections stored in NF4 (on "llama-nf4", whose projections
 # hold whole NF4 scaler blocks, two or more: FSDP2's shards do too at dp 2).
 QLORA = dataclasses.replace(LORA, base_dtype="nf4")
+# `"lora": "router"`: a mixture of experts' router (Mixtral's `gate`) adapted beside attention.
+ROUTER_LORA = dataclasses.replace(LORA, targets=("q_proj", "v_proj", "gate"))
+LORAS = {True: LORA, "nf4": QLORA, "router": ROUTER_LORA}
 DOCS = [[3, 5], [8], [2, 2, 4], [6, 2]]  # `"packed": true` scenarios: each row's documents
 FAMILIES = {
     # GQA, vocab padded (60 -> 64) so the padded columns are masked in the loss.
@@ -155,10 +158,10 @@ def reference_loss(
     return total / (targets != IGNORE).sum()
 
 
-def add_adapters(model: Decoder, cfg: ModelConfig) -> None:
-    """LORA's adapters, A as PEFT starts it and B drawn (PEFT's zero B would leave A no gradient),
+def add_adapters(model: Decoder, cfg: ModelConfig, lora: LoRA) -> None:
+    """`lora`'s adapters, A as PEFT starts it and B drawn (PEFT's zero B would leave A no gradient),
     and the base frozen: what a LoRA scenario's one process trains."""
-    add_lora(model, adapters.modules(cfg, LORA.targets), LORA.rank, LORA.scale)
+    add_lora(model, adapters.modules(cfg, lora.targets), lora.rank, lora.scale)
     freeze_base(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -175,7 +178,7 @@ def reference(family: str, tokens, targets, positions=None, lora: bool | str = F
     model = Decoder(cfg, attention="sdpa")
     model.init_weights()
     if lora:
-        add_adapters(model, cfg)
+        add_adapters(model, cfg, LORAS[lora])
     if family == "mixtral-collapsed":
         with torch.no_grad():
             for m in model.modules():
@@ -292,7 +295,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         # reference does (k_proj.bias gets a pure rounding-noise gradient that AdamW amplifies).
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
         compile=sc.get("compile", False), recompute=sc.get("recompute", "none"), attention="sdpa",
-        lora={"nf4": QLORA, True: LORA}.get(sc.get("lora")),
+        lora=LORAS.get(sc.get("lora")),
     )  # fmt: skip
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     ref = refs[case_of(sc)]
@@ -362,7 +365,8 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         adapter = None
         if par.lora is not None:  # the adapters and their moments only
             base = BaseModel(path="reference", manifest_sha256="0" * 64)
-            adapter = Adapter(rank=LORA.rank, alpha=LORA.alpha, targets=list(LORA.targets), base=base)
+            lo = par.lora
+            adapter = Adapter(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets), base=base)
         save_checkpoint(Path(sc["save"]), pm, opt, TrainingState(step=STEPS), force=True, adapter=adapter)
         checks.append("saved")
     dist.barrier()
@@ -389,7 +393,7 @@ def main() -> None:
     for packed_rows in (False, True):  # mixtral's rows
         for fam in ("mixtral4", "mixtral-collapsed"):
             data[fam, packed_rows] = data["mixtral", packed_rows]
-    refs = {case: reference(case[0], *data[case[:2]], lora=case[2]) for case in sorted(cases)}
+    refs = {case: reference(case[0], *data[case[:2]], lora=case[2]) for case in sorted(cases, key=str)}
     for sc in scenarios:
         lines = run_scenario(sc, refs, data[sc["family"], sc.get("packed", False)])
         if dist.get_rank() == 0:

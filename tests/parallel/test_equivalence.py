@@ -124,6 +124,7 @@ MORE_TWO = [
     {"family": "llama", "lora": True, "packed": True, "tp": 2, "recompute": "full"},
     {"family": "llama", "lora": True, "precision": "bf16"},
     {"family": "llama-nf4", "lora": "nf4", "precision": "bf16"},
+    {"family": "mixtral", "lora": True, "ep": 2},  # every attention projection adapted
     {
         "family": "llama-nf4",
         "lora": "nf4",
@@ -208,7 +209,8 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
-        {"family": "mixtral", "lora": True, "ep": 2},  # the attention adapted, the experts frozen
+        # The attention and the router (`gate`) adapted, the experts frozen, at ep 2.
+        {"family": "mixtral", "lora": "router", "ep": 2},
     ]
 
 

@@ -10,6 +10,7 @@ Rank 0 prints one PASS line per scenario.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 from mega_train.trainer import make_optimizer
 from megacore import planner
 from megacore.artifacts.manifest import OptimizerSpec, ParallelSpec
-from megacore.config import ModelConfig
+from megacore.config import LoRA, ModelConfig
+from megacore.models import adapters
+from megacore.models.nf4 import is_nf4
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
@@ -33,17 +36,24 @@ TINY = dict(
     num_kv_heads=2, ffn_hidden_size=64, max_seq_len=64,
 )  # fmt: skip
 MICRO, SEQ = 2, 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor | None) -> int:
+    """The bytes of a tensor's local piece: an NF4 tensor's codes, scales, factors, their mean and its
+    code table (its inner tensors, as torchao flattens it), a plain one's elements."""
+    if t is None:  # a frozen parameter's gradient (LoRA)
+        return 0
     local = t.to_local() if isinstance(t, DTensor) else t
+    if is_nf4(local):
+        return sum(getattr(local, name).nbytes for name in local.__tensor_flatten__()[0])
     return local.numel() * local.element_size()
 
 
 def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> planner.State:
     """What the rank holds after a step: parameters, gradients, optimizer state and compute copies."""
     params = list(pm.parameters())  # a tied output copy too
-    state = [t for p in params for t in opt.state[p].values() if torch.is_tensor(t)]
+    state = [t for p in params if p in opt.state for t in opt.state[p].values() if torch.is_tensor(t)]
     copies = [c for cc in pm.copies for _, c in cc.pairs]
     return planner.State(
         weights=sum(local_bytes(p) for p in params),
@@ -112,10 +122,14 @@ def run(sc: dict) -> str:
     replica = mesh["dp"].get_local_rank() * spec.cp + mesh["cp"].get_local_rank()
     seq = sc.get("seq", SEQ)
     m = sc.get("microbatches", 2)
-    par = Parallelism(spec, sc.get("precision", "fp32"), m, False, "none", attention="sdpa")
+    lora = None
+    if sc.get("lora"):  # adapters on every projection (QLoRA: "nf4"), as the run plan resolves them
+        lora = LoRA(4, 8.0, PROJECTIONS, base_dtype=sc.get("base_dtype"))
+        lora = dataclasses.replace(lora, modules=tuple(adapters.modules(cfg, lora.targets)))
+    par = Parallelism(spec, sc.get("precision", "fp32"), m, False, "none", attention="sdpa", lora=lora)
     pm = ParallelModel(cfg, par, mesh, "cpu")
     pm.init_weights()
-    opt = make_optimizer(list(pm.parameters()), OptimizerSpec())
+    opt = make_optimizer([p for p in pm.parameters() if p.requires_grad], OptimizerSpec())
     x = torch.randint(0, cfg.vocab_size, (MICRO * m, seq + 1), generator=torch.Generator().manual_seed(0))
     pm.forward_backward(x[:, :-1] if pm.has_first else None, x[:, 1:] if pm.has_last else None)
     opt.step()

@@ -109,3 +109,20 @@ def test_lora_needs_a_base_and_its_own_adapter(
     other = base.parent / "step-00000008"  # the same model 4 steps earlier: another base
     foreign = write_run(tmp_path / "foreign", tokens, init=other, lora={"init": str(adapter)})
     assert_one_line_error(train(foreign, "--dry-run"), "$.lora.init", "an adapter of another base")
+
+
+def test_a_lora_runs_memory_plan_counts_the_adapters_state_alone(
+    tmp_path: Path, tokens: Path, base: Path
+) -> None:
+    """The dry run plans a LoRA run (one process, fp32) as it holds it: the frozen base's weights,
+    and gradients and AdamW moments for the adapters alone, worked out here from the tiny Llama's
+    shapes (hidden 32, ffn 64, 2 kv heads of 8, 4 layers, rank 4)."""
+    run_json = write_run(tmp_path, tokens, init=base, lora=LORA)
+    rank = json.loads(ok(train(run_json, "--dry-run", "--gpu-memory", "80GB", "--json")).stdout)["memory"][
+        "ranks"
+    ]
+    h, f, kv, r = 32, 64, 16, 4
+    # (in, out) of q, k, v, o, gate, up, down: A is r x in, B out x r
+    adapters = 4 * sum(r * (i + o) for i, o in [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)])
+    assert len(rank) == 1 and rank[0]["grads"] == 4 * adapters, rank
+    assert rank[0]["optimizer"] == 8 * adapters + 4 * (4 * 7 * 2)  # the moments and a step per tensor

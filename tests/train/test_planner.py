@@ -50,13 +50,19 @@ CP_MEASURED = {
 }  # fmt: skip
 
 
+# QLoRA's projections hold whole NF4 scaler blocks, two or more (FSDP2's dp 2 shards too).
+NF4_CONFIG = {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 512, "num_layers": 2}
+
+
 @pytest.mark.dist
 def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
     """tp2, pp2, dp2 (FSDP2, an uneven ffn), fp32/bf16/fp16; the bf16 compute copies without dp;
     the zero-bubble schedule's FSDP2 fallback; replicate; the vocab-parallel embedding's whole
     gradient under tp without FSDP2; tied embeddings under tp and under pp (the last stage's copy);
     cp 2 (FSDP2 over cp alone, no compute copies), whose step the worker also measures: its
-    activations against the tensors autograd saves, with buffers against the step's peak."""
+    activations against the tensors autograd saves, with buffers against the step's peak. LoRA
+    at dp 2, pp 2 in bf16 and tp 2; QLoRA at dp 2 and pp 2 in bf16 (NF4 tensors counted by their
+    inner tensors' bytes)."""
     launch(
         tmp_path,
         2,
@@ -75,6 +81,13 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
             {"precision": "fp16"},
             {"dp_mode": "replicate", "precision": "bf16"},
             CP_MEASURED,
+            # LoRA: the frozen base's weights alone (in bf16 alone under compute copies), the
+            # adapters' gradients, moments and copies; QLoRA: its projections' NF4 bytes.
+            {"lora": True},
+            {"lora": True, "pp": 2, "precision": "bf16"},
+            {"lora": True, "tp": 2, "sp": True},
+            {"lora": True, "base_dtype": "nf4", "config": NF4_CONFIG},
+            {"lora": True, "base_dtype": "nf4", "precision": "bf16", "pp": 2, "config": NF4_CONFIG},
         ],
     )
 
@@ -803,3 +816,117 @@ def test_fp8_tensorwise_gathers_the_projections_in_a_byte(pp: int) -> None:
         return planner.estimate(cfg, par, 2, 2, 64, all_dp_ranks=False)[0].buffers
 
     assert buffers("rowwise") - buffers("tensorwise") == blocks * projections
+
+
+# --- docs/mega-train.md's LoRA and QLoRA rows -------------------------------------------------------
+
+# The page's conditions (the full fine-tuning table's batch): rank 16 (alpha 32) on every projection
+# the family has of these (Mixtral: its attention), dropout 0.
+LORA_MODELS = {
+    "Llama 2 7B": SHAPES["llama2-7b"],
+    "Llama 2 70B": SHAPES["llama2-70b"],
+    "Mixtral 8×7B": MIXTRAL_8X7B,
+}
+LORA_RANK = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_ROW = re.compile(
+    rf"\| ([^|]+?) \| (LoRA|QLoRA) \| (\d+) \| {_LAYOUT}, recompute (\w+) \| (\d+\.\d) \+ (\d+) GiB \|"
+)
+
+
+def lora_parallelism(config: ModelConfig, nf4: bool) -> Parallelism:
+    """The page's LoRA (QLoRA: `nf4`) settings, its modules resolved as the run plan resolves them."""
+    from megacore.config import LoRA
+    from megacore.models import adapters
+
+    targets = tuple(t for t in PROJECTIONS if t in adapters.targetable(config))
+    lora = LoRA(LORA_RANK, 2.0 * LORA_RANK, targets, base_dtype="nf4" if nf4 else None,
+                modules=tuple(adapters.modules(config, targets)))  # fmt: skip
+    return Parallelism(ParallelSpec(), "bf16", 1, attention="auto", lora=lora)
+
+
+def fewest_gpus(config: ModelConfig, nf4: bool) -> tuple[int, planner.Candidate]:
+    """The fewest 80 GB GPUs (a power of 2) on which a layout fits, and the planner's first pick there."""
+    for gpus in (1, 2, 4, 8, 16, 32):
+        found = planner.search(
+            config, lora_parallelism(config, nf4), gpus, 80 * GiB, B, S, GLOBAL_BATCH, "auto"
+        )
+        if found[0].fits:
+            return gpus, found[0]
+    raise AssertionError(f"nothing fits 32 GPUs: {config}")
+
+
+def lora_table() -> dict[tuple[str, str], dict]:
+    """The page's LoRA and QLoRA rows by (model, method); every row must parse."""
+    section = PAGE.read_text().split("## How many GPUs: TP and PP\n", 1)[1].split("\n## ", 1)[0]
+    lines = section[section.index("| model | fine-tuning | GPUs |") :].splitlines()[2:]
+    table = {}
+    for line in itertools.takewhile(lambda line: line.startswith("|"), lines):
+        m = _LORA_ROW.fullmatch(line)
+        assert m, f"docs/mega-train.md LoRA table: cannot parse {line!r}"
+        name, method, gpus, tp, pp, recompute, peak, allowance = m.groups()
+        table[name, method] = {"gpus": int(gpus), "layout": (int(tp), int(pp or 1)), "recompute": recompute,
+                               "peak": float(peak), "allowance": int(allowance)}  # fmt: skip
+    return table
+
+
+def nf4_closed_form(n: int) -> int:
+    """QLoRA's bytes of an n-value weight: 4-bit codes, an int8 scale per 64 values, an fp32 factor
+    per 256 scales, and the scales' fp32 mean with the 16 codes' fp32 values."""
+    return n // 2 + n // 64 + 4 * (n // (64 * 256)) + 4 * 17
+
+
+def lora_closed_form_state(shape: dict, nf4: bool, tp: int, pp: int, r: int) -> dict:
+    """Pipeline rank r's state bytes (one process per stage, no dp: compute copies), from the
+    published shapes: the frozen base in bf16 (QLoRA: the dense projections in NF4), the adapters
+    fp32 with gradients, AdamW moments (and a step per tensor) and bf16 copies. Under tp the
+    projections split as Megatron's (q, k, v, gate, up by rows; o, down by columns; the experts'
+    ffn), the router and norms replicated; the adapters with them: B on its rows for the former, A
+    on its columns for the latter, the other whole."""
+    h, f, vocab = shape["hidden_size"], shape["ffn_hidden_size"], shape["vocab_size"]
+    kv, experts = shape["num_kv_heads"] * h // shape["num_heads"], shape.get("num_experts")
+    # (in, out, split on the output rows) of each projection of a layer
+    attn = [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False)]
+    mlp = [] if experts else [(h, f, True), (h, f, True), (f, h, False)]
+    layers = shape["num_layers"] // pp
+    projections = [(i * o) // tp for i, o, _ in attn + mlp]
+    other = 2 * h + (experts * h + 3 * experts * f * h // tp if experts else 0)  # norms, router, experts
+    frozen = 2 * other + sum(nf4_closed_form(n) if nf4 else 2 * n for n in projections)
+    table = vocab * h // tp
+    base = layers * frozen + 2 * table * (r == 0) + (2 * table + 2 * h) * (r == pp - 1)
+    adapters = sum(
+        LORA_RANK * i + (o // tp) * LORA_RANK if rows else LORA_RANK * (i // tp) + o * LORA_RANK
+        for i, o, rows in attn + mlp
+    )
+    trained, tensors = layers * adapters, layers * 2 * len(attn + mlp)
+    return {"weights": base + 4 * trained, "grads": 4 * trained, "optimizer": 8 * trained + 4 * tensors,
+            "copies": 2 * trained}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(LORA_MODELS))
+def test_the_lora_table_is_the_planners_and_its_state_a_closed_form(name: str) -> None:
+    """Each LoRA and QLoRA row: the fewest GPUs that fit (none fits on half as many), the planner's
+    first pick and its peak, as the planner gives them; and the pick's state bytes on every stage
+    equal, to the byte, those worked out here from the model's published shapes."""
+    table = lora_table()
+    assert {n for n, _ in table} == set(LORA_MODELS), sorted(table)
+    config = ModelConfig(**LORA_MODELS[name])
+    for method in ("LoRA", "QLoRA"):
+        row, nf4 = table[name, method], method == "QLoRA"
+        gpus, pick = fewest_gpus(config, nf4)
+        assert (row["gpus"], row["layout"], row["recompute"]) == (
+            gpus,
+            (pick.dims.tp, pick.dims.pp),
+            pick.recompute,
+        )
+        assert (
+            f"{pick.peak / GiB:.1f}" == f"{row['peak']:.1f}" and row["allowance"] * GiB == planner.ALLOWANCE
+        )
+        par = planner.candidate_parallelism(
+            lora_parallelism(config, nf4), pick.dims, pick.microbatches, pick.recompute
+        )
+        ranks = planner.estimate(config, par, pick.dims.dp, B, S, "auto")
+        for rank in ranks:
+            want = lora_closed_form_state(LORA_MODELS[name], nf4, pick.dims.tp, pick.dims.pp, rank.pp_rank)
+            got = {k: getattr(rank, k) for k in want}
+            assert got == want, (method, rank.pp_rank, got, want)

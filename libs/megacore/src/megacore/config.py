@@ -332,6 +332,9 @@ class LoRA:
     dropout: float = 0.0
     rslora: bool = False
     base_dtype: str | None = None  # "nf4": QLoRA's frozen base
+    # Our module names the targets adapt, every layer's (`models.adapters.modules`), for what cannot
+    # import the family's name map (the torch-free planner); the run plan fills them.
+    modules: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:

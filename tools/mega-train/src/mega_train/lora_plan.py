@@ -4,6 +4,7 @@ checkpoints record of their base."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -30,8 +31,12 @@ class LoraPlan:
 
     def trained_parameters(self, config: ModelConfig) -> int:
         """The adapters' parameters: all the run trains."""
-        shapes = adapter_tensors(config, modules(config, self.lora.targets), self.lora.rank)
+        shapes = adapter_tensors(config, self.lora.modules, self.lora.rank)
         return sum(math.prod(s) for s in shapes.values())
+
+    def summary(self) -> dict:
+        """The resolved settings as the dry run's JSON has them (the module names left out)."""
+        return {k: v for k, v in dataclasses.asdict(self.lora).items() if k != "modules"}
 
     def adapter(self) -> Adapter:
         """What the run's checkpoints record of the adapters they hold."""
@@ -73,6 +78,7 @@ def plan_lora(
     lora = _settings(run, adapter[1].adapter if adapter is not None else None, where)
     check_targets(init[1].config, lora.targets, f"{where}: $.lora.targets")
     check_rank(init[1].config, lora, f"{where}: $.lora.rank")
+    lora = dataclasses.replace(lora, modules=tuple(modules(init[1].config, lora.targets)))
     return LoraPlan(lora, adapter, init[0], base_sha)
 
 

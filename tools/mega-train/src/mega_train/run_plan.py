@@ -174,7 +174,7 @@ class RunPlan:
                 "active_parameters": active,
                 "trained_parameters": self.lora.trained_parameters(self.config) if self.lora else parameters,
             },
-            "lora": None if self.lora is None else dataclasses.asdict(self.lora.lora),
+            "lora": None if self.lora is None else self.lora.summary(),
             "init": str(self.init[0]) if self.init is not None else None,
             "out": str(self.out),
             "checkpoints": str(self.checkpoints),

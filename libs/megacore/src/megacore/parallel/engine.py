@@ -548,10 +548,11 @@ class ParallelModel:
             if only is not None and not only(name):
                 continue
             offset, shape, local = local_piece(p)
-            if local.numel():
-                local.copy_(
-                    box_slice(initial_value(name, tuple(p.shape), self.config, std, seed), (offset, shape))
-                )
+            whole = initial_value(name, tuple(p.shape), self.config, std, seed)
+            if nf4.is_nf4(local):  # quantized whole, as the loader does (`nf4.fill`)
+                nf4.fill(p, whole, offset, shape)
+            elif local.numel():
+                local.copy_(box_slice(whole, (offset, shape)))
 
 
 def _counted(targets: torch.Tensor | None, device: torch.device) -> torch.Tensor:

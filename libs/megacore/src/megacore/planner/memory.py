@@ -18,6 +18,11 @@ State (exact: tests/train/test_planner.py sums a live run's tensors on every ran
   zero-bubble schedules (FSDP2 on a one-rank mesh there: `layout.ZERO_BUBBLE`); the engine's
   wrapping rules are layout.py's `compute_copies` and `fsdp_wrapped`, the same functions the engine
   applies (given `Dims`).
+- LoRA (`Parallelism.lora`, its `modules` resolved): the adapters (`config.adapter_tensors`, placed
+  by `layout.place`) are the trained parameters above; the frozen base has weights alone, fp32 (as
+  FSDP2 shards it, casting what it gathers) or, with compute copies, in the compute dtype alone;
+  QLoRA's projections in NF4 (`config.nf4_bytes`, plus each tensor's scales' mean and code table).
+  FSDP2 gathers NF4 as its codes and reduces the adapters' gradients alone.
 
 Buffers (transient or bookkeeping, counted at once, so an upper bound; T, h, c as in
 `megacore.planner.activations`):
@@ -50,7 +55,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from megacore.config import LOSS_CHUNK_ELEMENTS, ModelConfig, model_tensors
+from megacore.config import (
+    LOSS_CHUNK_ELEMENTS,
+    ModelConfig,
+    adapter_tensors,
+    is_adapter_tensor,
+    is_block_projection,
+    model_tensors,
+    nf4_bytes,
+)
 from megacore.parallel.layout import (
     Dims,
     Parallelism,
@@ -69,6 +82,7 @@ from megacore.parallel.layout import (
 from megacore.planner.activations import COMPUTE_BYTES, in_flight, kv_width, rank_activations, sequence_shards
 
 GiB = 1 << 30
+NF4_TABLE = 17  # an NF4 tensor's scales' mean and its 16 codes' values, in its dtype (fp32 here)
 ALLOWANCE = 4 * GiB  # per GPU, for what the model leaves out (module docstring)
 
 Tensors = list[tuple[str, tuple[int, ...]]]  # a rank's parameters: names and local shapes
@@ -103,10 +117,23 @@ def rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> Tensors
     tp, ep, last = par.spec.tp, par.spec.ep, len(layers) - 1
     out = []
     for s in par.rank_stages(pp_rank):
-        for name, shape in model_tensors(config, layers[s], embed=s == 0, head=s == last).items():
+        tensors = model_tensors(config, layers[s], embed=s == 0, head=s == last)
+        if par.lora is not None:  # the stage's adapters (`LoRA.modules`: every layer's)
+            mine = {f"layers.{i}." for i in layers[s]}
+            modules = [m for m in par.lora.modules if m[: m.index(".", 7) + 1] in mine]
+            tensors |= adapter_tensors(config, modules, par.lora.rank)
+        for name, shape in tensors.items():
             local = tp_box(place(name, config, tp), shape, tp, 0)[1]
             out.append((name, (local[0] // ep, *local[1:]) if is_experts(name) else local))
     return out
+
+
+def _kind(name: str, par: Parallelism) -> str:
+    """How a parameter is held: "trained" (fp32 master, gradient, AdamW moments), or LoRA's frozen
+    base, "frozen" (its weights alone) or "nf4" (QLoRA's projections, `config.nf4_bytes`)."""
+    if par.lora is None or is_adapter_tensor(name):
+        return "trained"
+    return "nf4" if par.lora.base_dtype == "nf4" and is_block_projection(name) else "frozen"
 
 
 def _dp_local(shape: tuple[int, ...], dim: int, shards: int, index: int) -> int:
@@ -122,7 +149,12 @@ def _shard_groups(config: ModelConfig, par: Parallelism, tensors: Tensors) -> Co
     its state bytes depend on, the same on every dp rank."""
     tp = par.spec.tp
     return Counter(
-        (shape, fsdp_dim(shape, place(name, config, tp).tp_dim if tp > 1 else None), is_experts(name))
+        (
+            shape,
+            fsdp_dim(shape, place(name, config, tp).tp_dim if tp > 1 else None),
+            is_experts(name),
+            _kind(name, par),
+        )
         for name, shape in tensors
     )
 
@@ -138,17 +170,30 @@ def _state(
     """`shards`: `_shard_groups` of `tensors`, worked out once for every replica of a pipeline rank."""
     tp, ep = dims.tp, dims.ep
     shards = shards if shards is not None else _shard_groups(config, par, tensors)
-    # Under ep the experts are sharded over edp (dp / ep; cp is 1), whose index is the replica's
-    # quotient (the mesh's dp is edp x ep, ep inner).
-    numel = sum(
-        n * (_dp_local(s, d, dims.edp, replica // ep) if e else _dp_local(s, d, dims.replicas, replica))
-        if _dp_sharded(par, dims)
-        else n * math.prod(s)
-        for (s, d, e), n in shards.items()
-    )
-    grads = numel
+    c = COMPUTE_BYTES[par.precision]
+    copies = compute_copies(par, dims)
+    numel = Counter()  # local elements by kind
+    frozen_bytes = 0
+    trained_tensors = 0
+    for (s, d, e, kind), n in shards.items():
+        # Under ep the experts are sharded over edp (dp / ep; cp is 1), whose index is the replica's
+        # quotient (the mesh's dp is edp x ep, ep inner).
+        if not _dp_sharded(par, dims):
+            local = math.prod(s)
+        else:
+            local = _dp_local(s, d, dims.edp, replica // ep) if e else _dp_local(s, d, dims.replicas, replica)
+        numel[kind] += n * local
+        if kind == "nf4":  # codes, scales and factors, plus its scales' mean and code table
+            frozen_bytes += n * (nf4_bytes(local) + NF4_TABLE * 4)
+        trained_tensors += n if kind == "trained" else 0
+    # A frozen base (LoRA) is held in the compute dtype alone where the engine keeps compute copies,
+    # else as the parameters are (fp32: FSDP2 casts what it gathers).
+    frozen_bytes += numel["frozen"] * (c if copies else 4)
+    trained = numel["trained"]
+    grads = trained
     if (
         tp > 1
+        and par.lora is None
         and not fsdp_wrapped(par, dims)
         and any(n == "embed.weight" for n, _ in tensors)
         and not (config.tie_embeddings and any(n == "norm.weight" for n, _ in tensors))
@@ -160,10 +205,10 @@ def _state(
         # whole until then, through the step's peak, so it is counted whole.
         grads += config.padded_vocab_size * config.hidden_size * (tp - 1) // tp
     return State(
-        weights=4 * numel,
+        weights=4 * trained + frozen_bytes,
         grads=4 * grads,
-        optimizer=8 * numel + 4 * len(tensors),
-        copies=COMPUTE_BYTES[par.precision] * numel if compute_copies(par, dims) else 0,
+        optimizer=8 * trained + 4 * trained_tensors,
+        copies=c * trained if copies else 0,
     )
 
 
@@ -185,12 +230,13 @@ def rank_buffers(config: ModelConfig, par: Parallelism, dp: int, pp_rank: int, m
 
 
 def _param_buffers(config: ModelConfig, par: Parallelism, dims: Dims, tensors: Tensors) -> int:
-    """The buffers the parameters size: FSDP2's, or a compute-dtype gradient without it."""
+    """The buffers the parameters size: FSDP2's, or a compute-dtype gradient without it (a trained
+    parameter's: LoRA's frozen base gets none)."""
     c = COMPUTE_BYTES[par.precision]
     if fsdp_wrapped(par, dims):
         return _fsdp_buffers(par, dims, tensors, c)
     if compute_copies(par, dims):
-        return max(math.prod(shape) for _, shape in tensors) * c
+        return max(math.prod(shape) for name, shape in tensors if _kind(name, par) == "trained") * c
     return 0
 
 
@@ -198,30 +244,30 @@ def _fsdp_buffers(par: Parallelism, dims: Dims, tensors: Tensors, c: int) -> int
     """FSDP2's buffers: the unsharded parameters, a reduction's gradients and, with several
     microbatches, the unsharded gradients. FSDP2's units are the engine's (`layout.fsdp_unit`):
     the stage's root (embedding, final norm, head) and each block, its experts apart under ep,
-    gathered with their block."""
-    root, blocks, float8 = 0, Counter(), Counter()
-    gathers8 = float8_all_gather(par, dims)
+    gathered with their block. Gathered in the compute dtype, float8 weights in 1 byte (fp8 with
+    tensorwise scaling), QLoRA's NF4 weights as their codes (each then dequantized for its matmul);
+    LoRA's frozen base has no gradients to reduce."""
+    gathered, trained = Counter(), Counter()  # bytes gathered, trained elements, by unit ("": the root)
+    gathers8, largest_nf4 = float8_all_gather(par, dims), 0
     for name, shape in tensors:
-        unit = fsdp_unit(name, dims)
-        if not unit:
-            root += math.prod(shape)
-            continue
-        block = ".".join(unit.split(".")[:2])  # "layers.<i>": a block and its experts
-        blocks[block] += math.prod(shape)
-        if gathers8 and float8_weight(name, shape):  # (by the rank's shapes: tp's pieces)
-            float8[block] += math.prod(shape)
+        size, kind = math.prod(shape), _kind(name, par)
+        key = ".".join(fsdp_unit(name, dims).split(".")[:2])  # "layers.<i>": a block and its experts
+        if kind == "nf4":
+            gathered[key] += nf4_bytes(size)
+            largest_nf4 = max(largest_nf4, size)
+        else:  # (float8 by the rank's shapes: tp's pieces)
+            gathered[key] += size * (1 if gathers8 and float8_weight(name, shape) else c)
+        trained[key] += size if kind == "trained" else 0
+    root, root_trained = gathered.pop("", 0), trained.pop("", 0)
     single = par.spec.pp * par.stages_per_rank == 1
-    block = max(blocks.values(), default=0)
     # Two blocks with prefetch; with a pipeline all of the stage, not resharded between microbatches.
-    unsharded = root + 2 * block if single else root + sum(blocks.values())
-    in_float8 = 2 * max(float8.values(), default=0) if single else sum(float8.values())
-    # Unsharded parameters in the compute dtype (float8 weights gathered in 1 byte); a
-    # reduction's gradients in it and in fp32.
-    total = unsharded * c - in_float8 * (c - 1) + max(root, block) * (c + 4)
+    unsharded = root + 2 * max(gathered.values(), default=0) if single else root + sum(gathered.values())
+    # A reduction's gradients in the compute dtype and in fp32.
+    total = unsharded + largest_nf4 * c + max(root_trained, max(trained.values(), default=0)) * (c + 4)
     if par.microbatches > 1:
         # Gradient sync is off for every microbatch but the last (`ParallelModel._grad_sync`, the
         # pipeline stage's no-sync backward): FSDP2 then accumulates unsharded fp32 gradients.
-        total += (root + sum(blocks.values())) * 4
+        total += (root_trained + sum(trained.values())) * 4
     return total
 
 
