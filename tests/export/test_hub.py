@@ -137,3 +137,22 @@ def test_model_card_carries_the_lineage(tmp_path: Path, trained: Path) -> None:
     assert "| layout | tp 1 x pp 1 x dp 1, float32 |" in card
     assert "| experts |" not in card and "| parameters |" not in card  # a dense model: no experts rows
     assert f"vocab {TINY_LLAMA['vocab_size']}" in card
+
+
+def test_an_adapter_export_is_pushed_as_peft_files(tmp_path: Path, trained: Path, hub) -> None:
+    """A LoRA run's checkpoint exported with --adapter and pushed: the PEFT files (the config and the
+    adapter's safetensors, through LFS), its card and tokenizer, and nothing of the base."""
+    tokens = trained.parents[2] / "tokens"
+    run_json = write_run(tmp_path / "lora", tokens, init=trained, train_steps=2, eval={"every": 0},
+                         lora={"rank": 4, "targets": ["q_proj", "v_proj"]})  # fmt: skip
+    ok(train(run_json))
+    out = tmp_path / "adapter"
+    ckpt = tmp_path / "lora" / "run" / "checkpoints" / "latest"
+    proc = export(ckpt, out, "--adapter", "--push-to-hub", "tester/adapter", env=env(tmp_path, hub.url))
+    assert proc.returncode == 0, proc.stderr
+    (commit,) = hub.commits
+    local = {p: (out / p).read_bytes() for p, _ in upload_files(out)}
+    assert commit["files"] == local
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json"} <= set(local)
+    assert "model.safetensors" not in local and "manifest.json" not in local
+    assert hashlib.sha256(local["adapter_model.safetensors"]).hexdigest() in hub.lfs

@@ -125,13 +125,8 @@ MORE_TWO = [
     {"family": "llama", "lora": True, "precision": "bf16"},
     {"family": "llama-nf4", "lora": "nf4", "precision": "bf16"},
     {"family": "mixtral", "lora": True, "ep": 2},  # every attention projection adapted
-    {
-        "family": "llama-nf4",
-        "lora": "nf4",
-        "pp": 2,
-        "schedule": "1f1b",
-        "precision": "bf16",
-    },  # NF4 kept, no copy
+    # Compute copies beside NF4 weights, which keep none.
+    {"family": "llama-nf4", "lora": "nf4", "pp": 2, "schedule": "1f1b", "precision": "bf16"},
 ]
 
 
@@ -143,13 +138,10 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
         {"family": "llama", "tp": 2, "save": str(tp_dp)},
         {"family": "llama-gqa8", "tp": 4},  # 2 kv heads replicated, 2 query heads per rank
         {"family": "llama", "packed": True, "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
-        # Tied embeddings: the shared gradient summed over each (tp, dp) pair of end ranks.
-        {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
-        # Context parallel: each row over cp ranks (one token per chunk at cp 4), with tp and SP,
-        # dp x cp with packed documents and ignored targets, saved at cp 2 and resumed at cp 1 (with
+        # Context parallel: each row over cp ranks (one token per chunk at cp 4), dp x cp with
+        # packed documents and ignored targets, saved at cp 2 and resumed at cp 1 (with tp and SP,
         # a pipeline and Mistral's window: `make test-slow`).
         {"family": "llama", "cp": 4},
-        {"family": "llama", "cp": 2, "tp": 2, "sp": True},
         {"family": "llama", "cp": 2, "packed": True, "save": str(cp_dp)},
         {"family": "llama", "packed": True, "tp": 2, "load": str(cp_dp)},
         {"family": "llama", "lora": True, "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
@@ -157,6 +149,9 @@ def four_process_core(ckpt: Path, tp_dp: Path, cp_dp: Path) -> list[dict]:
 
 
 MORE_FOUR = [
+    # Tied embeddings: the shared gradient summed over each (tp, dp) pair of end ranks.
+    {"family": "llama-tied", "tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"},
+    {"family": "llama", "cp": 2, "tp": 2, "sp": True},
     {"family": "llama-tied", "cp": 2, "pp": 2, "schedule": "zbv"},
     {"family": "mistral", "cp": 2, "tp": 2},
     {"family": "mixtral", "ep": 2, "tp": 2, "sp": True, "packed": True},
