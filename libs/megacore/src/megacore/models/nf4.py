@@ -68,8 +68,3 @@ def fill(p: torch.Tensor, full: torch.Tensor, offset: tuple[int, ...], shape: tu
     if tuple(shape) != tuple(full.shape):  # the codes and scales of whole rows, row-major
         q = torch.split(q, shape[0])[offset[0] // shape[0]]
     _local(p).copy_(q)
-
-
-def dequantized(p: torch.Tensor) -> torch.Tensor:
-    """The values an NF4 parameter computes with, in its dtype."""
-    return _local(p).get_original_weight()

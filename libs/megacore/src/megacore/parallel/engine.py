@@ -43,6 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -73,14 +81,12 @@ from megacore.parallel.layout import (
 from megacore.parallel.mesh import dp_mesh
 from megacore.parallel.tp import apply_tp, distribute_adapters, lm_loss, loss_context
 
-# torch.distributed.pipelining's classes by name, imported by a pipeline only: the package pulls in
-# torch.export and dynamo, a second of every worker's start-up a run without stages would pay.
 SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved1f1b": "ScheduleInterleaved1F1B",
-    "interleavedzb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "interleavedzb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
 }
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
@@ -195,14 +201,12 @@ class ParallelModel:
 
     def _build_schedule(self):
         """The pipeline schedule over this rank's stages."""
-        from torch.distributed.pipelining import PipelineStage, schedules
-
         group = self.mesh["pp"].get_group()
         stages = [
             PipelineStage(part, s, self.num_stages, self.device, group=group)
             for part, s in zip(self.parts, self.stage_ids, strict=True)
         ]
-        cls = getattr(schedules, SCHEDULE_CLASSES[self.par.spec.schedule])
+        cls = SCHEDULE_CLASSES[self.par.spec.schedule]
         first = stages if self.par.spec.schedule in MULTI_STAGE else stages[0]
         # The loss is weighted (the step's scale over the count, not the microbatch count: grads
         # are summed): scaling the gradients afterwards would miss the fp32 parameters behind
