@@ -6,8 +6,8 @@ and converted with `mega-convert hf` (the base both load); the same adapters: ra
 dropout 0.05 on all seven projections (q/k/v/o, gate/up/down), as PEFT's `LoraConfig` and our
 `lora` section say it; the same batch (micro batch 4 x 2 accumulation of 512 tokens) and the same
 token rows (bench_train's `prepare_data`), one process, 2 threads. bf16 compute where the CPU
-multiplies bf16 (`cpu_has_bf16_matmul`); elsewhere both sides run fp32 (1 warm-up step, 3 timed, 2
-rounds: an fp32 step takes several times a bf16 one), and the note says so.
+multiplies bf16 (`cpu_has_bf16_matmul`); elsewhere both sides run fp32 (1 warm-up step, 3 timed: an
+fp32 step takes several times a bf16 one), and the note says so.
 
 - mega-train: `mega-train --manifest run.json` with `"lora"` beside `"model": {"init": BASE}`,
   precision bf16 (bf16 compute, the frozen base held in bf16 alone; the adapters' fp32 master
@@ -153,7 +153,7 @@ def run(quick: bool) -> list[Row]:
     setup = replace(QUICK if quick else FULL, rounds=1 if quick else ROUNDS)
     precision = "bf16" if cpu_has_bf16_matmul() else "fp32"
     if precision == "fp32" and not quick:  # fp32 steps take 4x a bf16 one on a CPU with AMX
-        setup = replace(setup, warmup=1, timed=3, rounds=2)
+        setup = replace(setup, warmup=1, timed=3)
     tokens, rows, vocab = prepare_data(setup)
     setup = Setup(**{**asdict(setup), "vocab": vocab})
     WORK.mkdir(parents=True, exist_ok=True)

@@ -387,11 +387,12 @@ def child_bare(setup: Setup, spec: dict) -> dict:
     from megacore.parallel.mesh import build_mesh, shutdown
 
     # The trainer's process-wide allocator setting too, so that the overhead row measures the loop.
-    configure_allocator("cpu")
+    trim = configure_allocator("cpu")
     rows = load_rows(spec)
     torch.manual_seed(0)
     par = Parallelism(precision="bf16", microbatches=setup.accum)
     model = ParallelModel(ModelConfig(**ours_config(setup)), par, build_mesh(), "cpu")
+    model.before_microbatch = trim
     model.init_weights()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=3e-4, fused=True)

@@ -33,7 +33,11 @@ VARIABLES = (
         "mega-train",
         "faults for tests, `nan-grad@3,kill@7`: nan-grad, nan-loss, kill, kill-in-save, stall-in-save at a step",
     ),
-    Variable("MEGA_TRAIN_MALLOC", "mega-train", "`default`: keep glibc's allocator settings on a CPU run"),
+    Variable(
+        "MEGA_TRAIN_MALLOC",
+        "mega-train",
+        "`default`: keep glibc's allocator settings on a CPU run (no heap mode, no trim before each microbatch)",
+    ),
     Variable("RANK", "mega-train", "torchrun's: this worker's rank (absent: a job of one process)"),
     Variable("WORLD_SIZE", "mega-train", "torchrun's: the job's processes"),
     Variable("LOCAL_RANK", "mega-train", "torchrun's: this worker's GPU on its node"),

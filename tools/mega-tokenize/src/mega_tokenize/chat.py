@@ -35,9 +35,13 @@ class Segment:
     text: str | None  # text to encode, or None for a token id
     token: int | None
     role: int
+    # The message whose content (or end marker) this is, None for the template's own text: a
+    # preference pair re-marks its completion's messages (preference.py).
+    message: int | None = None
 
 
-def _type(v: object) -> str:
+def json_type(v: object) -> str:
+    """A decoded JSON value's type as a message names it: "a string", "an array", ..."""
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(v), "a number"
     )
@@ -46,24 +50,9 @@ def _type(v: object) -> str:
 def messages_of(obj: object) -> list[tuple[str, str]]:
     """(role, content) pairs of one jsonl record, validated."""
     if not isinstance(obj, dict):
-        raise ChatError(f"expected a JSON object, got {_type(obj)}")
+        raise ChatError(f"expected a JSON object, got {json_type(obj)}")
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ChatError('"messages" must be a non-empty array')
-        out = []
-        for i, m in enumerate(msgs):
-            at = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise ChatError(f"{at}: expected an object with role and content, got {_type(m)}")
-            role, content = m.get("role"), m.get("content")
-            if not isinstance(role, str):
-                raise ChatError(f"{at}.role: missing or not a string")
-            if role not in ROLES:
-                raise ChatError(f"{at}.role: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-            if not isinstance(content, str):
-                raise ChatError(f"{at}.content: missing or not a string (got {_type(content)})")
-            out.append((role, content))
+        out = message_list(obj["messages"], "messages")
         if not any(c.strip() for _, c in out):
             raise ChatError("empty conversation: every message content is empty")
         return out
@@ -74,7 +63,7 @@ def messages_of(obj: object) -> list[tuple[str, str]]:
             if v is None and key == "system":
                 continue
             if not isinstance(v, str):
-                raise ChatError(f'"{key}": missing or not a string (got {_type(v)})')
+                raise ChatError(f'"{key}": missing or not a string (got {json_type(v)})')
             if key != "system" and not v.strip():
                 raise ChatError(f'"{key}": empty')
             out.append((role, v))
@@ -82,18 +71,39 @@ def messages_of(obj: object) -> list[tuple[str, str]]:
     raise ChatError('no "messages" array and no "question"/"answer" keys')
 
 
+def message_list(msgs: object, key: str) -> list[tuple[str, str]]:
+    """(role, content) pairs of a non-empty array of {"role", "content"} objects (other fields
+    ignored), validated; an error names `key` and the message's index."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ChatError(f'"{key}" must be a non-empty array')
+    out = []
+    for i, m in enumerate(msgs):
+        at = f"{key}[{i}]"
+        if not isinstance(m, dict):
+            raise ChatError(f"{at}: expected an object with role and content, got {json_type(m)}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise ChatError(f"{at}.role: missing or not a string")
+        if role not in ROLES:
+            raise ChatError(f"{at}.role: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise ChatError(f"{at}.content: missing or not a string (got {json_type(content)})")
+        out.append((role, content))
+    return out
+
+
 def render_chatml(msgs: list[tuple[str, str]], start_id: int, end_id: int) -> list[Segment]:
     """`<|im_start|>role\\ncontent<|im_end|>\\n` per message. The header and newlines are template
     (role 0); the content and its `<|im_end|>` belong to the message, so an assistant-only loss
     teaches the model to close its turn."""
     segments = []
-    for role, content in msgs:
+    for i, (role, content) in enumerate(msgs):
         code = ROLE_CODES[role]
         segments += [
             Segment(None, start_id, 0),
             Segment(f"{role}\n", None, 0),
-            Segment(content, None, code),
-            Segment(None, end_id, code),
+            Segment(content, None, code, i),
+            Segment(None, end_id, code, i),
             Segment("\n", None, 0),
         ]
     return segments
@@ -208,13 +218,13 @@ class TemplateRenderer:
         texts, order = parts[0::2], [int(i) for i in parts[1::2]]
         shown = self._contents(real, texts, [(i, msgs[i][1]) for i in order])
         segments: list[Segment] = []
-        last_content_role = None
+        last = None  # (role code, message) of the content printed last
         for k, text in enumerate(texts):
-            last_content_role = self._template_text(text, segments, last_content_role)
+            last = self._template_text(text, segments, last)
             if k < len(order):
-                last_content_role = ROLE_CODES[msgs[order[k]][0]]
+                last = (ROLE_CODES[msgs[order[k]][0]], order[k])
                 if shown[k]:
-                    segments.append(Segment(shown[k], None, last_content_role))
+                    segments.append(Segment(shown[k], None, *last))
         return segments
 
     @staticmethod
@@ -242,21 +252,24 @@ class TemplateRenderer:
             raise ChatError("the chat template's text depends on the message contents; cannot split it")
         return shown
 
-    def _template_text(self, text: str, segments: list[Segment], last_content_role: int | None) -> int | None:
+    def _template_text(
+        self, text: str, segments: list[Segment], last: tuple[int, int] | None
+    ) -> tuple[int, int] | None:
         """The template's own text as segments: its special tokens as ids, the rest as text (role 0).
-        The end marker right after a message belongs to it (the model learns to stop)."""
+        The end marker right after a message (`last`: its role code and index) belongs to it (the
+        model learns to stop)."""
         for j, sub in enumerate(self.split.split(text) if self.split else [text]):
             if not sub:
                 continue
             if j % 2 == 1:
-                role = last_content_role if last_content_role is not None else 0
-                segments.append(Segment(None, self.specials[sub], role))
-                last_content_role = None
+                role, message = last if last is not None else (0, None)
+                segments.append(Segment(None, self.specials[sub], role, message))
+                last = None
             else:
                 segments.append(Segment(sub, None, 0))
                 if sub.strip():
-                    last_content_role = None
-        return last_content_role
+                    last = None
+        return last
 
 
 def with_ends(

@@ -31,7 +31,8 @@ def _split(values: list[str]) -> list[str]:
         "  mega-tokenize chats.jsonl out/sft --tokenizer llama3/ --format chat --chat-template tokenizer\n\n"
         "  mega-tokenize my-dataset/ out/ds --tokenizer tokenizer.model --json-key content\n\n"
         "  mega-tokenize chats.jsonl out/sft --tokenizer tokenizer.model --format chat "
-        "--add-special-tokens '<|im_start|>,<|im_end|>'"
+        "--add-special-tokens '<|im_start|>,<|im_end|>'\n\n"
+        "  mega-tokenize pairs.jsonl out/dpo --tokenizer qwen2.5/ --format preference --chat-template tokenizer"
     )
 )
 def run(
@@ -49,11 +50,11 @@ def run(
         "--json-key",
         "-k",
         help="Key (Parquet: column) of the text in each line, or of the messages with --format chat; "
-        "repeat for one output per key.",
+        "repeat for one output per key. Not with --format preference (prompt, chosen, rejected).",
         show_default="text; chat: messages",
     ),
-    format: Literal["text", "chat"] = typer.Option(
-        "text", "--format", help="text (pretraining) or chat (conversations)."
+    format: Literal["text", "chat", "preference"] = typer.Option(
+        "text", "--format", help="text (pretraining), chat (conversations) or preference (DPO pairs)."
     ),
     chat_template: Literal["chatml", "tokenizer"] = typer.Option(
         "chatml", "--chat-template", help="chatml, or tokenizer (the tokenizer's own jinja template)."
@@ -120,8 +121,11 @@ def _report(res: Result, out: Path) -> None:
         )
         return
     mbs = res.input_bytes / max(res.seconds, 1e-9) / 1e6
+    docs = plural(c.documents, "document")
+    if m.format == "preference":
+        docs = f"{plural(c.pairs, 'pair')} ({docs})"
     print(
-        f"mega-tokenize: {out}: {plural(c.documents, 'document')}, {plural(c.tokens, 'token')} ({m.dtype}), "
+        f"mega-tokenize: {out}: {docs}, {plural(c.tokens, 'token')} ({m.dtype}), "
         f"{plural(c.skipped_lines, 'skipped line')}, engine {m.engine}, {res.seconds:.1f}s, {mbs:.1f} MB/s",
         file=sys.stderr,
     )
@@ -137,6 +141,7 @@ def _summary(res: Result, out: Path) -> dict:
         "out": str(out),
         "reused": res.reused,
         "documents": c.documents,
+        **({"pairs": c.pairs} if m.format == "preference" else {}),
         "tokens": c.tokens,
         "skipped_lines": c.skipped_lines,
         "dtype": m.dtype,

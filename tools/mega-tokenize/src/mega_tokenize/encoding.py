@@ -74,8 +74,8 @@ def _sample(parsed: Parsed, first: bool) -> list[str]:
 
 
 class Encoder:
-    """One batch to checked ids, BOS/EOS-wrapped for text (a conversation's markers are added when
-    it is written). Runs on a pool thread: numpy and the engines release the GIL, so the main
+    """One batch to checked ids, BOS/EOS-wrapped for text (the markers of a conversation or a
+    preference pair are added when it is written). Runs on a pool thread: numpy and the engines release the GIL, so the main
     thread only writes."""
 
     def __init__(self, job: Job, engine: Engine) -> None:
@@ -90,7 +90,7 @@ class Encoder:
             empty = (np.zeros(0, np.uint32), np.zeros(0, np.int64))
             flat, lengths = self.engine.encode(texts) if texts else empty
             self.tok.check_no_special(flat)
-            return {"chat": (flat, lengths)}
+            return {self.keys[0]: (flat, lengths)}  # the one shard of conversations or pairs
         encoded = {}
         for k in self.keys:
             if parsed.texts[k]:

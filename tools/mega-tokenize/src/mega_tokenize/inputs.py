@@ -9,10 +9,10 @@ Parquet files (a Hub dataset's `data/train-00000-of-00002.parquet`) are read wit
 group at a time in record batches of about a megabyte, only the columns read: memory is at most
 about one row group of those columns (a dictionary-encoded column chunk's dictionary is decoded
 whole) plus the batches handed on, whatever the file's size. Their schemas are checked before
-anything is read (`check_parquet`): a file that is not Parquet, a missing column or one of the
-wrong type is one line naming the file. Rows come out as `RowBatch`es of Python values (the same
-`str` the jsonl path decodes), so the same parsers, encoders and writers follow, and the shards are
-the ones the same rows as jsonl give.
+anything is read (`check_parquet`, `preference_columns`): a file that is not Parquet, a missing
+column or one of the wrong type is one line naming the file. Rows come out as `RowBatch`es of
+Python values (the same `str` the jsonl path decodes), so the same parsers, encoders and writers
+follow, and the shards are the ones the same rows as jsonl give.
 """
 
 from __future__ import annotations
@@ -262,19 +262,26 @@ def _is_messages(t) -> bool:
     return all(k in fields and _is_text(fields[k]) for k in ("role", "content"))
 
 
+def _schema(path: Path):
+    with _open_parquet(path) as pf:
+        return pf.schema_arrow
+
+
+def _names(schema) -> str:
+    """The first column names of a schema, for a message."""
+    return ", ".join(f'"{n}"' for n in schema.names[:12]) + (", ..." if len(schema.names) > 12 else "")
+
+
 def check_parquet(path: Path, columns: list[str], chat: bool) -> None:
     """The file is Parquet and has `columns` of the right type: strings, or for `chat` a list of
     {role, content} structs. Reads the footer only."""
-    with _open_parquet(path) as pf:
-        schema = pf.schema_arrow
+    schema = _schema(path)
     for c in columns:
         if c not in schema.names:
-            have = ", ".join(f'"{n}"' for n in schema.names[:12]) + (
-                ", ..." if len(schema.names) > 12 else ""
-            )
             what = "messages" if chat else "text"
             raise UserError(
-                f'no column "{c}" (it has {have}; choose the {what} column with --json-key)', str(path)
+                f'no column "{c}" (it has {_names(schema)}; choose the {what} column with --json-key)',
+                str(path),
             )
         t = schema.field(c).type
         if chat and not _is_messages(t):
@@ -283,6 +290,35 @@ def check_parquet(path: Path, columns: list[str], chat: bool) -> None:
             )
         if not chat and not _is_text(t):
             raise UserError(f'column "{c}" is {t}, expected strings', str(path))
+
+
+def preference_columns(path: Path) -> list[str]:
+    """What a preference pair is read from in this Parquet file, checked: `chosen` and `rejected`,
+    and `prompt` where there is one (conversations may leave it out), all strings or all lists of
+    {role, content} structs. Reads the footer only."""
+    schema = _schema(path)
+    columns = [c for c in ("prompt", "chosen", "rejected") if c in schema.names]
+    for c in ("chosen", "rejected"):
+        if c not in columns:
+            raise UserError(
+                f'no column "{c}" (it has {_names(schema)}; preference rows need chosen and rejected)',
+                str(path),
+            )
+    types = {c: schema.field(c).type for c in columns}
+    if all(_is_messages(t) for t in types.values()):
+        return columns
+    if all(_is_text(t) for t in types.values()):
+        if "prompt" not in columns:
+            raise UserError(
+                f'no column "prompt" (it has {_names(schema)}; only conversations may leave it out)',
+                str(path),
+            )
+        return columns
+    said = ", ".join(f'"{c}" is {t}' for c, t in types.items())
+    raise UserError(
+        f"columns {said}: expected all strings, or all lists of {{role, content}} structs of strings",
+        str(path),
+    )
 
 
 def _column_bytes(rg, columns: list[str]) -> int:

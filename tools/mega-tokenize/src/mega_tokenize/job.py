@@ -11,8 +11,16 @@ from typing import Literal
 import msgspec
 
 from mega_tokenize.chat import CHATML_END, CHATML_START, TemplateRenderer, render_chatml, with_ends
-from mega_tokenize.inputs import LineBatch, RowBatch, check_parquet, expand_inputs, is_parquet
-from mega_tokenize.parsing import ChatParser, Parsed, Skips, TextParser
+from mega_tokenize.inputs import (
+    LineBatch,
+    RowBatch,
+    check_parquet,
+    expand_inputs,
+    is_parquet,
+    preference_columns,
+)
+from mega_tokenize.parsing import Parsed, RecordParser, Skips, TextParser, chat_documents
+from mega_tokenize.preference import PairRenderer
 from mega_tokenize.shards import safe_name
 from mega_tokenize.tokenizer import Tokenizer, load_tokenizer, set_threads
 from megacore.artifacts import manifest as mf
@@ -21,6 +29,7 @@ from megacore.data.indexed import token_dtype
 from megacore.errors import UserError
 
 DEFAULT_KEYS = {"text": ["text"], "chat": ["messages"]}  # jsonl key / Parquet column read
+Format = Literal["text", "chat", "preference"]
 
 
 @dataclass
@@ -29,7 +38,7 @@ class Options:
     out: Path
     tokenizer: Path
     json_keys: list[str] = field(default_factory=list)  # [] : DEFAULT_KEYS of the format
-    format: Literal["text", "chat"] = "text"
+    format: Format = "text"
     chat_template: Literal["chatml", "tokenizer"] = "chatml"
     append_eos: bool = True
     prepend_bos: bool = False
@@ -52,8 +61,8 @@ class Job:
     settings: dict
     inputs: list[mf.InputFile]
     recipe: str
-    keys: list[str]  # one shard per key ("chat" for conversations)
-    columns: list[str]  # what is read from each record: the json keys (Parquet columns)
+    keys: list[str]  # one shard per key ("chat" for conversations, "preference" for pairs)
+    columns: dict[Path, list[str]]  # what is read of each Parquet file (the json keys as columns)
     dtype: str
     bos: int | None
     eos: int | None
@@ -64,18 +73,10 @@ class Job:
 
 def prepare(opts: Options) -> Job:
     """Every option check, the tokenizer, and the recipe that decides whether an output is reused."""
-    if opts.workers < 1:
-        raise UserError("must be at least 1", "--workers")
-    opts = replace(opts, json_keys=opts.json_keys or DEFAULT_KEYS[opts.format])
-    if len(set(opts.json_keys)) != len(opts.json_keys):
-        raise UserError("the same key is given twice", "--json-key")
-    if opts.format == "chat" and len(opts.json_keys) > 1:
-        raise UserError("--format chat reads one key, the messages", "--json-key")
+    opts = _checked(opts)
     set_threads(opts.workers)
     files = expand_inputs(opts.inputs)
-    for f in files:
-        if is_parquet(f):
-            check_parquet(f, opts.json_keys, chat=opts.format == "chat")
+    columns = {f: _parquet_columns(f, opts) for f in files if is_parquet(f)}
     tok = load_tokenizer(opts.tokenizer, threads=opts.workers)
     if opts.add_special_tokens:
         tok.add_special_tokens(opts.add_special_tokens)
@@ -83,21 +84,16 @@ def prepare(opts: Options) -> Job:
         raise UserError("the tokenizer has no EOS token; pass --no-append-eos", str(opts.tokenizer))
     if opts.prepend_bos and tok.bos_id is None:
         raise UserError("the tokenizer has no BOS token; drop --prepend-bos", str(opts.tokenizer))
-    keys = opts.json_keys if opts.format == "text" else ["chat"]
+    keys = opts.json_keys if opts.format == "text" else [opts.format]
     names = [safe_name(k) for k in keys]
     if len(set(names)) != len(names) or "chat.roles" in names:
         raise UserError(f"keys {keys} would share an output file name; rename them", "--json-key")
     skips = Skips(opts.on_error)
-    template = None
     bos = tok.bos_id if opts.prepend_bos else None
     eos = tok.eos_id if opts.append_eos else None
-    if opts.format == "chat":
-        render, template = _chat_renderer(opts, tok)
-        # A conversation's BOS and EOS come with its rendering: none where the template put them.
-        render, bos, eos = with_ends(render, bos, eos, tok.stop_ids), None, None
-        parse: Callable[[LineBatch | RowBatch], Parsed] = ChatParser(render, skips, opts.json_keys[0])
-    else:
-        parse = TextParser(opts.json_keys, skips)
+    parse, template = _parser(opts, tok, skips, bos, eos)
+    if opts.format != "text":
+        bos = eos = None  # a document's BOS and EOS come with its segments (with_ends, PairRenderer)
     settings = _settings(opts, tok)
     inputs = _inputs(files)
     return Job(
@@ -108,7 +104,7 @@ def prepare(opts: Options) -> Job:
         inputs=inputs,
         recipe=recipe_sha256(settings=settings, inputs=[msgspec.structs.asdict(i) for i in inputs]),
         keys=keys,
-        columns=opts.json_keys,
+        columns=columns,
         dtype=token_dtype(tok.vocab_size),
         bos=bos,
         eos=eos,
@@ -118,16 +114,65 @@ def prepare(opts: Options) -> Job:
     )
 
 
+def _checked(opts: Options) -> Options:
+    """The options checked on their own, the format's default keys filled in."""
+    if opts.workers < 1:
+        raise UserError("must be at least 1", "--workers")
+    if opts.format == "preference":
+        if opts.json_keys:
+            raise UserError(
+                "--format preference reads the keys (Parquet: columns) prompt, chosen and rejected; "
+                "drop --json-key",
+                "--json-key",
+            )
+        return opts
+    opts = replace(opts, json_keys=opts.json_keys or DEFAULT_KEYS[opts.format])
+    if len(set(opts.json_keys)) != len(opts.json_keys):
+        raise UserError("the same key is given twice", "--json-key")
+    if opts.format == "chat" and len(opts.json_keys) > 1:
+        raise UserError("--format chat reads one key, the messages", "--json-key")
+    return opts
+
+
+def _parquet_columns(path: Path, opts: Options) -> list[str]:
+    """The columns read of a Parquet file, its schema checked first."""
+    if opts.format == "preference":
+        return preference_columns(path)
+    check_parquet(path, opts.json_keys, chat=opts.format == "chat")
+    return opts.json_keys
+
+
+def _parser(
+    opts: Options, tok: Tokenizer, skips: Skips, bos: int | None, eos: int | None
+) -> tuple[Callable[[LineBatch | RowBatch], Parsed], str | None]:
+    """How records become documents, and the chat template recorded (None: none can be rendered)."""
+    if opts.format == "text":
+        return TextParser(opts.json_keys, skips), None
+    try:
+        render, template = _chat_renderer(opts, tok)
+        # A conversation's BOS and EOS come with its rendering: none where the template put them.
+        render = with_ends(render, bos, eos, tok.stop_ids)
+    except UserError as e:
+        if opts.format == "chat":
+            raise
+        # Standard (string) pairs need no chat template: a tokenizer without one, or without
+        # ChatML's tokens, is refused at the first conversation only.
+        render, template = e, None
+    if opts.format == "chat":
+        return RecordParser(chat_documents(render, opts.json_keys[0]), skips), template
+    return RecordParser(PairRenderer(bos, eos, render), skips), template
+
+
 def _settings(opts: Options, tok: Tokenizer) -> dict:
     """What the ids depend on besides the inputs (with them, the artifact's recipe)."""
-    keys = opts.json_keys or DEFAULT_KEYS[opts.format]
+    keys = opts.json_keys or DEFAULT_KEYS.get(opts.format, [])
     if opts.format == "chat" and keys == DEFAULT_KEYS["chat"]:
         keys = []  # the default messages key is not recorded: earlier chat recipes stay the same
     return {
         "tokenizer": tok.fingerprint(),
         "format": opts.format,
         "json_keys": keys,
-        "chat_template": opts.chat_template if opts.format == "chat" else None,
+        "chat_template": opts.chat_template if opts.format != "text" else None,
         "append_eos": opts.append_eos,
         "prepend_bos": opts.prepend_bos,
         "added": tok.added,
@@ -135,7 +180,7 @@ def _settings(opts: Options, tok: Tokenizer) -> dict:
         **({"stop_ids": tok.stop_ids} if tok.stop_ids else {}),  # recipes without them as before
         # Conversations rendered as transformers renders them, ends not doubled (since 0.2): an
         # artifact of the earlier rendering is not reused as if it were this one.
-        **({"chat_rendering": 2} if opts.format == "chat" else {}),
+        **({"chat_rendering": 2} if opts.format != "text" else {}),
     }
 
 

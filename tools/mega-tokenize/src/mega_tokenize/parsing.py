@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from mega_tokenize.chat import ChatError, Segment, messages_of
+from mega_tokenize.chat import ChatError, Segment, json_type, messages_of
 from mega_tokenize.inputs import LineBatch, RowBatch, is_parquet, read_lines, read_parquet
 from megacore.errors import UserError
 
@@ -33,12 +33,6 @@ class Skips:
         self.count += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {msg}")
-
-
-def _json_type(v: object) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(v), "a number"
-    )
 
 
 def _line_error(line: bytes) -> tuple[Any, str | None]:
@@ -60,7 +54,8 @@ def _line_error(line: bytes) -> tuple[Any, str | None]:
 
 @dataclass
 class Parsed:
-    """One batch of documents: per json key their texts (text format) or rendered pieces (chat)."""
+    """One batch of documents: per json key their texts (text format), or rendered pieces (chat;
+    preference: each pair's chosen then rejected document)."""
 
     texts: dict[str, list[str]]
     chats: list[list[Segment]] | None
@@ -96,13 +91,13 @@ class TextParser:
             obj, err = _line_error(line)
             where = f"{b.path}:{n}"
             if err is None and not isinstance(obj, dict):
-                err = f"expected a JSON object, got {_json_type(obj)}"
+                err = f"expected a JSON object, got {json_type(obj)}"
             if err is None:
                 for k in self.keys:
                     if k not in obj:
                         err = f'missing key "{k}" (choose the key with --json-key)'
                     elif not isinstance(obj[k], str):
-                        err = f'key "{k}" is {_json_type(obj[k])}, expected a string'
+                        err = f'key "{k}" is {json_type(obj[k])}, expected a string'
                     elif not obj[k] or obj[k].isspace():
                         err = f'key "{k}" is an empty document'
                     if err:
@@ -139,47 +134,53 @@ class TextParser:
         return Parsed(texts, None, b.nbytes)
 
 
-class ChatParser:
-    """Conversations: a line's `messages` (or Megatron-LLM's question/answer), or under another key
-    (`--json-key`) just the messages; a Parquet row's messages column."""
+class RecordParser:
+    """Records to rendered documents, for the formats made of segments: a jsonl line's object or a
+    Parquet row (`{column: value}`) through `documents` (`chat_documents`, or a preference pair's
+    two); a ChatError it raises is that line's (row's) problem."""
 
-    def __init__(
-        self, render: Callable[[list[tuple[str, str]]], list[Segment]], skips: Skips, key: str = "messages"
-    ) -> None:
-        self.render, self.skips, self.key = render, skips, key
+    def __init__(self, documents: Callable[[object], list[list[Segment]]], skips: Skips) -> None:
+        self.documents, self.skips = documents, skips
 
     def __call__(self, b: LineBatch | RowBatch) -> Parsed:
-        if isinstance(b, RowBatch):
-            return self.rows(b)
-        chats = []
-        for n, line in enumerate(b.lines(), start=b.first_line):
-            if not line.strip():
-                continue
-            obj, err = _line_error(line)
+        chats: list[list[Segment]] = []
+        for where, obj, err in _records(b):
             if err is None:
                 try:
-                    chats.append(self.render(messages_of(self._messages(obj))))
+                    chats += self.documents(obj)
                     continue
                 except ChatError as e:
                     err = str(e)
-            self.skips(f"{b.path}:{n}", err)
+            self.skips(where, err)
         return Parsed({}, chats, b.nbytes)
 
-    def _messages(self, obj: object) -> object:
-        if self.key == "messages" or not isinstance(obj, dict):
-            return obj
-        if self.key not in obj:
-            raise ChatError(f'missing key "{self.key}" (choose the messages key with --json-key)')
-        return {"messages": obj[self.key]}
 
-    def rows(self, b: RowBatch) -> Parsed:
-        chats = []
-        for i, msgs in enumerate(b.columns[self.key]):
-            try:
-                chats.append(self.render(messages_of({"messages": msgs})))
-            except ChatError as e:
-                self.skips(b.where(b.first_row + i), str(e))
-        return Parsed({}, chats, b.nbytes)
+def _records(b: LineBatch | RowBatch) -> Iterator[tuple[str, Any, str | None]]:
+    """Each record of a batch with where it is, or what is wrong with its line."""
+    if isinstance(b, RowBatch):
+        for i in range(b.nrows):
+            yield b.where(b.first_row + i), {c: v[i] for c, v in b.columns.items()}, None
+        return
+    for n, line in enumerate(b.lines(), start=b.first_line):
+        if line.strip():  # blank lines are not records
+            obj, err = _line_error(line)
+            yield f"{b.path}:{n}", obj, err
+
+
+def chat_documents(
+    render: Callable[[list[tuple[str, str]]], list[Segment]], key: str = "messages"
+) -> Callable[[object], list[list[Segment]]]:
+    """Conversations: a record's `messages` (or Megatron-LLM's question/answer), or under another
+    key (`--json-key`) just the messages; a Parquet row's messages column."""
+
+    def documents(obj: object) -> list[list[Segment]]:
+        if key != "messages" and isinstance(obj, dict):
+            if key not in obj:
+                raise ChatError(f'missing key "{key}" (choose the messages key with --json-key)')
+            obj = {"messages": obj[key]}
+        return [render(messages_of(obj))]
+
+    return documents
 
 
 MIN_BATCH = 4 << 20
@@ -211,12 +212,12 @@ def parsed_batches(
     skips: Skips,
     batch_bytes: int,
     parallel: int,
-    columns: list[str],
+    columns: dict[Path, list[str]],
 ) -> Iterator[Parsed]:
-    """Every file's batches, parsed, in input order (`columns`: what is read of a Parquet file)."""
+    """Every file's batches, parsed, in input order (`columns`: what is read of each Parquet file)."""
     for path, sizes in zip(files, batch_sizes(files, batch_bytes, parallel), strict=True):
         if is_parquet(path):
-            for rows in read_parquet(path, columns, sizes):
+            for rows in read_parquet(path, columns[path], sizes):
                 yield parse(rows)
             continue
         for b in read_lines(path, sizes):

@@ -23,6 +23,7 @@ from mega_tokenize.chat import ROLE_CODES
 from mega_tokenize.encoding import Encoder, EngineChecks, EngineDisagrees, in_order
 from mega_tokenize.job import Job, Options, prepare
 from mega_tokenize.parsing import parsed_batches
+from mega_tokenize.preference import PREFERENCE_ROLES
 from mega_tokenize.shards import Shards
 from mega_tokenize.tokenizer import Engine, Tokenizer, candidate_engine
 from megacore.artifacts import ArtifactWriter, write_artifact
@@ -98,7 +99,7 @@ def _encode_all(
     A sample of every batch is checked against the reference on a thread of its own; every check
     has passed before this returns (and anything is committed)."""
     opts = job.opts
-    shards = Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=opts.format == "chat")
+    shards = Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=opts.format != "text")
     shown = Progress("mega-tokenize", "docs", extras=("tokens",), enabled=None if opts.progress else False)
     input_bytes = 0
     pool = checks = None
@@ -157,7 +158,7 @@ def _manifest(job: Job, tok_files: list[str], shards: list[mf.Shard], engine: En
         append_eos=opts.append_eos,
         prepend_bos=opts.prepend_bos,
         chat_template=job.template,
-        roles=dict(ROLE_CODES) if opts.format == "chat" else {},
+        roles=dict({"chat": ROLE_CODES, "preference": PREFERENCE_ROLES}.get(opts.format, {})),
         engine=engine.name,
         json_keys=job.keys if opts.format == "text" else [],
         on_error=opts.on_error,
@@ -165,6 +166,7 @@ def _manifest(job: Job, tok_files: list[str], shards: list[mf.Shard], engine: En
         shards=shards,
         counts=mf.TokenCounts(
             documents=shards[0].documents,
+            pairs=shards[0].documents // 2 if opts.format == "preference" else 0,  # two documents each
             tokens=sum(s.tokens for s in shards),
             skipped_lines=job.skips.count,
             skipped_examples=job.skips.examples,

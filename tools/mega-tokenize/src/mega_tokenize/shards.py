@@ -20,15 +20,17 @@ def safe_name(key: str) -> str:
 
 
 class Shards:
-    """The output's shards: one per key, and for conversations `chat.roles` beside them (a role
-    code per token); batches are appended in input order, the sums computed while writing."""
+    """The output's shards: one per key, and with `chat` (documents of segments: conversations or
+    preference pairs, one key) `<key>.roles` beside it (a role code per token, `chat.roles` for
+    chat); batches are appended in input order, the sums computed while writing."""
 
     def __init__(
         self, w: ArtifactWriter, keys: list[str], dtype: str, bos: int | None, eos: int | None, chat: bool
     ) -> None:
         self.w, self.keys, self.bos, self.eos = w, keys, bos, eos
         self.writers = {k: IndexedWriter(w.path(f"shards/{safe_name(k)}"), dtype) for k in keys}
-        self.roles = IndexedWriter(w.path("shards/chat.roles"), "uint8") if chat else None
+        self.sidecar = f"shards/{safe_name(keys[0])}.roles"
+        self.roles = IndexedWriter(w.path(self.sidecar), "uint8") if chat else None
         self.every = [*self.writers.values(), *([self.roles] if self.roles is not None else [])]
 
     def write(self, parsed: Parsed, encoded: Encoded) -> tuple[int, int]:
@@ -61,7 +63,7 @@ class Shards:
 
     def entries(self) -> list[mf.Shard]:
         """The manifest's shard entries."""
-        sidecars = {"roles": "shards/chat.roles"} if self.roles is not None else {}
+        sidecars = {"roles": self.sidecar} if self.roles is not None else {}
         return [
             mf.Shard(
                 prefix=f"shards/{safe_name(k)}",

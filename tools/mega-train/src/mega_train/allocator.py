@@ -11,12 +11,23 @@ Measured (2 threads, bf16, a 6-layer hidden-512 Llama with a 32k vocab, 4 x 512 
 median step time of steps 3-6, six interleaved rounds of `MEGA_TRAIN_MALLOC=default` then `heap`):
 default/heap per round 1.32, 1.01, 1.05, 0.93, 1.35, 1.25 (median 1.15x faster with heap), peak
 RSS 2.28 GB with heap against 2.23-2.27 GB with glibc's default: on by default on CPU.
+
+Heap mode fragments: the few small allocations that outlive a microbatch (autograd and Python
+objects, the adapters' gradients) land in the holes its activations leave, so the next one's large
+tensors no longer fit there and the heap grows instead. A LoRA step on a 125M Llama (2 microbatches
+of 4 x 512, fp32; mallinfo2): 0.65 GB in use and 3.34 GB free in a 4.00 GB heap before the second
+microbatch, and the heap at 5.38 GB after its forward, with 2.44 GB in use; peak RSS 5.72-6.44 GB
+over runs. `malloc_trim(0)` before each microbatch hands the free pages inside the heap back
+(MADV_DONTNEED): peak RSS 4.86 GB. The pages come back as page faults: steps alternately with and
+without it in one run, 20.53 s against 18.75 s (mean of 5), 0.5 s of it in the trim calls.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
+from functools import partial
 
 from megacore import env
 
@@ -24,15 +35,18 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 
 
-def configure_allocator(device: str) -> str:
-    """Apply the allocator setting for a run on `device`; returns what was done, for the log."""
-    mode = env.get("MEGA_TRAIN_MALLOC", "heap")
-    if device != "cpu" or mode != "heap":
-        return "default"
-    name = ctypes.util.find_library("c")
+def _glibc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(name)
-        ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune this way
-        return "default"
-    return "heap" if ok else "default"
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (musl, macOS): nothing to tune this way
+        return None
+
+
+def configure_allocator(device: str) -> Callable[[], None] | None:
+    """Apply the allocator setting for a run on `device`. Returns, in heap mode, what to call
+    before each microbatch of a step (`ParallelModel.before_microbatch`); else None."""
+    libc = _glibc() if device == "cpu" and env.get("MEGA_TRAIN_MALLOC", "heap") == "heap" else None
+    if libc is None or libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
+        return None
+    return partial(libc.malloc_trim, 0)

@@ -213,10 +213,33 @@ def _check_tokens(
             "(mega-tokenize --format chat)",
             where,
         )
+    _check_objective(at, path, tokens, run, where)
     if tokens.counts.documents < 1:
         raise UserError(f"{at}: {path} holds no documents", where)
     for shard in tokens.shards:  # the index of every shard is readable and matches its data file
         IndexedReader(path / shard.prefix)
+
+
+def _check_objective(at: str, path: Path, tokens: TokensManifest, run: RunManifest, where: str) -> None:
+    """Pairs for a preference objective, and only for one."""
+    kind = run.objective.type
+    if kind == "lm" and tokens.format == "preference":
+        raise UserError(
+            f"{at}: {path} holds preference pairs; train on them with $.objective.type dpo, simpo or orpo",
+            where,
+        )
+    if kind != "lm" and (tokens.format != "preference" or "completion" not in tokens.roles):
+        raise UserError(
+            f"{at}: $.objective.type {kind} trains on pairs, and {path} holds {tokens.format} tokens "
+            "(mega-tokenize --format preference)",
+            where,
+        )
+    if kind != "lm" and run.data.loss_on != "all":
+        raise UserError(
+            f"$.data.loss_on: {run.data.loss_on} does not apply to $.objective.type {kind}, which counts "
+            "each pair's completions",
+            where,
+        )
 
 
 def _check_init_tokenizer(
@@ -301,6 +324,12 @@ def _open_init(
             "give exactly one of `init` (a checkpoint), `config` or `hf_config` (a Hugging Face "
             f"config.json){beside if 'init' in given else ''}",
             f"{where}: {extra}",
+        )
+    if m.init is None and run.objective.type == "dpo":
+        raise UserError(
+            "$.model.init: dpo's reference is the model the run starts from: give it as `init` (a "
+            "checkpoint); simpo and orpo need none",
+            where,
         )
     if m.init is None:
         return None
@@ -529,6 +558,8 @@ def fingerprint(
         out["$.lora"] = json.dumps(dataclasses.asdict(lora.lora))
         if lora.init is not None:
             out["$.lora.init"] = sha256_bytes(read_manifest_bytes(lora.init[0])[1])
+    if run.objective.type != "lm":  # language modelling's runs keep their fingerprints
+        out["$.objective"] = json.dumps(msgspec.structs.asdict(run.objective), sort_keys=True)
     for name, value in msgspec.structs.asdict(run.optimizer).items():
         out[f"$.optimizer.{name}"] = json.dumps(value)
     for i, (path, _, weight) in enumerate(sources):

@@ -22,7 +22,8 @@
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).
 
-`train(plan, faults=...)` runs the whole; the CLI parses the fault injection tests ask for
+`train(plan, faults=...)` runs the whole (a preference objective's run: `preference.py`'s
+`PreferenceTrainer`, this trainer over pairs); the CLI parses the fault injection tests ask for
 (`faults.py`).
 """
 
@@ -166,7 +167,7 @@ class Trainer:
     def setup(self) -> None:
         """Mesh, lock, stop flag, data and model; collective."""
         run = self.run
-        configure_allocator(device_type())
+        trim = configure_allocator(device_type())
         dims = self.plan.dims
         self.mesh = build_mesh(dims.tp, dims.pp, dims.cp, dims.ep)
         self.rank = dist.get_rank()
@@ -180,6 +181,7 @@ class Trainer:
             self.plan.parallelism, compile=self.plan.compiles(torch.cuda.is_available())
         )
         self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
+        self.pm.before_microbatch = trim
         self.params = [p for p in self.pm.parameters() if p.requires_grad]  # LoRA: the adapters
         self.opt = make_optimizer(self.params, run.optimizer)
         fp16 = run.precision == "fp16"
@@ -660,7 +662,12 @@ def _finite(v: float | None) -> float | None:
 def train(plan: RunPlan, peak: float | None = None, faults: Faults | None = None) -> dict | None:
     """Train (or resume) `plan`'s run on this rank, with the faults tests inject (`faults.py`).
     Rank 0 returns the run's summary (`--json`), the other ranks None."""
-    trainer = Trainer(plan, peak, faults)
+    if plan.run.objective.type == "lm":
+        trainer = Trainer(plan, peak, faults)
+    else:  # the preference trainer is the Trainer's subclass
+        from mega_train.preference import PreferenceTrainer
+
+        trainer = PreferenceTrainer(plan, peak, faults)
     clean = False
     try:
         trainer.setup()

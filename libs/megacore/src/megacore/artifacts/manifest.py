@@ -140,6 +140,7 @@ class Shard(Struct):
 
 class TokenCounts(Struct):
     documents: int = 0
+    pairs: int = 0  # preference pairs (format "preference": documents 2k and 2k + 1 are pair k's)
     tokens: int = 0
     skipped_lines: int = 0
     skipped_examples: list[str] = []  # the first few skipped lines, `file:line: what is wrong`
@@ -156,7 +157,7 @@ class InputFile(Struct):
 class TokensManifest(Header, tag="tokens", kw_only=True):
     tokenizer: TokenizerInfo
     dtype: Literal["uint16", "int32"]
-    format: Literal["text", "chat"] = "text"
+    format: Literal["text", "chat", "preference"] = "text"
     append_eos: bool = True
     prepend_bos: bool = False
     chat_template: str | None = None
@@ -433,6 +434,20 @@ class LoggingSpec(Struct):
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
 
 
+class ObjectiveSpec(Struct):
+    """What the run minimises: language modelling (`lm`), or a preference objective over pairs
+    (tokens of `--format preference`; `megacore.models.preference` has the formulas): `dpo` (its
+    `loss` sigmoid, with cDPO's `label_smoothing`, or ipo; the reference is `init`'s model, its
+    log-probabilities computed once before training), and the reference-free `simpo` (`gamma`, the
+    target margin) and `orpo`; `beta` their β. The batch then counts pairs, two rows each."""
+
+    type: Literal["lm", "dpo", "simpo", "orpo"] = "lm"
+    beta: PositiveFloat = 0.1
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.0
+    gamma: NonNegativeFloat = 0.5
+
+
 class RunManifest(Header, tag="run", kw_only=True):
     out: Ref  # the run directory: metrics.jsonl, checkpoints, the data index cache
     model: ModelSpec
@@ -455,6 +470,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
     logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)
     lora: LoRASpec | None = None
+    objective: ObjectiveSpec = msgspec.field(default_factory=ObjectiveSpec)
     seed: int = 1234
 
     def __post_init__(self) -> None:

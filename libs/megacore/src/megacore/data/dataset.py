@@ -3,7 +3,9 @@
 The blend (`blend.py`) says how many samples each source gives, then each source's split is
 indexed for exactly the epochs that takes: a small source starts new epochs while a big one is
 still in its first. A text source gives GPT samples (`samples.py`), a chat source whole
-conversations (`packing.py`, `pack` or `pad`).
+conversations (`packing.py`, `pack` or `pad`), a preference source its pairs' two sides in adjacent
+rows (`pairs.py`; a blend of preference sources counts rows, and every source's share is whole
+pairs: even numbers of rows, `blend_index` over pairs).
 
 Building is cheap but not free (a permutation per epoch of every source), and every process of a
 job needs the same index, so with a `cache_dir` the arrays are saved once as `.npy` files in
@@ -32,6 +34,7 @@ from megacore.artifacts.reader import read_manifest_bytes
 from megacore.data.blend import blend_index
 from megacore.data.documents import Documents
 from megacore.data.packing import PackedIndex, Packing
+from megacore.data.pairs import PairIndex, pair_range
 from megacore.data.samples import SPLITS, SampleIndex, split_ranges
 
 INDEX_VERSION = 2  # bump when the index arrays or how they are built change: old caches are rebuilt
@@ -60,7 +63,7 @@ class Dataset:
 
     def __init__(
         self,
-        sources: list[SampleIndex | PackedIndex],
+        sources: list[SampleIndex | PackedIndex | PairIndex],
         source_ids: np.ndarray,
         source_samples: np.ndarray,
         doc_mask: bool = False,
@@ -69,9 +72,11 @@ class Dataset:
         self.source_ids, self.source_samples = source_ids, source_samples
         self.has_roles = bool(sources) and all(s.docs.has_roles for s in sources)
         self.doc_mask = doc_mask
-        self.has_positions = doc_mask or any(isinstance(s, PackedIndex) for s in sources)
+        self.has_positions = doc_mask or any(isinstance(s, PackedIndex | PairIndex) for s in sources)
         # Conversations longer than a sample, cut to it (a packed source's split).
         self.truncated = sum(s.truncated for s in sources if isinstance(s, PackedIndex))
+        # Pairs with a side longer than a row, left out (a preference source's split).
+        self.skipped_pairs = sum(s.skipped for s in sources if isinstance(s, PairIndex))
 
     @classmethod
     def build(
@@ -91,12 +96,13 @@ class Dataset:
         sources are packed (`packing`); `doc_mask` masks the documents of text samples apart."""
         split_id = SPLITS.index(which)
         packed = [m.format == "chat" for _, m, _ in sources]
+        paired = [m.format == "preference" for _, m, _ in sources]
         docs, manifest_shas = [], []
         for path, manifest, _ in sources:
             root, data = read_manifest_bytes(Path(path))
             docs.append(Documents(root, manifest))
             manifest_shas.append(hashlib.sha256(data).hexdigest())
-        ranges = [split_ranges(len(d), split)[split_id] for d in docs]
+        ranges = [_split(len(d), split, split_id, p) for d, p in zip(docs, paired, strict=True)]
         key = _cache_key(
             sources=[[sha, w] for sha, (_, _, w) in zip(manifest_shas, sources, strict=True)],
             split=split,
@@ -104,14 +110,14 @@ class Dataset:
             seq_length=seq_length,
             num_samples=num_samples,
             seed=seed,
-            packing=[packing if p else None for p in packed],
+            packing=[packing if p else "pairs" if q else None for p, q in zip(packed, paired, strict=True)],
         )
         target = cache_dir / f"{which}-{key[:16]}" if cache_dir is not None else None
         if target is not None and (target / MARKER).is_file():
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in target.glob("*.npy")}
-            ds = cls._from_arrays(docs, ranges, seq_length, arrays, packed, doc_mask)
+            ds = cls._from_arrays(docs, ranges, seq_length, arrays, packed, paired, doc_mask)
         else:
-            source_ids, source_samples = blend_index([w for _, _, w in sources], num_samples)
+            source_ids, source_samples = _blend([w for _, _, w in sources], num_samples, any(paired))
             needed = np.bincount(source_ids, minlength=len(sources))
             indexes = []
             for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True)):
@@ -119,11 +125,12 @@ class Dataset:
                     split_id=split_id, seq_length=seq_length, num_samples=int(n), seed=seed, source_id=j,
                     where=f"$.data.sources[{j}]",
                 )  # fmt: skip
-                indexes.append(
-                    PackedIndex.build(d, r, packing=packing, **kw)
-                    if packed[j]
-                    else SampleIndex.build(d, r, **kw)
-                )
+                if paired[j]:
+                    indexes.append(PairIndex.build(d, r, **kw))
+                elif packed[j]:
+                    indexes.append(PackedIndex.build(d, r, packing=packing, **kw))
+                else:
+                    indexes.append(SampleIndex.build(d, r, **kw))
             ds = cls(indexes, source_ids, source_samples, doc_mask)
             if target is not None:
                 _save(target, key, ds.arrays())
@@ -139,13 +146,14 @@ class Dataset:
         seq_length: int,
         arrays: dict,
         packed: list[bool],
+        paired: list[bool],
         doc_mask: bool,
     ) -> Dataset:
         source_ids, source_samples = arrays["blend_source_ids"], arrays["blend_source_samples"]
         needed = np.bincount(source_ids, minlength=len(docs))
         indexes = []
         for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True)):
-            kind = PackedIndex if packed[j] else SampleIndex
+            kind = PairIndex if paired[j] else PackedIndex if packed[j] else SampleIndex
             indexes.append(
                 kind(d, r, seq_length, int(n), **{k: arrays[f"source{j}_{k}"] for k in kind.ARRAYS})
             )
@@ -183,6 +191,21 @@ class Dataset:
             np.stack(roles) if self.has_roles else None,
             np.stack(positions) if self.has_positions else None,
         )
+
+
+def _split(n_docs: int, fractions: list[float], split_id: int, paired: bool) -> tuple[int, int]:
+    """The documents of a source's split: by pairs for a preference source."""
+    return pair_range(n_docs, fractions, split_id) if paired else split_ranges(n_docs, fractions)[split_id]
+
+
+def _blend(weights: list[float], num_samples: int, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`blend_index`'s source of every sample and its number in that source; over pairs (each
+    source's rows 2k and 2k + 1 together) when the samples are rows of pairs."""
+    if not pairs:
+        return blend_index(weights, num_samples)
+    ids, nums = blend_index(weights, -(-num_samples // 2))
+    rows = np.stack([2 * nums, 2 * nums + 1], 1).reshape(-1)
+    return np.repeat(ids, 2)[:num_samples], rows[:num_samples]
 
 
 def _cache_key(**inputs: object) -> str:

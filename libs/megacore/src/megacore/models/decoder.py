@@ -308,15 +308,15 @@ class Decoder(nn.Module):
         x: torch.Tensor,
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        reduction: Literal["mean", "sum"] = "mean",
+        reduction: Literal["mean", "sum", "rows"] = "mean",
         segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
 
         With `targets` [B, S] (last stage only) returns the next-token cross entropy over the
-        targets that are not IGNORE instead (their mean, or sum), fused with the output projection
-        (never full fp32 logits; plain tensors only: tensor-parallel weights give logits, whose loss
-        the caller computes). `positions` [B, S] packs several documents in a row: each counts
+        targets that are not IGNORE instead (their mean, sum, or each row's sum), fused with the
+        output projection (never full fp32 logits; plain tensors only: tensor-parallel weights give
+        logits, whose loss the caller computes). `positions` [B, S] packs several documents in a row: each counts
         its positions from 0, and attends only within itself (HF's packing convention). A part of
         each row (context parallel) comes with its tokens' `positions` and document ids
         (`segments`, None: one document), which a part cannot work out by itself."""

@@ -21,7 +21,9 @@ whose parts of the rows each give part of the gradient). Under cp every rank get
 whole rows and keeps its part of each (`_local`); the loss it returns is the whole rows'. Nothing
 is read back to the host: the counts, the weight and the loss stay device tensors (`Step`), so a
 GPU runs the step without waiting for it. `evaluate` runs the same microbatches forward only, and
-can hand each one's full-vocab logits to a callback (evaluation metrics). A mixture of experts'
+can hand each one's full-vocab logits to a callback (evaluation metrics). A preference objective
+takes the cross entropy's place through `rows_loss`: each row's summed log-probability, whole rows
+under cp, in training and in `evaluate` alike, and the mean is then over pairs. A mixture of experts'
 router losses are each layer's mean over the global batch's microbatches, weighted into the same
 gradients (`_weigh_router_losses`), and every step's router statistics are gathered from every
 rank and returned with the loss (`Step.moe`).
@@ -144,6 +146,18 @@ class ParallelModel:
         self.tied_copy: nn.Parameter | None = named.get("lm_head.weight") if tied else None
         self._tied_embed: nn.Parameter | None = named.get("embed.weight") if tied else None
         self._tied_group = self._tied_pair_group() if tied else None
+        # Called before each microbatch of an unpipelined step: the process's allocator may hand
+        # back what the last one freed (mega_train.allocator).
+        self.before_microbatch: Callable[[], None] | None = None
+        # A loss over each row's summed log-probability of its counted targets instead of their
+        # cross entropy (preference objectives, `megacore.models.preference`): called per
+        # microbatch, in training and in `evaluate`, with (logps [b], counted targets [b]) of whole
+        # rows and the microbatch's number in this rank's batch, it returns the microbatch's summed
+        # loss; what a step's mean divides by is then pairs, two rows each (`_counted`). A number
+        # may come twice: torch's pipeline schedules infer their backward's shapes from a first
+        # loss of microbatch 0 (torch 2.13), so a second call replaces the first.
+        self.rows_loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+        self._batch_targets: torch.Tensor | None = None  # this step's, which microbatches are views of
 
     @property
     def replicas(self) -> int:
@@ -257,6 +271,9 @@ class ParallelModel:
         of fp16 loss scaling, dp / count: `forward_backward`), `on_logits` called first if given."""
         if on_logits is not None:
             self._report(logits, targets, on_logits)
+        if self.rows_loss is not None:
+            i = self._microbatch(targets)
+            return self.rows_loss(*self._rows(self._row_logps(logits, targets), targets), i) * weight
         return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * weight
 
     def _refresh(self) -> None:
@@ -330,17 +347,20 @@ class ParallelModel:
         data = tokens if tokens is not None else targets
         if data is not None:  # middle pipeline stages get no batch; the ends check it
             check_microbatches(data.shape[0], n, "microbatches")
-        counted = _counted(targets, self.device)
+        counted = _counted(targets, self.device, pairs=self.rows_loss is not None)
         # Gradient reduction averages over the replicas (dp x cp), so each rank's share is
         # weighted up by them.
         weight = _weight(self.replicas * scale, count if count is not None else self.dp * counted)
         tokens, targets, inputs = self._local(tokens, targets, positions)
+        self._batch_targets = targets
         self._refresh()
         self._weigh_router_losses(self.replicas * scale / (n * self.dp))
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 losses = []
                 for i, (x, y, kw) in enumerate(_chunks(n, tokens, targets, inputs)):
+                    if self.before_microbatch is not None:
+                        self.before_microbatch()
                     self._grad_sync(i == n - 1)
                     loss = self._loss(x, y, kw)
                     (loss * weight).backward()
@@ -409,8 +429,9 @@ class ParallelModel:
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None
         with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
-            counted = _counted(targets, self.device)
+            counted = _counted(targets, self.device, pairs=self.rows_loss is not None)
             tokens, targets, inputs = self._local(tokens, targets, positions)
+            self._batch_targets = targets
             if self.schedule is None:
                 chunks = _chunks(n, tokens, targets, inputs)
                 return self._mean([self._loss(x, y, kw, on_logits) for x, y, kw in chunks], counted)
@@ -445,7 +466,7 @@ class ParallelModel:
         """The mean loss over the `counted` targets of this rank's rows from microbatches' summed
         losses (each times `weight`); under cp the row's parts are summed over the cp ranks."""
         total = torch.stack([x.detach().float() for x in losses]).sum() / weight
-        if self.cp_mesh is not None:
+        if self.cp_mesh is not None and self.rows_loss is None:  # a rows loss is whole rows' already
             dist.all_reduce(total, group=self.cp_mesh.get_group())
         return total / counted.clamp(min=1)
 
@@ -513,9 +534,39 @@ class ParallelModel:
         """A microbatch's summed loss without a pipeline: fused with the output projection unless
         the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`)."""
         model = self.parts[0]
+        if self.fused_loss and on_logits is None and self.rows_loss is not None:
+            return self.rows_loss(
+                *self._rows(-model(x, y, reduction="rows", **inputs), y), self._microbatch(y)
+            )
         if self.fused_loss and on_logits is None:
             return model(x, y, reduction="sum", **inputs)
         return self._microbatch_loss(model(x, **inputs), y, on_logits=on_logits)
+
+    def _microbatch(self, targets: torch.Tensor) -> int:
+        """Which microbatch of this rank's batch `targets` are (they are a view of its rows)."""
+        batch = self._batch_targets
+        row = (targets.data_ptr() - batch.data_ptr()) // (batch.stride(0) * batch.element_size())
+        return row // targets.shape[0]
+
+    def _row_logps(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each row's summed log-probability of its counted targets [b] from logits (tp: the
+        vocab-parallel cross entropy, per token)."""
+        nll = lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "none")
+        return -nll.reshape(targets.shape).sum(1)
+
+    def _rows(self, logps: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows_loss`'s inputs: whole rows' log-probabilities and counted targets. Under cp each
+        rank holds part of every row: the parts' sums are added over cp, and the gradient flows
+        back to this rank's part alone (each rank's backward then gives its part's gradient, as
+        with language modelling)."""
+        counted = (targets != IGNORE).sum(1)
+        if self.cp_mesh is None:
+            return logps, counted
+        group = self.cp_mesh.get_group()
+        whole = logps.detach().clone()
+        dist.all_reduce(whole, group=group)
+        dist.all_reduce(counted, group=group)
+        return logps + (whole - logps.detach()), counted
 
     def _report(
         self,
@@ -559,10 +610,13 @@ class ParallelModel:
                 local.copy_(box_slice(whole, (offset, shape)))
 
 
-def _counted(targets: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The targets that count (not IGNORE), a device tensor; 0 where this rank holds none."""
+def _counted(targets: torch.Tensor | None, device: torch.device, pairs: bool = False) -> torch.Tensor:
+    """The targets that count (not IGNORE), or (`pairs`) the pairs of rows, a device tensor; 0
+    where this rank holds none."""
     if targets is None:
         return torch.zeros((), dtype=torch.int64, device=device)
+    if pairs:
+        return torch.tensor(targets.shape[0] // 2, device=device)
     return (targets != IGNORE).sum()
 
 

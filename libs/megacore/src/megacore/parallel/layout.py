@@ -473,12 +473,14 @@ def fast_paths(par: Parallelism) -> dict[str, bool]:
     see is a whole plain one: the hidden norms' hand-written backward but on sequence-parallel
     shards, the per-head q/k norms' but under tp (DTensor heads), q/k/v and gate/up as one matmul
     each but under tp (each rank holds a slice of every projection), fp8 (each Float8Linear runs
-    its own matmuls) or an NF4 base (each NF4 weight dequantizes in its own matmul)."""
+    its own matmuls) or LoRA's frozen base (the concatenated weights would be one more copy of
+    them, saved for backward in every block: 197 MB a microbatch for a 125M Llama in fp32, and
+    no faster; an NF4 base dequantizes each weight in its own matmul)."""
     tp = par.spec.tp
     return {
         "norms": not (par.spec.sequence_parallel and tp > 1),
         "head_norms": tp == 1,
-        "projections": tp == 1 and par.precision != "fp8" and not nf4_base(par),
+        "projections": tp == 1 and par.precision != "fp8" and par.lora is None,
     }
 
 

@@ -1,0 +1,324 @@
+"""Preference runs of mega-train (DPO, IPO, SimPO, ORPO) against a plain PyTorch loop over
+transformers that computes each objective from its paper's formula on the same token ids.
+
+The pairs are tokenized here with SentencePiece itself (prompt and completion apart, the
+completion ending in EOS, as TRL does) and must be what `mega-tokenize --format preference` wrote.
+Every step's batch is every pair of the data (global batch = the pairs), so the loop needs no
+knowledge of the run's shuffle: a mean over pairs does not depend on their order."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_one_line_error, run_in_process
+from hf_cases import build, load_hf
+from runlib import TINY_LLAMA, metrics, ok, torchrun, train, write_run
+from tokenize_testlib import documents, write_jsonl
+
+PAIRS = [
+    ("What colour is the sky?", "The sky is blue on a clear day.", "Green, mostly."),
+    ("Name a fruit.", "An apple is a fruit.", "A chair."),
+    ("How many legs has a cat?", "A cat has four legs.", "Seven or so."),
+    ("Where does the sun rise?", "The sun rises in the east.", "Under the sea."),
+]
+STEPS = 10
+OPT = {"lr": 2e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.1, "grad_clip": 1.0}
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, sp_model: Path) -> Path:
+    root = tmp_path_factory.mktemp("pairs")
+    src = write_jsonl(root / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    out = root / "tokens"
+    proc = run_in_process("mega-tokenize", src, out, "--tokenizer", sp_model, "--format", "preference")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random Llama (4 layers: ZBV puts two stages on each of 2 ranks) as transformers saves
+    it, and converted: (HF directory, checkpoint)."""
+    root = tmp_path_factory.mktemp("pref-base")
+    hf = build("llama", root / "hf", vocab_size=400, num_hidden_layers=4)
+    assert run_in_process("mega-convert", "hf", hf, root / "base").returncode == 0
+    return hf, root / "base"
+
+
+def rows(sp_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Chosen, rejected, chosen, ...: (ids, mask of the completion's tokens)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    out = []
+    for prompt, *sides in PAIRS:
+        p = sp.encode(prompt)
+        for side in sides:
+            c = [*sp.encode(side), sp.eos_id()]
+            out.append((torch.tensor(p + c), torch.tensor([0] * len(p) + [1] * len(c), dtype=torch.bool)))
+    return out
+
+
+def sequence_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log π(completion | prompt): the completion tokens' log-probabilities, summed."""
+    logits = model(ids[None]).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+    return (lp * mask[1:]).sum()
+
+
+def paper_loss(kind: str, beta: float, pc, pr, rc, rr, nc: int, nr: int, nll_c) -> torch.Tensor:
+    """One pair's loss as the papers write it (DPO eq. 7, IPO eq. 17, SimPO eq. 6, ORPO eq. 6-7)."""
+    if kind == "dpo":
+        return -F.logsigmoid(beta * ((pc - rc) - (pr - rr)))
+    if kind == "ipo":
+        return ((pc - rc) - (pr - rr) - 1 / (2 * beta)) ** 2
+    if kind == "simpo":
+        return -F.logsigmoid(beta / nc * pc - beta / nr * pr - 0.5)
+    odds_c = torch.exp(pc / nc) / (1 - torch.exp(pc / nc))
+    odds_r = torch.exp(pr / nr) / (1 - torch.exp(pr / nr))
+    return nll_c / nc - beta * F.logsigmoid(torch.log(odds_c / odds_r))
+
+
+def plain_loop(hf: Path, data: list, kind: str, beta: float) -> list[dict]:
+    """10 AdamW steps over all pairs, as mega-train's optimizer is set (no decay of 1-D weights)."""
+    policy, reference = load_hf(hf).train(), load_hf(hf)
+    params = list(policy.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=OPT["lr"], betas=(0.9, 0.95), eps=1e-8)
+    with torch.no_grad():
+        ref = [sequence_logps(reference, ids, mask) for ids, mask in data]
+    records = []
+    for _ in range(STEPS):
+        logps = [sequence_logps(policy, ids, mask) for ids, mask in data]
+        losses, rewards = [], []
+        for k in range(0, len(data), 2):
+            pc, pr, nc, nr = logps[k], logps[k + 1], int(data[k][1].sum()), int(data[k + 1][1].sum())
+            losses.append(paper_loss(kind, beta, pc, pr, ref[k], ref[k + 1], nc, nr, -pc))
+            if kind in ("dpo", "ipo"):
+                rewards.append(
+                    (beta * (pc - ref[k]).item(), beta * (pr - ref[k + 1]).item(), pc.item(), pr.item())
+                )
+            else:
+                rewards.append((beta * pc.item() / nc, beta * pr.item() / nr, pc.item() / nc, pr.item() / nr))
+        loss = torch.stack(losses).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])
+        opt.step()
+        n = len(rewards)
+        records.append({
+            "loss": loss.item(),
+            "rewards/chosen": sum(r[0] for r in rewards) / n,
+            "rewards/rejected": sum(r[1] for r in rewards) / n,
+            "rewards/accuracies": sum(r[0] > r[1] for r in rewards) / n,
+            "rewards/margins": sum(r[0] - r[1] for r in rewards) / n,
+            "logps/chosen": sum(r[2] for r in rewards) / n,
+            "logps/rejected": sum(r[3] for r in rewards) / n,
+        })  # fmt: skip
+    return records
+
+
+def preference_run(directory: Path, pairs: Path, base: Path, objective: dict, **overrides) -> Path:
+    settings = {
+        "train_steps": STEPS, "optimizer": OPT, "eval": {"every": 0}, "checkpoint": {"every": 100},
+        "data": {"sources": [{"path": str(pairs)}], "split": [1.0]},
+        "batch": {"micro_batch_size": 2, "global_batch_size": len(PAIRS), "seq_length": 48},
+    }  # fmt: skip
+    return write_run(directory, pairs, init=base, objective=objective, **{**settings, **overrides})
+
+
+def test_the_artifact_holds_the_pairs_as_tokenized_apart(pairs: Path, sp_model: Path) -> None:
+    data = rows(sp_model)
+    assert documents(pairs) == [ids.tolist() for ids, _ in data]
+    completion = json.loads((pairs / "manifest.json").read_text())["roles"]["completion"]
+    assert [[r == completion for r in doc] for doc in documents(pairs, "roles")] == [
+        m.tolist() for _, m in data
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "objective"),
+    [
+        ("dpo", {"type": "dpo", "beta": 0.1}),
+        ("ipo", {"type": "dpo", "loss": "ipo", "beta": 0.1}),
+        ("simpo", {"type": "simpo", "beta": 2.0, "gamma": 0.5}),
+        ("orpo", {"type": "orpo", "beta": 0.1}),
+    ],
+)
+def test_losses_and_rewards_equal_the_papers_formulas_over_transformers(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], sp_model: Path, kind: str, objective: dict
+) -> None:
+    """10 AdamW steps, fp32: every step's loss and log-probabilities within 1e-5 relative, and the
+    rewards within 1e-5 of the log-probabilities they are differences of (the accuracies exactly),
+    of the plain loop's, which computes the objective on transformers' logits. IPO's loss, a square
+    that training drives towards 0, within what 1e-5 of its log-probabilities makes of it."""
+    hf, ckpt = base
+    ok(train(preference_run(tmp_path, pairs, ckpt, objective)))
+    got = metrics(tmp_path / "run")
+    want = plain_loop(hf, rows(sp_model), kind, objective["beta"])
+    assert len(got) == STEPS
+    for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
+        # A DPO reward is β times a difference of two close log-probabilities: its error is
+        # relative to theirs (fp32 sums of ~15 tokens agree to ~1e-7 here).
+        logps = max(abs(w["logps/chosen"]), abs(w["logps/rejected"]))
+        tol = {name: REL * abs(value) for name, value in w.items()}
+        tol |= {name: REL * 2 * objective["beta"] * logps for name in w if name.startswith("rewards/")}
+        if kind == "ipo":  # (h - 1/2β)² near its minimum: 2 |h - 1/2β| times h's error (4 sums)
+            dh = REL * 4 * logps
+            tol["loss"] = 2 * math.sqrt(w["loss"]) * dh + dh**2
+        for name, value in w.items():
+            assert abs(g[name] - value) <= tol[name], (step, name, g[name], value)
+    assert want[-1]["loss"] < want[0]["loss"]  # it learned something: the comparison is not of constants
+
+
+def test_bad_objectives_are_refused_in_one_line(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], tokens: Path
+) -> None:
+    _, ckpt = base
+    assert_one_line_error(
+        train(preference_run(tmp_path / "beta", pairs, ckpt, {"type": "dpo", "beta": 0})), "beta"
+    )
+    lm = write_run(
+        tmp_path / "lm", pairs, init=ckpt, data={"sources": [{"path": str(pairs)}], "split": [1.0]}
+    )
+    assert_one_line_error(train(lm), "preference pairs", "$.objective.type")
+    plain = write_run(tmp_path / "plain", tokens, init=ckpt, objective={"type": "dpo"})
+    assert_one_line_error(train(plain), "$.objective.type dpo trains on pairs", "--format preference")
+    fresh = write_run(
+        tmp_path / "fresh", pairs, objective={"type": "dpo"}, data={"sources": [{"path": str(pairs)}]}
+    )
+    assert_one_line_error(train(fresh), "$.model.init", "reference")
+
+
+LAYOUT_STEPS = {"train_steps": 3}
+LORA = {
+    "rank": 4,
+    "alpha": 8,
+    "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, pairs: Path, base: tuple[Path, Path]) -> dict[str, Path]:
+    """Three DPO steps in one process, full and LoRA: what every layout must give."""
+    out = {}
+    for name, extra in (("full", {}), ("lora", {"lora": LORA})):
+        d = tmp_path_factory.mktemp(f"dpo-one-{name}")
+        ok(train(preference_run(d, pairs, base[1], {"type": "dpo", "beta": 0.1}, **LAYOUT_STEPS, **extra)))
+        out[name] = d / "run"
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # `make test` runs a pipeline and LoRA over FSDP2; the rest with `make test-slow`.
+        pytest.param({"parallel": {"tp": 2, "sequence_parallel": True}}, marks=pytest.mark.slow),
+        {"parallel": {"pp": 2, "schedule": "1f1b"}},
+        pytest.param({"parallel": {"pp": 2, "schedule": "zbv"}}, marks=pytest.mark.slow),
+        pytest.param({"parallel": {"cp": 2}}, marks=pytest.mark.slow),
+        pytest.param({}, marks=pytest.mark.slow),  # dp 2 (FSDP2)
+        {"lora": LORA},  # dp 2, the reference the base with its adapters off
+    ],
+    ids=["tp2-sp", "pp2-1f1b", "pp2-zbv", "cp2", "dp2", "lora-dp2"],
+)
+def test_dpo_in_each_layout_equals_one_process(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], one_process: dict[str, Path], layout: dict
+) -> None:
+    """Losses and TRL's metrics of three steps within 1e-5 of one process's (fp32)."""
+    run_json = preference_run(
+        tmp_path, pairs, base[1], {"type": "dpo", "beta": 0.1}, **LAYOUT_STEPS, **layout
+    )
+    ok(torchrun(2, run_json))
+    want = metrics(one_process["lora" if "lora" in layout else "full"])
+    got = metrics(tmp_path / "run")
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
+        for name in (
+            "loss",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ):
+            scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
+            assert abs(g[name] - w[name]) <= 1e-5 * scale, (step, name, g[name], w[name])
+
+
+# The story: a tiny Llama instruction-tuned on answers that are mostly unkind, then DPO-tuned on
+# pairs whose chosen answer is kind, prefers the kind answer for objects it never saw far more
+# often after DPO than before, as transformers measures it on the two exports.
+WORDS = ["apple", "river", "stone", "cloud", "bread", "horse", "lamp", "chair", "garden", "window",
+         "candle", "forest", "bottle", "mirror", "pencil", "basket", "ladder", "button", "carpet", "wagon",
+         "kettle", "saddle", "tunnel", "violin", "harbor", "meadow", "anchor", "blanket", "compass", "feather",
+         "island", "jacket", "lantern", "marble", "needle", "orchard", "pillow", "quarry", "ribbon", "shovel"]  # fmt: skip
+SEEN, UNSEEN = WORDS[:30], WORDS[30:]
+
+
+def user(w: str) -> dict:
+    return {"role": "user", "content": f"Tell me about the {w}."}
+
+
+def answer(w: str, kind: bool) -> dict:
+    return {"role": "assistant", "content": f"The {w} is {'lovely' if kind else 'broken'}."}
+
+
+def kind_rate(export: Path) -> float:
+    """Of the unseen objects, how often the model gives the kind answer the higher log-probability."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    wins = 0
+    for w in UNSEEN:
+        prompt = tok.apply_chat_template([user(w)], tokenize=True, return_dict=False)
+        logps = []
+        for kind in (True, False):
+            ids = tok.apply_chat_template([user(w), answer(w, kind)], tokenize=True, return_dict=False)
+            assert ids[: len(prompt)] == prompt
+            mask = torch.tensor([0] * len(prompt) + [1] * (len(ids) - len(prompt)), dtype=torch.bool)
+            with torch.no_grad():
+                logps.append(sequence_logps(model, torch.tensor(ids), mask).item())
+        wins += logps[0] > logps[1]
+    return wins / len(UNSEEN)
+
+
+def test_story_dpo_teaches_the_preference_instruction_tuning_did_not(tmp_path: Path, hf_dir: Path) -> None:
+    """Instruction tuning on every seen object's unkind answer twice and its kind one once, then
+    DPO on the seen objects' pairs (kind chosen): on the ten unseen objects the kind answer wins
+    far more often after DPO than before (measured: the rates printed)."""
+    chats = [{"messages": [user(w), answer(w, kind)]} for w in SEEN for kind in (False, True, False)]
+    pairs = [{"prompt": [user(w)], "chosen": [answer(w, True)], "rejected": [answer(w, False)]} for w in SEEN]
+    for name, rows, fmt in (("chat", chats, "chat"), ("pairs", pairs, "preference")):
+        src = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        args = ("--tokenizer", hf_dir, "--format", fmt, "--chat-template", "tokenizer")
+        assert run_in_process("mega-tokenize", src, tmp_path / name, *args).returncode == 0
+    model = {"config": {**TINY_LLAMA, "vocab_size": 500}}
+    common = {"optimizer": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"}, "eval": {"every": 0},
+              "batch": {"micro_batch_size": 6, "global_batch_size": 6, "seq_length": 48}}  # fmt: skip
+    sft = write_run(tmp_path / "sft", tmp_path / "chat", model=model, train_steps=60, **common,
+                    data={"sources": [{"path": str(tmp_path / "chat")}], "split": [1.0], "loss_on": "assistant"})  # fmt: skip
+    ok(train(sft))
+    sft_ckpt = tmp_path / "sft" / "run" / "checkpoints" / "step-00000060"
+    dpo = preference_run(tmp_path / "dpo", tmp_path / "pairs", sft_ckpt, {"type": "dpo", "beta": 0.1},
+                         train_steps=30, **common)  # fmt: skip
+    ok(train(dpo))
+    for ckpt, out in (
+        (sft_ckpt, "sft-hf"),
+        (tmp_path / "dpo" / "run" / "checkpoints" / "step-00000030", "dpo-hf"),
+    ):
+        assert run_in_process("mega-export", ckpt, tmp_path / out).returncode == 0
+    before, after = kind_rate(tmp_path / "sft-hf"), kind_rate(tmp_path / "dpo-hf")
+    print(
+        f"kind answer preferred on unseen objects: {before:.0%} after instruction tuning, {after:.0%} after DPO"
+    )
+    assert before <= 0.3 and after >= 0.9, (before, after)

@@ -1,0 +1,207 @@
+"""A preference run (`objective` dpo, simpo or orpo): the trainer's steps over pairs.
+
+`PreferenceTrainer` is the `Trainer` with these differences, each a method of its own:
+- the batch counts pairs, two rows each (`megacore.data.pairs`: chosen then rejected, whole in
+  their rows), so a microbatch never splits a pair; a step's rows are `2 x global_batch_size`;
+- the targets are the completions' tokens (their role code, `completion`); the engine sums each
+  row's log-probabilities of them and hands them to the objective (`ParallelModel.rows_loss`,
+  `megacore.models.preference`), whose mean over the batch's pairs is the loss;
+- DPO's reference is `init`'s model (under LoRA the base with its adapters off): its log-
+  probabilities of every row the run will train and evaluate on are computed once, before the first
+  step, with the engine's forward in the run's layout, and stored in the run directory
+  (`reference-logps.safetensors`, with a key of everything they depend on), so a resumed run
+  reads them back. Precomputed rather than alongside each step: the reference then costs one forward
+  per row once instead of a second model in memory (without LoRA) or a second forward every step;
+- TRL's metrics (`rewards/chosen`, ..., `megacore.models.preference.METRICS`) in every train and
+  eval record: sums over the pairs of every rank, one all-reduce, divided by the batch's pairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import ExitStack
+
+import torch
+import torch.distributed as dist
+
+from mega_train import __version__
+from mega_train.checkpoints import PRODUCER
+from mega_train.metrics import say
+from mega_train.trainer import Trainer
+from megacore.artifacts.reader import parent_of
+from megacore.config import is_adapter_tensor
+from megacore.data.dataset import Batch, Dataset
+from megacore.errors import UserError
+from megacore.models.lora import adapters_off
+from megacore.models.preference import METRICS, Preference, pair_losses, pair_metrics
+
+REFERENCE_FILE = "reference-logps.safetensors"
+
+
+class PreferenceTrainer(Trainer):
+    """One rank's part of a preference run (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        spec = self.run.objective
+        self.objective = Preference(spec.type, spec.beta, spec.loss, spec.label_smoothing, spec.gamma)
+        self.pairs = self.G  # the batch counts pairs
+        self.G = 2 * self.pairs  # and the data rows
+        self.reference: dict[str, torch.Tensor] = {}  # "train", "valid": [batches, rows]
+        self._sums: dict[int, torch.Tensor] = {}  # each microbatch's metric sums, of a step or evaluation
+
+    def _open_data(self) -> None:
+        super()._open_data()
+        self.train_role = self.plan.data[0][1].roles["completion"]
+        self.assistant_code = None
+        if self.rank == 0 and self.train_data.skipped_pairs:
+            say(
+                f"mega-train: warning: {self.train_data.skipped_pairs} pairs of the train split have a side "
+                f"longer than seq_length + 1 = {self.S + 1} tokens and are left out"
+            )
+
+    # --- the reference --------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        if self.objective.needs_reference:
+            self.reference = self._stored_reference() or self._compute_reference()
+        super().resume()
+
+    def _reference_key(self) -> str:
+        """What the reference's log-probabilities depend on: the init checkpoint, the data and how
+        the rows are drawn from it, the precision, how many batches."""
+        run, plan = self.run, self.plan
+        blob = {
+            "init": parent_of(plan.init[0]).manifest_sha256,
+            "sources": [parent_of(p).manifest_sha256 for p, _, _ in plan.data],
+            "weights": [w for _, _, w in plan.data],
+            "split": run.data.split, "seq_length": self.S, "rows": self.G, "seed": run.seed,
+            "train": run.train_steps, "valid": run.eval.iters if run.eval.every else 0,
+            "precision": run.precision, "lora": plan.lora is not None,
+        }  # fmt: skip
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+    def _stored_reference(self) -> dict[str, torch.Tensor] | None:
+        """The stored log-probabilities when they are this run's (same key), else None."""
+        from safetensors import safe_open
+
+        path = self.plan.out / REFERENCE_FILE
+        if not path.is_file():
+            return None
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("producer") != PRODUCER:
+                raise UserError(f"{path} was not written by mega-train; move it out of the run directory")
+            if meta.get("key") != self._reference_key():
+                return None
+            return {k: f.get_tensor(k).to(self.device) for k in f.keys()}  # noqa: SIM118 (safe_open)
+
+    def _compute_reference(self) -> dict[str, torch.Tensor]:
+        """The reference's log-probabilities of every train and valid row (collective), written
+        by rank 0 (replacing an earlier run's, whose key differs)."""
+        lora = self.plan.lora is not None
+        self._load_weights(
+            self.plan.init[0], only=(lambda name: not is_adapter_tensor(name)) if lora else None
+        )
+        with ExitStack() as off:
+            for part in self.pm.parts if lora else ():
+                off.enter_context(adapters_off(part))
+            out = {"train": self._logps(self.train_data, self.run.train_steps)}
+            if self.valid_data is not None:
+                out["valid"] = self._logps(self.valid_data, self.run.eval.iters)
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            path = self.plan.out / REFERENCE_FILE
+            tmp = path.with_name(f".{path.name}.tmp")
+            meta = {"producer": PRODUCER, "version": __version__, "key": self._reference_key()}
+            save_file({k: v.cpu().contiguous() for k, v in out.items()}, tmp, metadata=meta)
+            tmp.replace(path)
+            say(
+                f"mega-train: reference log-probabilities of {sum(v.numel() for v in out.values())} rows in {path}"
+            )
+        return out
+
+    def _logps(self, data: Dataset, batches: int) -> torch.Tensor:
+        """The model's summed log-probability of every row's completion, [batches, rows], on every
+        rank: each dp rank's rows from the ranks that report them, added up over the world."""
+        table = torch.zeros(batches, self.G, dtype=torch.float64, device=self.device)
+        n = self.G // self.dp
+        for k in range(batches):
+            got: dict[int, torch.Tensor] = {}
+
+            def keep(logps: torch.Tensor, counted: torch.Tensor, i: int, got=got) -> torch.Tensor:
+                got[i] = logps.detach().double()
+                return logps.sum()
+
+            self.pm.rows_loss = keep
+            tokens, targets, positions, _ = self.batch(self.rows(data, k), self.train_role)
+            self.pm.evaluate(tokens, targets, positions=positions)
+            if self.pm.reports_logits:
+                table[k, self.dp_rank * n : (self.dp_rank + 1) * n] = torch.cat([got[i] for i in sorted(got)])
+        self.pm.rows_loss = None
+        dist.all_reduce(table)
+        return table
+
+    # --- steps and evaluation -------------------------------------------------------------------
+
+    def batch(self, b: Batch, role: int | None) -> tuple:
+        """The Trainer's, counting this rank's pairs."""
+        inputs, targets, positions, _ = super().batch(b, role)
+        return inputs, targets, positions, b.tokens.shape[0] // 2
+
+    def global_count(self, counted: torch.Tensor | int) -> int:
+        return self.pairs
+
+    def _use(self, which: str, k: int) -> None:
+        """The objective for batch k of `which`, its reference rows by microbatch."""
+        refs: list[torch.Tensor] | None = None
+        if self.reference:
+            n = self.G // self.dp
+            mine = self.reference[which][k, self.dp_rank * n : (self.dp_rank + 1) * n]
+            refs = list(mine.to(torch.float32).chunk(self.pm.par.microbatches))
+        self._sums = {}
+
+        def rows_loss(logps: torch.Tensor, counted: torch.Tensor, i: int) -> torch.Tensor:
+            ref = refs[i].to(logps.dtype) if refs is not None else None
+            loss, stats = pair_losses(self.objective, logps.float(), counted, ref)
+            self._sums[i] = pair_metrics(stats.double())  # a repeated microbatch replaces its sums
+            return loss.sum()
+
+        self.pm.rows_loss = rows_loss
+
+    def _metrics(self) -> dict[str, torch.Tensor]:
+        """TRL's metrics of the last batch, over every rank's pairs (one all-reduce)."""
+        total = torch.zeros(len(METRICS), dtype=torch.float64, device=self.device)
+        if self.pm.reports_logits and self._sums:
+            total += torch.stack(list(self._sums.values())).sum(0)
+        dist.all_reduce(total)
+        return dict(zip(METRICS, total / self.pairs, strict=True))
+
+    def step(self) -> bool:
+        self._use("train", self.position.step)
+        stopping = super().step()
+        self.pending[-1].device.update(self._metrics())
+        return stopping
+
+    def evaluate(self) -> dict[str, float]:
+        """The objective's loss and TRL's metrics over the first `eval.iters` valid batches."""
+        losses, sums = [], {}
+        for k in range(self.run.eval.iters):
+            self._use("valid", k)
+            tokens, targets, positions, counted = self.batch(self.rows(self.valid_data, k), self.train_role)
+            loss = self.pm.evaluate(tokens, targets, positions=positions)
+            losses.append(self.reduce_loss(loss if self.pm.has_last else None, counted)[0])
+            for name, v in self._metrics().items():
+                sums[name] = sums.get(name, 0.0) + v
+        values = torch.stack([*losses, *sums.values()]).tolist()
+        iters = self.run.eval.iters
+        return {
+            "loss": sum(values[:iters]) / iters,
+            **{k: v / iters for k, v in zip(sums, values[iters:], strict=True)},
+        }
+
+    def eval_record(self, ev: dict[str, float]) -> dict:
+        self.position.metrics["valid_loss"] = ev["loss"]
+        return {"step": self.position.step, "kind": "eval", **ev}
