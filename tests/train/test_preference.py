@@ -1,5 +1,6 @@
 """Preference runs of mega-train (DPO, IPO, SimPO, ORPO) against a plain PyTorch loop over
-transformers that computes each objective from its paper's formula on the same token ids.
+transformers that computes each objective from its paper's formula on the same token ids, and
+against TRL's DPOTrainer; in every layout against one process; and the SFT -> DPO story.
 
 The pairs are tokenized here with SentencePiece itself (prompt and completion apart, the
 completion ending in EOS, as TRL does) and must be what `mega-tokenize --format preference` wrote.
@@ -27,6 +28,13 @@ PAIRS = [
     ("How many legs has a cat?", "A cat has four legs.", "Seven or so."),
     ("Where does the sun rise?", "The sun rises in the east.", "Under the sea."),
 ]
+# Held out: the valid split of a run over PAIRS + VALID (split by pairs, half and half).
+VALID = [
+    ("Name a colour.", "Red is a colour.", "A spoon."),
+    ("What do bees make?", "Bees make honey.", "Bricks, mostly."),
+    ("Is ice cold?", "Yes, ice is cold.", "It is warm."),
+    ("What is two plus two?", "Two plus two is four.", "Nine."),
+]
 STEPS = 10
 OPT = {"lr": 2e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.1, "grad_clip": 1.0}
 REL = 1e-5
@@ -52,13 +60,15 @@ def base(tmp_path_factory) -> tuple[Path, Path]:
     return hf, root / "base"
 
 
-def rows(sp_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rows(
+    sp_model: Path, pairs: list[tuple[str, str, str]] = PAIRS
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Chosen, rejected, chosen, ...: (ids, mask of the completion's tokens)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     out = []
-    for prompt, *sides in PAIRS:
+    for prompt, *sides in pairs:
         p = sp.encode(prompt)
         for side in sides:
             c = [*sp.encode(side), sp.eos_id()]
@@ -86,8 +96,35 @@ def paper_loss(kind: str, beta: float, pc, pr, rc, rr, nc: int, nr: int, nll_c) 
     return nll_c / nc - beta * F.logsigmoid(torch.log(odds_c / odds_r))
 
 
-def plain_loop(hf: Path, data: list, kind: str, beta: float) -> list[dict]:
-    """10 AdamW steps over all pairs, as mega-train's optimizer is set (no decay of 1-D weights)."""
+def batch_record(kind: str, beta: float, data: list, logps: list, ref: list) -> tuple[torch.Tensor, dict]:
+    """The mean loss over the pairs of `data` and TRL's six metrics, from the papers' formulas."""
+    losses, rewards = [], []
+    for k in range(0, len(data), 2):
+        pc, pr, nc, nr = logps[k], logps[k + 1], int(data[k][1].sum()), int(data[k + 1][1].sum())
+        losses.append(paper_loss(kind, beta, pc, pr, ref[k], ref[k + 1], nc, nr, -pc))
+        if kind in ("dpo", "ipo"):
+            rewards.append(
+                (beta * (pc - ref[k]).item(), beta * (pr - ref[k + 1]).item(), pc.item(), pr.item())
+            )
+        else:
+            rewards.append((beta * pc.item() / nc, beta * pr.item() / nr, pc.item() / nc, pr.item() / nr))
+    loss, n = torch.stack(losses).mean(), len(rewards)
+    return loss, {
+        "loss": loss.item(),
+        "rewards/chosen": sum(r[0] for r in rewards) / n,
+        "rewards/rejected": sum(r[1] for r in rewards) / n,
+        "rewards/accuracies": sum(r[0] > r[1] for r in rewards) / n,
+        "rewards/margins": sum(r[0] - r[1] for r in rewards) / n,
+        "logps/chosen": sum(r[2] for r in rewards) / n,
+        "logps/rejected": sum(r[3] for r in rewards) / n,
+    }
+
+
+def plain_loop(
+    hf: Path, data: list, kind: str, beta: float, steps: int = STEPS, valid: list | None = None
+) -> tuple[list[dict], dict | None]:
+    """AdamW steps over all pairs of `data`, as mega-train's optimizer is set (no decay of 1-D
+    weights): each step's record, and the record over the pairs of `valid` after the last."""
     policy, reference = load_hf(hf).train(), load_hf(hf)
     params = list(policy.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
@@ -96,34 +133,20 @@ def plain_loop(hf: Path, data: list, kind: str, beta: float) -> list[dict]:
     with torch.no_grad():
         ref = [sequence_logps(reference, ids, mask) for ids, mask in data]
     records = []
-    for _ in range(STEPS):
-        logps = [sequence_logps(policy, ids, mask) for ids, mask in data]
-        losses, rewards = [], []
-        for k in range(0, len(data), 2):
-            pc, pr, nc, nr = logps[k], logps[k + 1], int(data[k][1].sum()), int(data[k + 1][1].sum())
-            losses.append(paper_loss(kind, beta, pc, pr, ref[k], ref[k + 1], nc, nr, -pc))
-            if kind in ("dpo", "ipo"):
-                rewards.append(
-                    (beta * (pc - ref[k]).item(), beta * (pr - ref[k + 1]).item(), pc.item(), pr.item())
-                )
-            else:
-                rewards.append((beta * pc.item() / nc, beta * pr.item() / nr, pc.item() / nc, pr.item() / nr))
-        loss = torch.stack(losses).mean()
+    for _ in range(steps):
+        loss, record = batch_record(kind, beta, data, [sequence_logps(policy, i, m) for i, m in data], ref)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])
         opt.step()
-        n = len(rewards)
-        records.append({
-            "loss": loss.item(),
-            "rewards/chosen": sum(r[0] for r in rewards) / n,
-            "rewards/rejected": sum(r[1] for r in rewards) / n,
-            "rewards/accuracies": sum(r[0] > r[1] for r in rewards) / n,
-            "rewards/margins": sum(r[0] - r[1] for r in rewards) / n,
-            "logps/chosen": sum(r[2] for r in rewards) / n,
-            "logps/rejected": sum(r[3] for r in rewards) / n,
-        })  # fmt: skip
-    return records
+        records.append(record)
+    if valid is None:
+        return records, None
+    with torch.no_grad():
+        ref = [sequence_logps(reference, ids, mask) for ids, mask in valid]
+        return records, batch_record(
+            kind, beta, valid, [sequence_logps(policy, i, m) for i, m in valid], ref
+        )[1]
 
 
 def preference_run(directory: Path, pairs: Path, base: Path, objective: dict, **overrides) -> Path:
@@ -163,7 +186,7 @@ def test_losses_and_rewards_equal_the_papers_formulas_over_transformers(
     hf, ckpt = base
     ok(train(preference_run(tmp_path, pairs, ckpt, objective)))
     got = metrics(tmp_path / "run")
-    want = plain_loop(hf, rows(sp_model), kind, objective["beta"])
+    want, _ = plain_loop(hf, rows(sp_model), kind, objective["beta"])
     assert len(got) == STEPS
     for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
         # A DPO reward is β times a difference of two close log-probabilities: its error is
@@ -322,3 +345,120 @@ def test_story_dpo_teaches_the_preference_instruction_tuning_did_not(tmp_path: P
         f"kind answer preferred on unseen objects: {before:.0%} after instruction tuning, {after:.0%} after DPO"
     )
     assert before <= 0.3 and after >= 0.9, (before, after)
+
+
+def trl_records(hf: Path, tokenizer: Path, data: list, tmp_path: Path, steps: int) -> list[dict]:
+    """TRL's DPOTrainer for `steps` steps over all the pairs. The ids are handed to it as they are:
+    a dataset of `prompt_ids`, `chosen_ids` and `rejected_ids` (the columns its collator reads) set as
+    its train dataset after it is built, so its own tokenization plays no part."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    rows = []
+    for k in range(0, len(data), 2):
+        (c, cm), (r, _) = data[k], data[k + 1]
+        n = int((~cm).sum())
+        rows.append(
+            {"prompt_ids": c[:n].tolist(), "chosen_ids": c[n:].tolist(), "rejected_ids": r[n:].tolist()}
+        )
+    texts = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows), max_steps=steps,
+        learning_rate=OPT["lr"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+        beta=0.1, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0, max_length=None,
+        bf16=False,  # TRL turns on bf16 autocast by default: fp32, as the run
+    )  # fmt: skip
+    # Any tokenizer with an EOS: it pads the batch (on the right, masked) and tokenizes nothing here.
+    trainer = DPOTrainer(
+        model=str(hf),
+        args=args,
+        train_dataset=texts,
+        processing_class=AutoTokenizer.from_pretrained(tokenizer),
+    )
+    trainer.train_dataset = Dataset.from_list(rows)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "rewards/chosen" in h]
+
+
+def test_trl_dpo_trainer_on_the_same_ids_agrees(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], sp_model: Path, hf_dir: Path
+) -> None:
+    """TRL's DPOTrainer (its defaults but the optimizer's settings, which both sides share: AdamW
+    betas 0.9, 0.95, no weight decay, a constant rate, clipping at 1) over the same ids: three
+    steps' losses and TRL's six metrics within 1e-5 (the rewards of the log-probabilities' scale)."""
+    hf, ckpt = base
+    opt = {**OPT, "weight_decay": 0.0}
+    ok(
+        train(
+            preference_run(tmp_path, pairs, ckpt, {"type": "dpo", "beta": 0.1}, train_steps=3, optimizer=opt)
+        )
+    )
+    got = metrics(tmp_path / "run")
+    want = trl_records(hf, hf_dir, rows(sp_model), tmp_path, 3)
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
+        scale = abs(w["logps/chosen"])
+        for name in (
+            "loss",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ):
+            tol = 1e-5 * (scale if name.startswith("rewards/") else abs(w[name]))
+            assert abs(g[name] - w[name]) <= tol, (step, name, g[name], w[name])
+        assert g["rewards/accuracies"] == w["rewards/accuracies"], step
+
+
+def test_the_dry_run_counts_pairs_and_plans_their_rows(
+    tmp_path: Path, pairs: Path, tokens: Path, base: tuple[Path, Path]
+) -> None:
+    """The dry run says the batch counts pairs, and plans a micro batch of 2 pairs as it plans a
+    language-modelling run's micro batch of 4 rows: the same bytes per rank."""
+    dpo = preference_run(tmp_path / "dpo", pairs, base[1], {"type": "dpo"})
+    proc = ok(train(dpo, "--dry-run", "--gpu-memory", "80GB"))
+    assert "batch 4 pairs = micro 2 x dp 1 x accum 2" in proc.stdout and "objective dpo" in proc.stdout
+    ours = json.loads(ok(train(dpo, "--dry-run", "--gpu-memory", "80GB", "--json")).stdout)
+    assert (ours["objective"], ours["batch"]["rows_per_sample"]) == ("dpo", 2)
+    lm = write_run(
+        tmp_path / "lm",
+        tokens,
+        init=base[1],
+        batch={"micro_batch_size": 4, "global_batch_size": 8, "seq_length": 48},
+    )
+    theirs = json.loads(ok(train(lm, "--dry-run", "--gpu-memory", "80GB", "--json")).stdout)
+    assert ours["memory"]["ranks"] == theirs["memory"]["ranks"]
+    assert ours["memory"]["micro_batch_size"] == 4
+
+
+def test_evaluation_on_held_out_pairs_equals_the_plain_loops(
+    tmp_path: Path, sp_model: Path, base: tuple[Path, Path]
+) -> None:
+    """Pairs split half and half by pair: after 4 steps on the train half, the eval record over
+    the held-out half (loss and TRL's metrics, the reference's log-probabilities of the valid rows
+    precomputed too) equals the plain loop's on the same pairs (fp32, 1e-5)."""
+    src = write_jsonl(
+        tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS + VALID]
+    )
+    tokens = tmp_path / "tokens"
+    assert (
+        run_in_process(
+            "mega-tokenize", src, tokens, "--tokenizer", sp_model, "--format", "preference"
+        ).returncode
+        == 0
+    )
+    hf, ckpt = base
+    run_json = preference_run(
+        tmp_path, tokens, ckpt, {"type": "dpo", "beta": 0.1}, train_steps=4, eval={"every": 4, "iters": 1},
+        data={"sources": [{"path": str(tokens)}], "split": [0.5, 0.5]},
+    )  # fmt: skip
+    out = ok(train(run_json))
+    assert "rewards/accuracies" in out.stdout
+    (got,) = metrics(tmp_path / "run", "eval")
+    _, want = plain_loop(hf, rows(sp_model), "dpo", 0.1, steps=4, valid=rows(sp_model, VALID))
+    for name, value in want.items():
+        tol = 1e-5 * (0.2 * abs(want["logps/chosen"]) if name.startswith("rewards/") else abs(value))
+        assert abs(got[name] - value) <= tol, (name, got[name], value)

@@ -219,8 +219,10 @@ def _report(
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
         f"world {par['world_size']} = {plan.dims.label}; "
-        f"batch {batch['global']} = micro {batch['micro']} x dp {par['dp']} x accum {batch['grad_accum']}; "
-        f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}",
+        f"batch {batch['global']}{' pairs' if batch['rows_per_sample'] == 2 else ''} = micro {batch['micro']} x "
+        f"dp {par['dp']} x accum {batch['grad_accum']}; "
+        f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}"
+        + (f"; objective {summary['objective']}" if summary["objective"] != "lm" else ""),
         err=as_json,
     )
     for note in notes:

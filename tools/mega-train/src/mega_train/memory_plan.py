@@ -19,7 +19,7 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
     """The run's per-rank memory and, with `gpus`, every layout of that many GPUs (best first)."""
     run, config = plan.run, plan.config
     par = plan.parallelism
-    micro, seq = run.batch.micro_batch_size, run.batch.seq_length
+    micro, seq = run.batch.micro_batch_size * plan.rows_per_sample, run.batch.seq_length  # rows
     rows = planner.estimate(config, par, plan.dp, micro, seq, run.attention)
     peak = planner.peak(rows)
     out: dict = {
@@ -57,7 +57,8 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
 def _layouts(plan: RunPlan, gpus: int, gpu_memory: int) -> dict:
     """Every layout of `gpus` GPUs, best first, and the longest sequence each fits, longest first."""
     run, config, par = plan.run, plan.config, plan.parallelism
-    micro, seq, batch = run.batch.micro_batch_size, run.batch.seq_length, run.batch.global_batch_size
+    k = plan.rows_per_sample  # the planner counts rows: a preference pair is two
+    micro, seq, batch = run.batch.micro_batch_size * k, run.batch.seq_length, run.batch.global_batch_size * k
     found = planner.search(config, par, gpus, gpu_memory, micro, seq, batch, run.attention)
     candidates = [
         dataclasses.asdict(c.dims)

@@ -47,7 +47,7 @@ class PreferenceTrainer(Trainer):
         spec = self.run.objective
         self.objective = Preference(spec.type, spec.beta, spec.loss, spec.label_smoothing, spec.gamma)
         self.pairs = self.G  # the batch counts pairs
-        self.G = 2 * self.pairs  # and the data rows
+        self.G = self.plan.rows_per_sample * self.pairs  # and the data rows
         self.reference: dict[str, torch.Tensor] = {}  # "train", "valid": [batches, rows]
         self._sums: dict[int, torch.Tensor] = {}  # each microbatch's metric sums, of a step or evaluation
 

@@ -90,6 +90,12 @@ class RunPlan:
         return f"$.model.{name}" if name in INIT_OVERRIDES else f"$.model.init (its config's {name})"
 
     @property
+    def rows_per_sample(self) -> int:
+        """Sequences per sample of the batch: a preference objective's samples are pairs, two rows
+        each (the batch sizes count pairs; memory and data count rows)."""
+        return 1 if self.run.objective.type == "lm" else 2
+
+    @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
         """The data's tokenizer (every source shares it) and the directory its files are in: what
         each checkpoint records as the tokenizer its weights were trained with."""
@@ -181,7 +187,9 @@ class RunPlan:
             "data": [{"path": str(d), "tokens": m.counts.tokens, "weight": w} for d, m, w in self.data],
             "parallel": {"world_size": self.world_size, **dataclasses.asdict(self.dims)},
             "stage_layers": self.stage_layers,
+            "objective": self.run.objective.type,
             "batch": {
+                "rows_per_sample": self.rows_per_sample,
                 "micro": self.run.batch.micro_batch_size,
                 "global": self.run.batch.global_batch_size,
                 "grad_accum": self.grad_accum,
