@@ -2,7 +2,8 @@
 
     corpus (Python's own documentation, about 0.2 MB) --mega-tokenize--> tokens
     conversations about the same documentation --mega-tokenize --format chat--> chat tokens
-        (what examples/instruct.json tunes on)
+        (what examples/instruct.json tunes on), and pairs of a right and a wrong answer
+        --mega-tokenize --format preference--> pair tokens (examples/dpo.json's)
     tiny random Llama, or `--family qwen3` a tiny Qwen 3 (tied embeddings, q/k norms), from
         transformers --mega-convert hf--> checkpoint --mega-convert verify
     checkpoint --mega-shard --tp 2 --pp 2--> checkpoint --mega-export--> HF dir --mega-convert verify
@@ -143,6 +144,27 @@ def chat_tokens(out: Path, tok: Path) -> Path:
     return out / "chat-tokens"
 
 
+def pair_tokens(out: Path, tok: Path) -> Path:
+    """A preference tokens artifact (examples/dpo.json's data): per documented object, the user asks
+    what it is; the chosen answer is its documentation's first paragraph, the rejected one the next
+    object's (a wrong answer), as TRL's conversational rows, rendered as `chat_tokens` renders."""
+    rows, tok_dir = out / "pairs.jsonl", out / "chat-tokenizer"
+    chat_tokens(out, tok)  # the tokenizer directory with the chat template
+    if not rows.exists():
+        docs = documented()
+        lines = [
+            {"prompt": [{"role": "user", "content": f"What is {name}?"}],
+             "chosen": [{"role": "assistant", "content": text.split("\n\n")[0]}],
+             "rejected": [{"role": "assistant", "content": docs[(i + 1) % len(docs)][1].split("\n\n")[0]}]}
+            for i, (name, text) in enumerate(docs)
+        ]  # fmt: skip
+        rows.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # --on-error skip: two objects documented alike (aliases) make a pair of identical sides.
+    sh("mega-tokenize", rows, out / "pair-tokens", "--tokenizer", tok_dir, "--format", "preference",
+       "--chat-template", "tokenizer", "--no-append-eos", "--on-error", "skip")  # fmt: skip
+    return out / "pair-tokens"
+
+
 # The demo's model by family: a transformers config class and its sizes beyond the shared ones.
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
@@ -185,6 +207,7 @@ def main(out: Path, family: str = "llama") -> None:
     tok = tokenizer(out, text)
     sh("mega-tokenize", text, out / "tokens", "--tokenizer", tok, "--workers", "2")
     chat = chat_tokens(out, tok)
+    pairs = pair_tokens(out, tok)
 
     import sentencepiece as spm
 
@@ -242,7 +265,8 @@ def main(out: Path, family: str = "llama") -> None:
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     print(f"\ndemo: done; artifacts in {out}/")
-    print(f"  tokens       {out / 'tokens'}, {chat} (conversations, for examples/instruct.json)")
+    print(f"  tokens       {out / 'tokens'}, {chat} (conversations, for examples/instruct.json), {pairs}")
+    print("               (preference pairs, for examples/dpo.json after examples/instruct.json)")
     print(f"  checkpoints  {out / 'ckpt-tp1pp1'} (converted), {out / 'ckpt-tp2pp2'} (tp 2 x pp 2), {trained}")
     print(f"  HF exports   {out / 'hf-export'}, {out / 'hf-trained'} (with tokenizer and README.md)")
     print(

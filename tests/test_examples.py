@@ -183,8 +183,9 @@ def test_airflow_dag_runs_the_chain(tmp_path: Path, sp_model: Path, airflow_venv
 
 
 def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path, sp_model: Path) -> None:
-    """examples/instruct.json and examples/lora.json after `make demo`: their data is the demo's chat
-    tokens (made here by the demo's own step, with the tests' tokenizer) and their init a tp 2 x pp 2
+    """examples/instruct.json, examples/lora.json and examples/dpo.json after `make demo`: their data
+    is the demo's chat and pair tokens (made here by the demo's own steps, with the tests' tokenizer)
+    and their init a tp 2 x pp 2
     checkpoint where the demo writes one (here of random weights; the whole demo takes a minute);
     the dry runs pass. The LoRA chain run to the end (PEFT answering from the exported adapter):
     tests/train/test_instruct.py."""
@@ -200,7 +201,7 @@ def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path
     spec.loader.exec_module(demo)
     out = tmp_path / "demo-out"
     out.mkdir()
-    demo.chat_tokens(out, sp_model)
+    demo.pair_tokens(out, sp_model)  # the chat tokens too
     config = ModelConfig(family="llama", vocab_size=400, hidden_size=32, num_layers=2, num_heads=4,
                          num_kv_heads=2, ffn_hidden_size=64, max_seq_len=256)  # fmt: skip
     g = torch.Generator().manual_seed(0)
@@ -211,11 +212,16 @@ def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path
     )
     run_tool("mega-shard", tmp_path / "ckpt", out / "ckpt-tp2pp2", "--tp", "2", "--pp", "2", check=True)
     (tmp_path / "examples").mkdir()
-    for name in ("instruct.json", "lora.json"):  # lora.json: adapters on the same data
+    for name in ("instruct.json", "lora.json", "dpo.json"):  # lora.json: adapters on the same data
+        if name == "dpo.json":  # it starts from instruct.json's run: its newest checkpoint, `latest`
+            (tmp_path / "runs" / "instruct" / "checkpoints").mkdir(parents=True)
+            (tmp_path / "runs" / "instruct" / "checkpoints" / "latest").symlink_to(out / "ckpt-tp2pp2")
         shutil.copy(MAKEFILE.parent / name, tmp_path / "examples")
         proc = run_in_process(
             "mega-train", "--manifest", tmp_path / "examples" / name, "--dry-run", "--world-size", "2"
         )
         assert proc.returncode == 0, (proc.stdout, proc.stderr)
         assert f"{name}: ok" in proc.stdout and "world 2 = tp 2 x pp 1 x dp 1" in proc.stdout, proc.stdout
-    assert "trained in LoRA adapters" in proc.stdout, proc.stdout
+        if name == "lora.json":
+            assert "trained in LoRA adapters" in proc.stdout, proc.stdout
+    assert "objective dpo" in proc.stdout and "batch 16 pairs" in proc.stdout, proc.stdout
