@@ -28,7 +28,6 @@ the ratio is theirs / ours (above 1: we hold less).
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from bench_train import (
     QUICK,
     THREADS,
     Setup,
+    child_main,
     gb,
     hf_llama,
     measure,
@@ -167,15 +167,9 @@ def run(quick: bool) -> list[Row]:
     return rows_of(measure_rounds(setup, tokens, rows, hf, ckpt, precision), note)
 
 
-def child_main(kind: str, spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    result = {"peft": child_peft}[kind](Setup(**spec["setup"]), spec)
-    Path(spec["result"]).write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        child_main(sys.argv[2], sys.argv[3])
+        child_main(sys.argv[2], sys.argv[3], {"peft": child_peft})
     else:
         from run import main
 

@@ -538,9 +538,10 @@ def child_litgpt(setup: Setup, spec: dict) -> dict:
 CHILDREN = {"bare": child_bare, "hf": child_hf, "litgpt": child_litgpt}
 
 
-def child_main(kind: str, spec_path: str) -> None:
+def child_main(kind: str, spec_path: str, children: dict | None = None) -> None:
+    """Run child `kind` (of `children`, else this file's) on its spec; its result into the spec's file."""
     spec = json.loads(Path(spec_path).read_text())
-    result = CHILDREN[kind](Setup(**spec["setup"]), spec)
+    result = (children or CHILDREN)[kind](Setup(**spec["setup"]), spec)
     Path(spec["result"]).write_text(json.dumps(result))
 
 

@@ -250,8 +250,9 @@ def one_process(tmp_path_factory, pairs: Path, base: tuple[Path, Path]) -> dict[
         pytest.param({"parallel": {"cp": 2}}, marks=pytest.mark.slow),
         pytest.param({}, marks=pytest.mark.slow),  # dp 2 (FSDP2)
         {"lora": LORA},  # dp 2, the reference the base with its adapters off
+        pytest.param({"recompute": "full"}, marks=pytest.mark.slow),  # dp 2
     ],
-    ids=["tp2-sp", "pp2-1f1b", "pp2-zbv", "cp2", "dp2", "lora-dp2"],
+    ids=["tp2-sp", "pp2-1f1b", "pp2-zbv", "cp2", "dp2", "lora-dp2", "dp2-recompute"],
 )
 def test_dpo_in_each_layout_equals_one_process(
     tmp_path: Path, pairs: Path, base: tuple[Path, Path], one_process: dict[str, Path], layout: dict
@@ -462,3 +463,25 @@ def test_evaluation_on_held_out_pairs_equals_the_plain_loops(
     for name, value in want.items():
         tol = 1e-5 * (0.2 * abs(want["logps/chosen"]) if name.startswith("rewards/") else abs(value))
         assert abs(got[name] - value) <= tol, (name, got[name], value)
+
+
+def test_dpo_killed_and_resumed_in_another_layout_equals_one_process(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], one_process: dict[str, Path]
+) -> None:
+    """Killed (SIGKILL) in step 3 at dp 2, resumed from step 2's checkpoint in one process: the
+    stored reference log-probabilities are read back (not computed again) and every step's loss and
+    metrics are the uninterrupted process's (fp32, 1e-5)."""
+    settings = {**LAYOUT_STEPS, "checkpoint": {"every": 2}}
+    run_json = preference_run(tmp_path, pairs, base[1], {"type": "dpo", "beta": 0.1}, **settings)
+    killed = torchrun(2, run_json, env={"MEGA_TRAIN_INJECT": "kill@3"})
+    assert killed.returncode != 0
+    stored = (tmp_path / "run" / "reference-logps.safetensors").stat().st_mtime_ns
+    resumed = ok(train(run_json))
+    assert "reference log-probabilities" not in resumed.stdout
+    assert (tmp_path / "run" / "reference-logps.safetensors").stat().st_mtime_ns == stored
+    want, got = metrics(one_process["full"]), metrics(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for g, w in zip(got, want, strict=True):
+        for name in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+            scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
+            assert abs(g[name] - w[name]) <= 1e-5 * scale, (g["step"], name, g[name], w[name])

@@ -2,7 +2,8 @@
 
 `PreferenceTrainer` is the `Trainer` with these differences, each a method of its own:
 - the batch counts pairs, two rows each (`megacore.data.pairs`: chosen then rejected, whole in
-  their rows), so a microbatch never splits a pair; a step's rows are `2 x global_batch_size`;
+  their rows), so a microbatch never splits a pair; a step's rows are `2 x global_batch_size`, cut
+  after the longest sequence of the rank's batch (`_trimmed`);
 - the targets are the completions' tokens (their role code, `completion`); the engine sums each
   row's log-probabilities of them and hands them to the objective (`ParallelModel.rows_loss`,
   `megacore.models.preference`), whose mean over the batch's pairs is the loss;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from contextlib import ExitStack
 
 import torch
@@ -32,6 +34,7 @@ from mega_train.trainer import Trainer
 from megacore.artifacts.reader import parent_of
 from megacore.config import is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
+from megacore.data.packing import PAD
 from megacore.errors import UserError
 from megacore.models.lora import adapters_off
 from megacore.models.preference import METRICS, Preference, pair_losses, pair_metrics
@@ -49,6 +52,9 @@ class PreferenceTrainer(Trainer):
         self.pairs = self.G  # the batch counts pairs
         self.G = self.plan.rows_per_sample * self.pairs  # and the data rows
         self.reference: dict[str, torch.Tensor] = {}  # "train", "valid": [batches, rows]
+        par = self.run.parallel
+        fixed = par.pp > 1 or self.plan.compiles(torch.cuda.is_available())
+        self.seq_multiple = None if fixed else math.lcm(8, self.plan.dims.seq_multiple(par.sequence_parallel))
         self._sums: dict[int, torch.Tensor] = {}  # each microbatch's metric sums, of a step or evaluation
 
     def _open_data(self) -> None:
@@ -147,9 +153,21 @@ class PreferenceTrainer(Trainer):
     # --- steps and evaluation -------------------------------------------------------------------
 
     def batch(self, b: Batch, role: int | None) -> tuple:
-        """The Trainer's, counting this rank's pairs."""
-        inputs, targets, positions, _ = super().batch(b, role)
+        """The Trainer's, counting this rank's pairs, cut after its longest sequence."""
+        inputs, targets, positions, _ = super().batch(self._trimmed(b), role)
         return inputs, targets, positions, b.tokens.shape[0] // 2
+
+    def _trimmed(self, b: Batch) -> Batch:
+        """The batch without the columns after its longest sequence, which are padding in every
+        row (a row holds one sequence from its start), kept to a multiple of `seq_multiple`: the
+        same losses, and no compute spent on padding (TRL pads each batch to its longest too).
+        Not under a pipeline, whose stages' shapes are fixed at the first step, nor compiled."""
+        if self.seq_multiple is None:
+            return b
+        longest = int((b.tokens != PAD).sum(1).max())
+        keep = min(self.S, -(-(longest - 1) // self.seq_multiple) * self.seq_multiple) + 1
+        cut = [None if a is None else a[:, :keep] for a in b]
+        return Batch(*cut)
 
     def global_count(self, counted: torch.Tensor | int) -> int:
         return self.pairs

@@ -1,0 +1,216 @@
+"""A DPO step against TRL's DPOTrainer on the same pairs, the reference precomputed on both sides.
+
+The same 125M Llama as bench_lora (its base, random weights saved by transformers and converted;
+`--quick`: 2 layers, hidden 128, seq 128), fully fine-tuned. The pairs come from bench_train's
+corpus (Python's standard library sources), one per file: the prompt its first characters, the
+chosen completion the next ones, the rejected one the same span of the next file (PROMPT and
+COMPLETION characters per token of the row), so the sequences vary in length as real pairs do
+(TRL's mean pair length in the note). TRL's standard rows
+(`{"prompt", "chosen", "rejected"}` strings): `mega-tokenize --format preference --prepend-bos`
+for us, the same rows for TRL, which tokenizes them itself (BOS from the tokenizer, EOS added to
+each completion as ours is). Micro batch 4 pairs x 2 accumulation, seq 512, one process, 2 threads,
+bf16 where the CPU multiplies bf16 (`bench_lora.cpu_has_bf16_matmul`), else fp32 on both sides.
+
+- mega-train: `"objective": {"type": "dpo", "beta": 0.1}` beside `"model": {"init": BASE}`; its
+  reference's log-probabilities computed before the first step (not timed); pairs/s from the
+  `step_time_s` it logs after the warm-up steps.
+- TRL: `DPOTrainer(model=BASE_HF, args=DPOConfig(...))` as its users run it: beta 0.1,
+  `precompute_ref_log_probs=True` (before training, not timed), `max_length` the row's, bf16 (or
+  not), `use_cpu`, its defaults otherwise (AdamW, linear schedule, each batch padded to its longest
+  sequence); pairs/s from the wall time between its step ends (a `TrainerCallback`).
+
+Each configuration in a fresh subprocess, 1 warm-up step then 3 timed (`--quick`: 1 and 2), in
+interleaved rounds (the order reversed every other round), ROUNDS of them (`--quick`: 1): pairs/s
+shown are each side's best round, the ratio the median over rounds of ours / theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import bench_lora
+from bench_train import (
+    BIN,
+    FULL,
+    OUT,
+    QUICK,
+    THREADS,
+    Setup,
+    child_main,
+    corpus,
+    measure,
+    measure_mega_train,
+    prepare_data,
+    tokenizer,
+    trainer_feed,
+)
+from run import Row
+
+WORK = OUT.parent / "dpo"
+ROUNDS = 3
+# Characters of Python source per token of the row (seq): the prompt 1.2, each completion 1.0 (at
+# some 3.5 characters a token, sequences of about 60% of a row, varying with the file).
+PROMPT, COMPLETION = 1.2, 1.0
+
+
+def pairs_jsonl(setup: Setup) -> Path:
+    """One pair per corpus file with enough text, as many as the run's steps take."""
+    path = WORK / f"pairs-{setup.steps * setup.global_batch}x{setup.seq}.jsonl"
+    if path.exists():
+        return path
+    texts = [json.loads(line)["text"] for line in corpus(OUT / "corpus.jsonl").read_text().splitlines()]
+    p, c = int(PROMPT * setup.seq), int(COMPLETION * setup.seq)
+    texts = [t for t in texts if len(t) >= p + c]
+    rows = []
+    for i in range(setup.steps * setup.global_batch):
+        a, b = texts[i % len(texts)], texts[(i + 1) % len(texts)]
+        rows.append({"prompt": a[:p], "chosen": a[p : p + c], "rejected": b[p : p + c]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def hf_tokenizer(model: Path) -> Path:
+    """The SentencePiece model as a transformers tokenizer directory (TRL tokenizes with it)."""
+    import shutil
+
+    d = WORK / "hf-tokenizer"
+    if not (d / "tokenizer_config.json").is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(model, d / "tokenizer.model")
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        }
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+def child_trl(setup: Setup, spec: dict) -> dict:
+    """TRL's DPOTrainer (the module docstring), in this subprocess."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    rows = [json.loads(line) for line in Path(spec["pairs"]).read_text().splitlines()]
+    _, callback = trainer_feed(setup, {**spec, "rows": spec["rows"]})
+    torch.manual_seed(0)
+    args = DPOConfig(
+        output_dir=spec["work"], per_device_train_batch_size=setup.micro, gradient_accumulation_steps=setup.accum,
+        max_steps=setup.steps, learning_rate=5e-7, beta=0.1, precompute_ref_log_probs=True,
+        max_length=setup.seq + 1, bf16=spec["precision"] == "bf16", use_cpu=True, report_to="none",
+        save_strategy="no", eval_strategy="no", dataloader_num_workers=0, seed=0, logging_steps=1,
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    trainer = DPOTrainer(
+        model=spec["hf"],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        callbacks=[callback],
+    )
+    lengths = [
+        len(r["prompt_ids"]) + (len(r["chosen_ids"]) + len(r["rejected_ids"])) / 2
+        for r in trainer.train_dataset
+    ]
+    trainer.train()
+    ends = callback.ends
+    timed = setup.timed * setup.global_batch
+    return {
+        "pairs_per_s": timed / (ends[-1] - ends[setup.warmup - 1]),
+        "mean_length": sum(lengths) / len(lengths),
+    }
+
+
+def measure_ours(setup: Setup, pairs: Path, ckpt: Path, work: Path, precision: str) -> dict:
+    res = measure_mega_train(setup, pairs, work, model={"init": str(ckpt)}, precision=precision,
+                             objective={"type": "dpo", "beta": 0.1}, optimizer={"lr": 5e-7, "warmup_steps": 0})  # fmt: skip
+    if "error" in res:
+        return res
+    seconds = sum(r["step_time_s"] for r in res.pop("records"))
+    return {"pairs_per_s": setup.timed * setup.global_batch / seconds, "rss": res["rss"]}
+
+
+def measure_rounds(
+    setup: Setup, pairs: Path, tokens: Path, rows: Path, hf: Path, ckpt: Path, precision: str
+) -> dict:
+    results: dict[str, list[dict]] = {"mega": [], "trl": []}
+    tok = hf_tokenizer(tokenizer(OUT, corpus(OUT / "corpus.jsonl")))
+    for r in range(setup.rounds):
+        for kind in ("mega", "trl") if r % 2 == 0 else ("trl", "mega"):
+            t, work = time.perf_counter(), WORK / "work" / f"{kind}-{r}"
+            if kind == "mega":
+                res = measure_ours(setup, tokens, ckpt, work, precision)
+            else:
+                res = measure(kind, setup, rows, Path(sys.executable), work, Path(__file__), hf=str(hf),
+                              precision=precision, pairs=str(pairs), tokenizer=str(tok))  # fmt: skip
+            results[kind].append(res)
+            shown = {k: v for k, v in res.items() if k != "rss"}
+            print(f"   dpo: round {r + 1}/{setup.rounds} {kind}: {shown} ({time.perf_counter() - t:.0f}s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return results
+
+
+def rows_of(results: dict[str, list[dict]], note: str) -> list[Row]:
+    metric, target = "DPO step pairs/s, mega-train vs TRL DPOTrainer", ">= 1.3x"
+    for side, runs in results.items():
+        failed = [r["error"] for r in runs if "error" in r]
+        if failed:
+            why = f"{'mega-train' if side == 'mega' else 'TRL'} failed: {failed[0]}"
+            return [Row("dpo", metric, "-", "-", None, target, why, False if side == "mega" else None)]
+    ours, theirs = ([r["pairs_per_s"] for r in results[k]] for k in ("mega", "trl"))
+    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    rounds = f"rounds {'/'.join(f'{x:.2f}' for x in ours)} vs {'/'.join(f'{x:.2f}' for x in theirs)}"
+    length = f"TRL's mean pair length {results['trl'][0]['mean_length']:.0f} tokens"
+    return [
+        Row(
+            "dpo",
+            metric,
+            f"{max(ours):.2f}",
+            f"{max(theirs):.2f}",
+            ratio,
+            target,
+            f"{note}; {length}; {rounds}",
+        )
+    ]
+
+
+def run(quick: bool) -> list[Row]:
+    setup = replace(
+        QUICK if quick else FULL, rounds=1 if quick else ROUNDS, warmup=1, timed=2 if quick else 3
+    )
+    precision = "bf16" if bench_lora.cpu_has_bf16_matmul() else "fp32"
+    _, rows, vocab = prepare_data(setup)  # the corpus and tokenizer (rows: what trainer_feed reads)
+    setup = Setup(**{**asdict(setup), "vocab": vocab})
+    WORK.mkdir(parents=True, exist_ok=True)
+    hf, ckpt = bench_lora.base(setup)
+    pairs = pairs_jsonl(setup)
+    tokens = WORK / f"tokens-{pairs.stem}"
+    import subprocess
+
+    subprocess.run(
+        [BIN / "mega-tokenize", pairs, tokens, "--tokenizer", tokenizer(OUT, corpus(OUT / "corpus.jsonl")),
+         "--format", "preference", "--prepend-bos", "--no-progress"],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    note = (
+        f"{'quick: tiny Llama' if quick else '125M Llama'}, {setup.micro}x{setup.accum} pairs/step, seq {setup.seq}, "
+        f"full fine-tuning, {precision}, {THREADS} threads, {setup.timed} timed steps"
+    )
+    return rows_of(measure_rounds(setup, pairs, tokens, rows, hf, ckpt, precision), note)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child_main(sys.argv[2], sys.argv[3], {"trl": child_trl})
+    else:
+        from run import main
+
+        sys.exit(main(["dpo", *sys.argv[1:]]))
