@@ -485,3 +485,20 @@ def test_dpo_killed_and_resumed_in_another_layout_equals_one_process(
         for name in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
             scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
             assert abs(g[name] - w[name]) <= 1e-5 * scale, (g["step"], name, g[name], w[name])
+
+
+def test_a_live_reference_under_lora_equals_the_precomputed_one(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], one_process: dict[str, Path]
+) -> None:
+    """`"reference": "live"` (LoRA: the base with its adapters off, beside each step) gives the
+    precomputed run's losses and metrics (fp32, 1e-5) and stores nothing; without LoRA it is
+    refused in one line."""
+    objective = {"type": "dpo", "beta": 0.1, "reference": "live"}
+    ok(train(preference_run(tmp_path / "live", pairs, base[1], objective, **LAYOUT_STEPS, lora=LORA)))
+    assert not (tmp_path / "live" / "run" / "reference-logps.safetensors").exists()
+    for g, w in zip(metrics(tmp_path / "live" / "run"), metrics(one_process["lora"]), strict=True):
+        for name in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+            scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
+            assert abs(g[name] - w[name]) <= 1e-5 * scale, (g["step"], name, g[name], w[name])
+    full = preference_run(tmp_path / "full", pairs, base[1], objective)
+    assert_one_line_error(train(full), "$.objective.reference", "use precomputed")

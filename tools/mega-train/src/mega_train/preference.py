@@ -11,8 +11,10 @@
   probabilities of every row the run will train and evaluate on are computed once, before the first
   step, with the engine's forward in the run's layout, and stored in the run directory
   (`reference-logps.safetensors`, with a key of everything they depend on), so a resumed run
-  reads them back. Precomputed rather than alongside each step: the reference then costs one forward
-  per row once instead of a second model in memory (without LoRA) or a second forward every step;
+  reads them back. Precomputed by default: the reference then costs one forward per row once
+  instead of a second model in memory (without LoRA) or a second forward every step. Under LoRA
+  `"reference": "live"` computes them beside each step instead (the base is in memory anyway: a
+  forward with the adapters off), for data too large to go over twice;
 - TRL's metrics (`rewards/chosen`, ..., `megacore.models.preference.METRICS`) in every train and
   eval record: sums over the pairs of every rank, one all-reduce, divided by the batch's pairs.
 """
@@ -70,7 +72,7 @@ class PreferenceTrainer(Trainer):
     # --- the reference --------------------------------------------------------------------------
 
     def resume(self) -> None:
-        if self.objective.needs_reference:
+        if self.objective.needs_reference and self.run.objective.reference == "precomputed":
             self.reference = self._stored_reference() or self._compute_reference()
         super().resume()
 
@@ -110,9 +112,7 @@ class PreferenceTrainer(Trainer):
         self._load_weights(
             self.plan.init[0], only=(lambda name: not is_adapter_tensor(name)) if lora else None
         )
-        with ExitStack() as off:
-            for part in self.pm.parts if lora else ():
-                off.enter_context(adapters_off(part))
+        with self._base_only():
             out = {"train": self._logps(self.train_data, self.run.train_steps)}
             if self.valid_data is not None:
                 out["valid"] = self._logps(self.valid_data, self.run.eval.iters)
@@ -129,26 +129,39 @@ class PreferenceTrainer(Trainer):
             )
         return out
 
+    def _base_only(self) -> ExitStack:
+        """Under LoRA the adapters off (the reference), else nothing."""
+        off = ExitStack()
+        for part in self.pm.parts if self.plan.lora is not None else ():
+            off.enter_context(adapters_off(part))
+        return off
+
     def _logps(self, data: Dataset, batches: int) -> torch.Tensor:
         """The model's summed log-probability of every row's completion, [batches, rows], on every
         rank: each dp rank's rows from the ranks that report them, added up over the world."""
         table = torch.zeros(batches, self.G, dtype=torch.float64, device=self.device)
         n = self.G // self.dp
         for k in range(batches):
-            got: dict[int, torch.Tensor] = {}
-
-            def keep(logps: torch.Tensor, counted: torch.Tensor, i: int, got=got) -> torch.Tensor:
-                got[i] = logps.detach().double()
-                return logps.sum()
-
-            self.pm.rows_loss = keep
-            tokens, targets, positions, _ = self.batch(self.rows(data, k), self.train_role)
-            self.pm.evaluate(tokens, targets, positions=positions)
+            mine = self._batch_logps(data, k)
             if self.pm.reports_logits:
-                table[k, self.dp_rank * n : (self.dp_rank + 1) * n] = torch.cat([got[i] for i in sorted(got)])
-        self.pm.rows_loss = None
+                table[k, self.dp_rank * n : (self.dp_rank + 1) * n] = mine
         dist.all_reduce(table)
         return table
+
+    def _batch_logps(self, data: Dataset, k: int) -> torch.Tensor | None:
+        """The model's summed log-probability of each of this rank's rows of batch k (collective;
+        None where no stage computes them)."""
+        got: dict[int, torch.Tensor] = {}
+
+        def keep(logps: torch.Tensor, counted: torch.Tensor, i: int) -> torch.Tensor:
+            got[i] = logps.detach().double()
+            return logps.sum()
+
+        self.pm.rows_loss = keep
+        tokens, targets, positions, _ = self.batch(self.rows(data, k), self.train_role)
+        self.pm.evaluate(tokens, targets, positions=positions)
+        self.pm.rows_loss = None
+        return torch.cat([got[i] for i in sorted(got)]) if got else None
 
     # --- steps and evaluation -------------------------------------------------------------------
 
@@ -179,6 +192,10 @@ class PreferenceTrainer(Trainer):
             n = self.G // self.dp
             mine = self.reference[which][k, self.dp_rank * n : (self.dp_rank + 1) * n]
             refs = list(mine.to(torch.float32).chunk(self.pm.par.microbatches))
+        elif self.objective.needs_reference:  # live: the base with its adapters off, now
+            with self._base_only():
+                mine = self._batch_logps(self.train_data if which == "train" else self.valid_data, k)
+            refs = None if mine is None else list(mine.to(torch.float32).chunk(self.pm.par.microbatches))
         self._sums = {}
 
         def rows_loss(logps: torch.Tensor, counted: torch.Tensor, i: int) -> torch.Tensor:

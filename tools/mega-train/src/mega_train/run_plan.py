@@ -333,6 +333,12 @@ def _open_init(
             f"config.json){beside if 'init' in given else ''}",
             f"{where}: {extra}",
         )
+    if run.objective.reference == "live" and run.lora is None:
+        raise UserError(
+            "$.objective.reference: live computes the reference beside each step as the base with its "
+            "adapters off, which a LoRA run has; without LoRA it would be a second model: use precomputed",
+            where,
+        )
     if m.init is None and run.objective.type == "dpo":
         raise UserError(
             "$.model.init: dpo's reference is the model the run starts from: give it as `init` (a "

@@ -446,6 +446,9 @@ class ObjectiveSpec(Struct):
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     label_smoothing: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.0
     gamma: NonNegativeFloat = 0.5
+    # dpo: the reference's log-probabilities computed once before training and stored, or (LoRA
+    # only: the base with its adapters off) beside each step.
+    reference: Literal["precomputed", "live"] = "precomputed"
 
 
 class RunManifest(Header, tag="run", kw_only=True):
