@@ -38,6 +38,7 @@ VALID = [
 STEPS = 10
 OPT = {"lr": 2e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.1, "grad_clip": 1.0}
 REL = 1e-5
+COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,22 @@ def plain_loop(
         return records, batch_record(
             kind, beta, valid, [sequence_logps(policy, i, m) for i, m in valid], ref
         )[1]
+
+
+def assert_records_close(
+    got: list[dict], want: list[dict], beta: float, names: tuple[str, ...] = COMPARED
+) -> None:
+    """Each record's `names` within REL of `want`'s: relative for the loss and log-probabilities, and
+    for a reward (β times a difference of two close log-probabilities) relative to those
+    log-probabilities; `rewards/accuracies` exactly."""
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want, strict=True):
+        logps = max(abs(w["logps/chosen"]), abs(w["logps/rejected"]))
+        for name in names:
+            tol = REL * (2 * beta * logps if name.startswith("rewards/") else abs(w[name]))
+            assert abs(g[name] - w[name]) <= tol, (g.get("step"), name, g[name], w[name])
+        if "rewards/accuracies" in names:
+            assert g["rewards/accuracies"] == w["rewards/accuracies"], g.get("step")
 
 
 def preference_run(directory: Path, pairs: Path, base: Path, objective: dict, **overrides) -> Path:
@@ -264,18 +281,8 @@ def test_dpo_in_each_layout_equals_one_process(
     ok(torchrun(2, run_json))
     want = metrics(one_process["lora" if "lora" in layout else "full"])
     got = metrics(tmp_path / "run")
-    assert len(got) == len(want) == 3
-    for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
-        for name in (
-            "loss",
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/margins",
-            "logps/chosen",
-            "logps/rejected",
-        ):
-            scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
-            assert abs(g[name] - w[name]) <= 1e-5 * scale, (step, name, g[name], w[name])
+    assert len(got) == 3
+    assert_records_close(got, want, beta=0.1)
 
 
 # The story: a tiny Llama instruction-tuned on answers that are mostly unkind, then DPO-tuned on
@@ -398,20 +405,8 @@ def test_trl_dpo_trainer_on_the_same_ids_agrees(
     )
     got = metrics(tmp_path / "run")
     want = trl_records(hf, hf_dir, rows(sp_model), tmp_path, 3)
-    assert len(got) == len(want) == 3
-    for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
-        scale = abs(w["logps/chosen"])
-        for name in (
-            "loss",
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/margins",
-            "logps/chosen",
-            "logps/rejected",
-        ):
-            tol = 1e-5 * (scale if name.startswith("rewards/") else abs(w[name]))
-            assert abs(g[name] - w[name]) <= tol, (step, name, g[name], w[name])
-        assert g["rewards/accuracies"] == w["rewards/accuracies"], step
+    assert len(got) == 3
+    assert_records_close(got, want, beta=0.1, names=(*COMPARED, "rewards/accuracies"))
 
 
 def test_the_dry_run_counts_pairs_and_plans_their_rows(
@@ -460,9 +455,7 @@ def test_evaluation_on_held_out_pairs_equals_the_plain_loops(
     assert "rewards/accuracies" in out.stdout
     (got,) = metrics(tmp_path / "run", "eval")
     _, want = plain_loop(hf, rows(sp_model), "dpo", 0.1, steps=4, valid=rows(sp_model, VALID))
-    for name, value in want.items():
-        tol = 1e-5 * (0.2 * abs(want["logps/chosen"]) if name.startswith("rewards/") else abs(value))
-        assert abs(got[name] - value) <= tol, (name, got[name], value)
+    assert_records_close([got], [want], beta=0.1, names=(*COMPARED, "rewards/accuracies"))
 
 
 def test_dpo_killed_and_resumed_in_another_layout_equals_one_process(
@@ -481,10 +474,7 @@ def test_dpo_killed_and_resumed_in_another_layout_equals_one_process(
     assert (tmp_path / "run" / "reference-logps.safetensors").stat().st_mtime_ns == stored
     want, got = metrics(one_process["full"]), metrics(tmp_path / "run")
     assert [r["step"] for r in got] == [1, 2, 3]
-    for g, w in zip(got, want, strict=True):
-        for name in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
-            scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
-            assert abs(g[name] - w[name]) <= 1e-5 * scale, (g["step"], name, g[name], w[name])
+    assert_records_close(got, want, beta=0.1)
 
 
 def test_a_live_reference_under_lora_equals_the_precomputed_one(
@@ -496,9 +486,6 @@ def test_a_live_reference_under_lora_equals_the_precomputed_one(
     objective = {"type": "dpo", "beta": 0.1, "reference": "live"}
     ok(train(preference_run(tmp_path / "live", pairs, base[1], objective, **LAYOUT_STEPS, lora=LORA)))
     assert not (tmp_path / "live" / "run" / "reference-logps.safetensors").exists()
-    for g, w in zip(metrics(tmp_path / "live" / "run"), metrics(one_process["lora"]), strict=True):
-        for name in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
-            scale = abs(w["logps/chosen"]) if name.startswith("rewards/") else abs(w[name])
-            assert abs(g[name] - w[name]) <= 1e-5 * scale, (g["step"], name, g[name], w[name])
+    assert_records_close(metrics(tmp_path / "live" / "run"), metrics(one_process["lora"]), beta=0.1)
     full = preference_run(tmp_path / "full", pairs, base[1], objective)
     assert_one_line_error(train(full), "$.objective.reference", "use precomputed")
