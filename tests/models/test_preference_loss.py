@@ -78,6 +78,35 @@ def test_losses_and_metrics_match_the_papers(obj: Preference) -> None:
     assert dict(zip(METRICS, sums.tolist(), strict=True)) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("obj", OBJECTIVES, ids=lambda o: f"{o.type}-{o.loss}-{o.label_smoothing}")
+def test_empty_slots_of_packed_rows_count_for_nothing(obj: Preference) -> None:
+    """Two pairs with an empty slot (no tokens, sums 0) before and after the second: the papers'
+    losses and statistics of the two, zeros for the empty slot, and its gradient 0, not NaN."""
+    logps = torch.tensor([*LOGPS[:2], 0.0, 0.0, *LOGPS[2:], 0.0, 0.0], dtype=torch.float64)
+    logps.requires_grad_(True)
+    lengths = torch.tensor([*LENGTHS[:2], 0, 0, *LENGTHS[2:], 0, 0])
+    ref = torch.tensor([*REF[:2], 0.0, 0.0, *REF[2:], 0.0, 0.0], dtype=torch.float64)
+    loss, stats = pair_losses(obj, logps, lengths, ref)
+    want_loss, want_stats = expected(obj)
+    zeros = [0.0] * 4
+    torch.testing.assert_close(
+        loss.detach(),
+        torch.tensor([want_loss[0], 0, want_loss[1], 0], dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        stats,
+        torch.tensor([want_stats[0], zeros, want_stats[1], zeros], dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )
+    assert pair_metrics(stats)[2].item() == sum(c > r for c, r, *_ in want_stats)  # accuracies
+    loss.sum().backward()
+    assert torch.isfinite(logps.grad).all()
+    assert logps.grad[[2, 3, 6, 7]].tolist() == [0.0] * 4 and logps.grad[0].item() != 0
+
+
 def test_dpo_gradient_is_the_closed_form() -> None:
     """d/dπ_c of -log σ(β h) is -β σ(-β h) (and +β σ(-β h) for π_r)."""
     logps = torch.tensor(LOGPS, dtype=torch.float64, requires_grad=True)

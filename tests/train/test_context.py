@@ -140,6 +140,7 @@ def test_a_run_trains_the_longer_context_and_its_export_matches_transformers(
 
     for field, value in (("max_seq_len", 2048), ("rope_scaling", {"type": "linear", "factor": 8.0})):
         context_run(tmp_path, tokens, {**model, field: value})
+        assert_one_line_error(train(run_json, "--dry-run"), f"$.model.{field} differs from the checkpoint")
         assert_one_line_error(train(run_json), f"$.model.{field} differs from the checkpoint")
 
 

@@ -291,13 +291,28 @@ def test_run_directory_of_someone_else_is_refused(tmp_path: Path, tokens: Path) 
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
-def test_changed_data_refuses_to_resume(tmp_path: Path, tokens: Path, reference: Path) -> None:
-    run_json = write_run(tmp_path, tokens, seed=7)
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"seed": 7}, "$.seed differs from the run that saved"),
+        ({"optimizer": {"lr": 1e-3}}, "$.optimizer.lr differs from the run that saved"),
+        ({"batch": {"global_batch_size": 16}}, "$.batch.global_batch_size differs from the run that saved"),
+        ({"data": {"split": [0.8, 0.2]}}, "$.data.split differs from the run that saved"),
+        (
+            {"model": {"config": {**TINY_LLAMA, "ffn_hidden_size": 96}}},
+            "$.model.config.ffn_hidden_size differs",
+        ),
+    ],
+    ids=["seed", "lr", "batch", "split", "config"],
+)
+def test_a_changed_run_refuses_to_resume_and_its_dry_run_says_so(
+    tmp_path: Path, tokens: Path, reference: Path, change: dict, named: str
+) -> None:
+    """The launch and the dry run refuse the same resume, in the same line, exit 2."""
+    run_json = write_run(tmp_path, tokens, **change)
     shutil.copytree(reference, tmp_path / "run")
-    assert_one_line_error(train(run_json), "$.seed differs from the run that saved", "step-00000012")
-    bigger = {**TINY_LLAMA, "ffn_hidden_size": 96}
-    run_json = write_run(tmp_path, tokens, model={"config": bigger})
-    assert_one_line_error(train(run_json), "$.model.config.ffn_hidden_size differs")
+    assert_one_line_error(train(run_json, "--dry-run"), named, "step-00000012")
+    assert_one_line_error(train(run_json), named, "step-00000012")
 
 
 def test_examples_plan(tmp_path: Path, tokens: Path) -> None:

@@ -219,7 +219,7 @@ def _report(
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
         f"world {par['world_size']} = {plan.dims.label}; "
-        f"batch {batch['global']}{' pairs' if batch['rows_per_sample'] == 2 else ''} = micro {batch['micro']} x "
+        f"batch {batch['global']}{_batch_unit(batch, summary['objective'])} = micro {batch['micro']} x "
         f"dp {par['dp']} x accum {batch['grad_accum']}; "
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}"
         + (f"; objective {summary['objective']}" if summary["objective"] != "lm" else ""),
@@ -229,6 +229,13 @@ def _report(
         typer.echo(f"mega-train: {note}", err=as_json)
     if report is not None:
         typer.echo("\n".join(memory_lines(report)))
+
+
+def _batch_unit(batch: dict, objective: str) -> str:
+    """What a preference run's batch sizes count: pairs, or rows of packed pairs."""
+    if objective == "lm":
+        return ""
+    return " pairs" if batch["rows_per_sample"] == 2 else " rows of packed pairs"
 
 
 def _count(n: int) -> str:

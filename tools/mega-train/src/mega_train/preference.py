@@ -3,7 +3,9 @@
 `PreferenceTrainer` is the `Trainer` with these differences, each a method of its own:
 - the batch counts pairs, two rows each (`megacore.data.pairs`: chosen then rejected, whole in
   their rows), so a microbatch never splits a pair; a step's rows are `2 x global_batch_size`, cut
-  after the longest sequence of the rank's batch (`_trimmed`);
+  after the longest sequence of the rank's batch (`_trimmed`). With `"packing": "pack"` a row holds
+  whole pairs, as many as fit: the batch counts rows, and the step's pairs are counted on the
+  device (one all-reduce, as a language model's counted tokens);
 - the targets are the completions' tokens (their role code, `completion`); the engine sums each
   row's log-probabilities of them and hands them to the objective (`ParallelModel.rows_loss`,
   `megacore.models.preference`), whose mean over the batch's pairs is the loss;
@@ -51,8 +53,10 @@ class PreferenceTrainer(Trainer):
         super().__init__(*args, **kwargs)
         spec = self.run.objective
         self.objective = Preference(spec.type, spec.beta, spec.loss, spec.label_smoothing, spec.gamma)
-        self.pairs = self.G  # the batch counts pairs
+        self.packed = self.plan.packs_pairs
+        self.pairs = self.G  # the batch counts pairs (or, packed, rows: `global_count`)
         self.G = self.plan.rows_per_sample * self.pairs  # and the data rows
+        self._count: torch.Tensor | int = self.pairs  # the pairs of the batch in hand
         self.reference: dict[str, torch.Tensor] = {}  # "train", "valid": [batches, rows]
         par = self.run.parallel
         fixed = par.pp > 1 or self.plan.compiles(torch.cuda.is_available())
@@ -63,11 +67,17 @@ class PreferenceTrainer(Trainer):
         super()._open_data()
         self.train_role = self.plan.data[0][1].roles["completion"]
         self.assistant_code = None
+        self.slots = max(d.pair_slots for d in (self.train_data, self.valid_data) if d is not None)
         if self.rank == 0 and self.train_data.skipped_pairs:
+            what = "are, both sides together," if self.packed else "have a side"
             say(
-                f"mega-train: warning: {self.train_data.skipped_pairs} pairs of the train split have a side "
+                f"mega-train: warning: {self.train_data.skipped_pairs} pairs of the train split {what} "
                 f"longer than seq_length + 1 = {self.S + 1} tokens and are left out"
             )
+
+    def setup(self) -> None:
+        super().setup()
+        self.pm.row_slots = self.slots
 
     # --- the reference --------------------------------------------------------------------------
 
@@ -86,7 +96,7 @@ class PreferenceTrainer(Trainer):
             "weights": [w for _, _, w in plan.data],
             "split": run.data.split, "seq_length": self.S, "rows": self.G, "seed": run.seed,
             "train": run.train_steps, "valid": run.eval.iters if run.eval.every else 0,
-            "precision": run.precision, "lora": plan.lora is not None,
+            "precision": run.precision, "lora": plan.lora is not None, "packed": self.packed,
         }  # fmt: skip
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
@@ -137,10 +147,11 @@ class PreferenceTrainer(Trainer):
         return off
 
     def _logps(self, data: Dataset, batches: int) -> torch.Tensor:
-        """The model's summed log-probability of every row's completion, [batches, rows], on every
-        rank: each dp rank's rows from the ranks that report them, added up over the world."""
-        table = torch.zeros(batches, self.G, dtype=torch.float64, device=self.device)
-        n = self.G // self.dp
+        """The model's summed log-probability of every side's completion, [batches, rows x slots],
+        on every rank: each dp rank's rows from the ranks that report them, added up over the
+        world."""
+        table = torch.zeros(batches, self.G * self.slots, dtype=torch.float64, device=self.device)
+        n = self.G // self.dp * self.slots
         for k in range(batches):
             mine = self._batch_logps(data, k)
             if self.pm.reports_logits:
@@ -149,8 +160,8 @@ class PreferenceTrainer(Trainer):
         return table
 
     def _batch_logps(self, data: Dataset, k: int) -> torch.Tensor | None:
-        """The model's summed log-probability of each of this rank's rows of batch k (collective;
-        None where no stage computes them)."""
+        """The model's summed log-probability of each side of this rank's rows of batch k
+        (collective; None where no stage computes them)."""
         got: dict[int, torch.Tensor] = {}
 
         def keep(logps: torch.Tensor, counted: torch.Tensor, i: int) -> torch.Tensor:
@@ -166,9 +177,13 @@ class PreferenceTrainer(Trainer):
     # --- steps and evaluation -------------------------------------------------------------------
 
     def batch(self, b: Batch, role: int | None) -> tuple:
-        """The Trainer's, counting this rank's pairs, cut after its longest sequence."""
+        """The Trainer's, counting this rank's pairs (packed: the sides' first tokens, halved; a
+        device tensor), cut after its longest sequence."""
         inputs, targets, positions, _ = super().batch(self._trimmed(b), role)
-        return inputs, targets, positions, b.tokens.shape[0] // 2
+        if not self.packed:
+            return inputs, targets, positions, b.tokens.shape[0] // 2
+        sides = int(((b.positions == 0) & (b.tokens != PAD)).sum())
+        return inputs, targets, positions, torch.tensor(sides // 2, device=self.device)
 
     def _trimmed(self, b: Batch) -> Batch:
         """The batch without the columns after its longest sequence, which are padding in every
@@ -182,14 +197,16 @@ class PreferenceTrainer(Trainer):
         cut = [None if a is None else a[:, :keep] for a in b]
         return Batch(*cut)
 
-    def global_count(self, counted: torch.Tensor | int) -> int:
-        return self.pairs
+    def global_count(self, counted: torch.Tensor | int) -> torch.Tensor | int:
+        """The batch's pairs: known unless packed (then the dp ranks' added up)."""
+        self._count = super().global_count(counted) if self.packed else self.pairs
+        return self._count
 
     def _use(self, which: str, k: int) -> None:
         """The objective for batch k of `which`, its reference rows by microbatch."""
         refs: list[torch.Tensor] | None = None
         if self.reference:
-            n = self.G // self.dp
+            n = self.G // self.dp * self.slots
             mine = self.reference[which][k, self.dp_rank * n : (self.dp_rank + 1) * n]
             refs = list(mine.to(torch.float32).chunk(self.pm.par.microbatches))
         elif self.objective.needs_reference:  # live: the base with its adapters off, now
@@ -212,7 +229,7 @@ class PreferenceTrainer(Trainer):
         if self.pm.reports_logits and self._sums:
             total += torch.stack(list(self._sums.values())).sum(0)
         dist.all_reduce(total)
-        return dict(zip(METRICS, total / self.pairs, strict=True))
+        return dict(zip(METRICS, total / self._count, strict=True))
 
     def step(self) -> bool:
         self._use("train", self.position.step)
@@ -226,6 +243,7 @@ class PreferenceTrainer(Trainer):
         for k in range(self.run.eval.iters):
             self._use("valid", k)
             tokens, targets, positions, counted = self.batch(self.rows(self.valid_data, k), self.train_role)
+            self.global_count(counted)
             loss = self.pm.evaluate(tokens, targets, positions=positions)
             losses.append(self.reduce_loss(loss if self.pm.has_last else None, counted)[0])
             for name, v in self._metrics().items():

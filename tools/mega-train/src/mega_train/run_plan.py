@@ -63,7 +63,8 @@ class RunPlan:
 
     def resume_notes(self, verify: Verify = "size") -> list[str]:
         """Where a run would start (a dry run's report; the run itself says it as it resumes),
-        with the same search as the run's (`checkpoints.resume_point`)."""
+        with the same search as the run's (`checkpoints.resume_point`) and the same refusal of a
+        checkpoint it may not resume from (`check_resume`)."""
         from mega_train.checkpoints import resume_point
         from mega_train.lifecycle import LOCK_FILE, describe, held_by
 
@@ -75,9 +76,17 @@ class RunPlan:
         for path, why in damaged:
             notes.append(f"warning: {path} is damaged ({why}); the run will set it aside")
         if found is not None:
+            self.check_resume(*found)
             step = found[1].training.step
             notes.append(f"resumes from {found[0]} (step {step} of {self.run.train_steps})")
         return notes
+
+    def check_resume(self, path: Path, manifest: CheckpointManifest) -> None:
+        """UserError unless this run may resume from the checkpoint `path`: the same model (the
+        context included) and the same fingerprint. The launch and the dry run both ask here."""
+        from mega_train.checkpoints import check_resumable
+
+        check_resumable(path, manifest, self.config, self.fingerprint, str(self.path), self.config_field)
 
     def config_field(self, name: str) -> str:
         """Where the run manifest sets the model config's field `name`: in `config` (or the
@@ -90,10 +99,14 @@ class RunPlan:
         return f"$.model.{name}" if name in INIT_OVERRIDES else f"$.model.init (its config's {name})"
 
     @property
+    def packs_pairs(self) -> bool:
+        return packs_pairs(self.run)
+
+    @property
     def rows_per_sample(self) -> int:
         """Sequences per sample of the batch: a preference objective's samples are pairs, two rows
-        each (the batch sizes count pairs; memory and data count rows)."""
-        return 1 if self.run.objective.type == "lm" else 2
+        each (the batch sizes count pairs; memory and data count rows), unless packed (rows)."""
+        return 1 if self.run.objective.type == "lm" or self.packs_pairs else 2
 
     @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
@@ -500,7 +513,13 @@ def parallelism(
         run.attention,
         fp8_emulate,
         lora,
+        packs_pairs(run),
     )
+
+
+def packs_pairs(run: RunManifest) -> bool:
+    """Whether a preference run packs whole pairs into each row (`"packing": "pack"`)."""
+    return run.objective.type != "lm" and run.data.packing == "pack"
 
 
 # "compile": "auto" on a CPU (`RunPlan.compiles`): what a bf16 step of a 125M Llama achieves on 2
@@ -560,7 +579,7 @@ def fingerprint(
     out = {
         "$.data.split": json.dumps(run.data.split),
         "$.data.loss_on": run.data.loss_on,
-        "$.data.packing": run.data.packing,
+        "$.data.packing": run.data.packing or ("pack" if run.objective.type == "lm" else "pad"),
         "$.data.doc_mask": str(run.data.doc_mask),
         "$.seed": str(run.seed),
         "$.batch.seq_length": str(run.batch.seq_length),

@@ -48,7 +48,6 @@ from mega_train import __version__
 from mega_train.allocator import configure_allocator
 from mega_train.checkpoints import (
     PRODUCER,
-    check_resumable,
     point_latest,
     prune,
     resume_point,
@@ -268,10 +267,7 @@ class Trainer:
         while (found := self.on_rank0(self._resume_point)) is not None:
             path, manifest = found
             try:
-                plan = self.plan
-                check_resumable(
-                    path, manifest, plan.config, plan.fingerprint, str(plan.path), plan.config_field
-                )
+                self.plan.check_resume(path, manifest)
             except UserError as e:
                 shutdown()
                 raise e if self.rank == 0 else Silent(e.exit_code) from None

@@ -348,10 +348,11 @@ class DataSpec(Struct):
         default_factory=lambda: [0.98, 0.02]
     )
     loss_on: Literal["all", "assistant"] = "all"
-    # Chat sources: several whole conversations per sample ("pack") or one ("pad"); each attends
-    # only to itself. Text sources are cut into samples anywhere (GPT); doc_mask keeps their
-    # documents apart too.
-    packing: Literal["pack", "pad"] = "pack"
+    # Chat sources: several whole conversations per sample ("pack", their default) or one ("pad");
+    # preference sources: one side per row ("pad", their default) or whole pairs packed ("pack":
+    # the batch then counts rows). Each attends only to itself. Text sources are cut into samples
+    # anywhere (GPT); doc_mask keeps their documents apart too.
+    packing: Literal["pack", "pad"] | None = None
     doc_mask: bool = False
 
     def __post_init__(self) -> None:
@@ -439,7 +440,8 @@ class ObjectiveSpec(Struct):
     (tokens of `--format preference`; `megacore.models.preference` has the formulas): `dpo` (its
     `loss` sigmoid, with cDPO's `label_smoothing`, or ipo; the reference is `init`'s model, its
     log-probabilities computed once before training), and the reference-free `simpo` (`gamma`, the
-    target margin) and `orpo`; `beta` their β. The batch then counts pairs, two rows each."""
+    target margin) and `orpo`; `beta` their β. The batch then counts pairs, two rows each (or
+    with `data.packing` `pack` rows, each holding whole pairs)."""
 
     type: Literal["lm", "dpo", "simpo", "orpo"] = "lm"
     beta: PositiveFloat = 0.1

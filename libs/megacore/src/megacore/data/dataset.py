@@ -3,9 +3,10 @@
 The blend (`blend.py`) says how many samples each source gives, then each source's split is
 indexed for exactly the epochs that takes: a small source starts new epochs while a big one is
 still in its first. A text source gives GPT samples (`samples.py`), a chat source whole
-conversations (`packing.py`, `pack` or `pad`), a preference source its pairs' two sides in adjacent
-rows (`pairs.py`; a blend of preference sources counts rows, and every source's share is whole
-pairs: even numbers of rows, `blend_index` over pairs).
+conversations (`packing.py`, `pack` (their default) or `pad`), a preference source its pairs' two
+sides in adjacent rows (`pairs.py`; a blend of preference sources counts rows, and every source's
+share is whole pairs: even numbers of rows, `blend_index` over pairs), or with `pack` whole pairs
+packed into each row (`PackedPairIndex`).
 
 Building is cheap but not free (a permutation per epoch of every source), and every process of a
 job needs the same index, so with a `cache_dir` the arrays are saved once as `.npy` files in
@@ -34,7 +35,7 @@ from megacore.artifacts.reader import read_manifest_bytes
 from megacore.data.blend import blend_index
 from megacore.data.documents import Documents
 from megacore.data.packing import PackedIndex, Packing
-from megacore.data.pairs import PairIndex, pair_range
+from megacore.data.pairs import PackedPairIndex, PairIndex, pair_range
 from megacore.data.samples import SPLITS, SampleIndex, split_ranges
 
 INDEX_VERSION = 2  # bump when the index arrays or how they are built change: old caches are rebuilt
@@ -63,7 +64,7 @@ class Dataset:
 
     def __init__(
         self,
-        sources: list[SampleIndex | PackedIndex | PairIndex],
+        sources: list[SampleIndex | PackedIndex | PairIndex | PackedPairIndex],
         source_ids: np.ndarray,
         source_samples: np.ndarray,
         doc_mask: bool = False,
@@ -72,11 +73,14 @@ class Dataset:
         self.source_ids, self.source_samples = source_ids, source_samples
         self.has_roles = bool(sources) and all(s.docs.has_roles for s in sources)
         self.doc_mask = doc_mask
-        self.has_positions = doc_mask or any(isinstance(s, PackedIndex | PairIndex) for s in sources)
+        self.has_positions = doc_mask or any(not isinstance(s, SampleIndex) for s in sources)
         # Conversations longer than a sample, cut to it (a packed source's split).
         self.truncated = sum(s.truncated for s in sources if isinstance(s, PackedIndex))
         # Pairs with a side longer than a row, left out (a preference source's split).
-        self.skipped_pairs = sum(s.skipped for s in sources if isinstance(s, PairIndex))
+        pairs = [s for s in sources if isinstance(s, PairIndex | PackedPairIndex)]
+        self.skipped_pairs = sum(s.skipped for s in pairs)
+        # The most sides a row holds (1 unpacked): what the engine sums log-probabilities into.
+        self.pair_slots = max((s.slots for s in pairs), default=1)
 
     @classmethod
     def build(
@@ -88,15 +92,18 @@ class Dataset:
         num_samples: int,
         seed: int,
         cache_dir: Path | None = None,
-        packing: Packing = "pack",
+        packing: Packing | None = None,
         doc_mask: bool = False,
     ) -> Dataset:
         """Index `num_samples` samples of the `which` split of the sources (path, manifest, weight),
         loading the index from `cache_dir` when it holds one built from the same inputs. Chat
-        sources are packed (`packing`); `doc_mask` masks the documents of text samples apart."""
+        sources are packed unless `packing` is `pad`, preference sources only if it is `pack`;
+        `doc_mask` masks the documents of text samples apart."""
         split_id = SPLITS.index(which)
         packed = [m.format == "chat" for _, m, _ in sources]
         paired = [m.format == "preference" for _, m, _ in sources]
+        pack_pairs = packing == "pack"
+        packing = packing or "pack"
         docs, manifest_shas = [], []
         for path, manifest, _ in sources:
             root, data = read_manifest_bytes(Path(path))
@@ -110,27 +117,24 @@ class Dataset:
             seq_length=seq_length,
             num_samples=num_samples,
             seed=seed,
-            packing=[packing if p else "pairs" if q else None for p, q in zip(packed, paired, strict=True)],
+            packing=[
+                packing if p else ("packed pairs" if pack_pairs else "pairs") if q else None
+                for p, q in zip(packed, paired, strict=True)
+            ],
         )
         target = cache_dir / f"{which}-{key[:16]}" if cache_dir is not None else None
+        kinds = _kinds(packed, paired, pack_pairs)
         if target is not None and (target / MARKER).is_file():
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in target.glob("*.npy")}
-            ds = cls._from_arrays(docs, ranges, seq_length, arrays, packed, paired, doc_mask)
+            ds = cls._from_arrays(docs, ranges, seq_length, arrays, kinds, doc_mask)
         else:
-            source_ids, source_samples = _blend([w for _, _, w in sources], num_samples, any(paired))
+            weights = [w for _, _, w in sources]
+            source_ids, source_samples = _blend(weights, num_samples, any(paired) and not pack_pairs)
             needed = np.bincount(source_ids, minlength=len(sources))
-            indexes = []
-            for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True)):
-                kw = dict(
-                    split_id=split_id, seq_length=seq_length, num_samples=int(n), seed=seed, source_id=j,
-                    where=f"$.data.sources[{j}]",
-                )  # fmt: skip
-                if paired[j]:
-                    indexes.append(PairIndex.build(d, r, **kw))
-                elif packed[j]:
-                    indexes.append(PackedIndex.build(d, r, packing=packing, **kw))
-                else:
-                    indexes.append(SampleIndex.build(d, r, **kw))
+            indexes = [
+                _build_index(kind, d, r, split_id, seq_length, int(n), seed, j, packing)
+                for j, (kind, d, r, n) in enumerate(zip(kinds, docs, ranges, needed, strict=True))
+            ]
             ds = cls(indexes, source_ids, source_samples, doc_mask)
             if target is not None:
                 _save(target, key, ds.arrays())
@@ -145,15 +149,13 @@ class Dataset:
         ranges: list[tuple[int, int]],
         seq_length: int,
         arrays: dict,
-        packed: list[bool],
-        paired: list[bool],
+        kinds: list[type],
         doc_mask: bool,
     ) -> Dataset:
         source_ids, source_samples = arrays["blend_source_ids"], arrays["blend_source_samples"]
         needed = np.bincount(source_ids, minlength=len(docs))
         indexes = []
-        for j, (d, r, n) in enumerate(zip(docs, ranges, needed, strict=True)):
-            kind = PairIndex if paired[j] else PackedIndex if packed[j] else SampleIndex
+        for j, (d, r, n, kind) in enumerate(zip(docs, ranges, needed, kinds, strict=True)):
             indexes.append(
                 kind(d, r, seq_length, int(n), **{k: arrays[f"source{j}_{k}"] for k in kind.ARRAYS})
             )
@@ -191,6 +193,31 @@ class Dataset:
             np.stack(roles) if self.has_roles else None,
             np.stack(positions) if self.has_positions else None,
         )
+
+
+def _kinds(packed: list[bool], paired: list[bool], pack_pairs: bool) -> list[type]:
+    """Each source's index class."""
+    pairs = PackedPairIndex if pack_pairs else PairIndex
+    return [pairs if q else PackedIndex if p else SampleIndex for p, q in zip(packed, paired, strict=True)]
+
+
+def _build_index(
+    kind: type,
+    docs: Documents,
+    doc_range: tuple[int, int],
+    split_id: int,
+    seq_length: int,
+    num_samples: int,
+    seed: int,
+    source_id: int,
+    packing: Packing,
+) -> SampleIndex | PackedIndex | PairIndex | PackedPairIndex:
+    """Source `source_id`'s index of its split (`kind` from `_kinds`)."""
+    kw = {"packing": packing} if kind is PackedIndex else {}
+    return kind.build(
+        docs, doc_range, split_id=split_id, seq_length=seq_length, num_samples=num_samples, seed=seed,
+        source_id=source_id, where=f"$.data.sources[{source_id}]", **kw,
+    )  # fmt: skip
 
 
 def _split(n_docs: int, fractions: list[float], split_id: int, paired: bool) -> tuple[int, int]:

@@ -18,7 +18,9 @@ objective needs of a row is the summed log-probability of its completion tokens 
 The rewards logged under TRL's names (`rewards/chosen`, ...) are β (logps - ref) for DPO, and β
 logps / |y| for the reference-free ones, whose `logps/*` are per token too (TRL's CPO and ORPO
 trainers' conventions). Losses and metrics come back per pair, as sums to be divided by the pairs of
-the whole batch: microbatches and data-parallel ranks add them up before the division.
+the whole batch: microbatches and data-parallel ranks add them up before the division. A pair whose
+chosen side has no tokens is an empty slot of a packed row (`ParallelModel.rows_loss`): its loss
+and statistics are 0, and no gradient reaches it.
 """
 
 from __future__ import annotations
@@ -65,9 +67,24 @@ def pair_losses(
     """Per-pair losses [P] and statistics [P, 4] (the chosen and rejected rewards, then their log-
     probabilities as logged) of rows [2P] that alternate chosen and rejected: `logps` the policy's
     summed log-probabilities (with their gradient), `lengths` their completion tokens, `ref` the
-    reference's sums (DPO)."""
-    pc, pr = logps[0::2], logps[1::2]
-    nc, nr = lengths[0::2].to(logps.dtype), lengths[1::2].to(logps.dtype)
+    reference's sums (DPO); pairs of no tokens (empty slots) give zeros."""
+    pair = lengths[0::2] > 0
+    # An empty slot's stand-ins: any finite value with a finite gradient, which `where` then drops.
+    pc, pr = (torch.where(pair, x, -1.0) for x in (logps[0::2], logps[1::2]))
+    nc, nr = (torch.where(pair, n, 1).to(logps.dtype) for n in (lengths[0::2], lengths[1::2]))
+    loss, stats = _pair_losses(obj, pc, pr, nc, nr, ref)
+    return torch.where(pair, loss, 0.0), torch.where(pair[:, None], stats, 0.0)
+
+
+def _pair_losses(
+    obj: Preference,
+    pc: torch.Tensor,
+    pr: torch.Tensor,
+    nc: torch.Tensor,
+    nr: torch.Tensor,
+    ref: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_losses` of pairs that all hold tokens."""
     beta = obj.beta
     if obj.type == "dpo":
         if ref is None:

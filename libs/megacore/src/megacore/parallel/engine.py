@@ -22,8 +22,9 @@ whole rows and keeps its part of each (`_local`); the loss it returns is the who
 is read back to the host: the counts, the weight and the loss stay device tensors (`Step`), so a
 GPU runs the step without waiting for it. `evaluate` runs the same microbatches forward only, and
 can hand each one's full-vocab logits to a callback (evaluation metrics). A preference objective
-takes the cross entropy's place through `rows_loss`: each row's summed log-probability, whole rows
-under cp, in training and in `evaluate` alike, and the mean is then over pairs. A mixture of experts'
+takes the cross entropy's place through `rows_loss`: each side's summed log-probability (a row's,
+or with packed pairs each of its documents', `_pair_slots`), whole rows under cp, in training and in
+`evaluate` alike, and the mean is then over pairs. A mixture of experts'
 router losses are each layer's mean over the global batch's microbatches, weighted into the same
 gradients (`_weigh_router_losses`), and every step's router statistics are gathered from every
 rank and returned with the loss (`Step.moe`).
@@ -149,14 +150,19 @@ class ParallelModel:
         # Called before each microbatch of an unpipelined step: the process's allocator may hand
         # back what the last one freed (mega_train.allocator).
         self.before_microbatch: Callable[[], None] | None = None
-        # A loss over each row's summed log-probability of its counted targets instead of their
+        # A loss over each side's summed log-probability of its counted targets instead of their
         # cross entropy (preference objectives, `megacore.models.preference`): called per
-        # microbatch, in training and in `evaluate`, with (logps [b], counted targets [b]) of whole
-        # rows and the microbatch's number in this rank's batch, it returns the microbatch's summed
-        # loss; what a step's mean divides by is then pairs, two rows each (`_counted`). A number
-        # may come twice: torch's pipeline schedules infer their backward's shapes from a first
-        # loss of microbatch 0 (torch 2.13), so a second call replaces the first.
+        # microbatch, in training and in `evaluate`, with (logps [b x row_slots], counted targets
+        # [b x row_slots]) of whole rows, each row's `row_slots` sides in turn (chosen, rejected,
+        # ...; an empty slot counts none), and the microbatch's number in this rank's batch, it
+        # returns the microbatch's summed loss; what a step's mean divides by is then pairs
+        # (`_pair_slots`). A number may come twice: torch's pipeline schedules infer their
+        # backward's shapes from a first loss of microbatch 0 (torch 2.13), so a second call
+        # replaces the first.
         self.rows_loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+        # Sides per row: 1 (a row holds one), or with packed pairs (`par.packed_pairs`) the most a
+        # row holds.
+        self.row_slots = 1
         self._batch_targets: torch.Tensor | None = None  # this step's, which microbatches are views of
 
     @property
@@ -272,8 +278,7 @@ class ParallelModel:
         if on_logits is not None:
             self._report(logits, targets, on_logits)
         if self.rows_loss is not None:
-            i = self._microbatch(targets)
-            return self.rows_loss(*self._rows(self._row_logps(logits, targets), targets), i) * weight
+            return self.rows_loss(*self._rows(self._token_logps(logits, targets), targets)) * weight
         return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * weight
 
     def _refresh(self) -> None:
@@ -347,7 +352,7 @@ class ParallelModel:
         data = tokens if tokens is not None else targets
         if data is not None:  # middle pipeline stages get no batch; the ends check it
             check_microbatches(data.shape[0], n, "microbatches")
-        counted = _counted(targets, self.device, pairs=self.rows_loss is not None)
+        counted = self._counted(targets, positions)
         # Gradient reduction averages over the replicas (dp x cp), so each rank's share is
         # weighted up by them.
         weight = _weight(self.replicas * scale, count if count is not None else self.dp * counted)
@@ -429,7 +434,7 @@ class ParallelModel:
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None
         with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
-            counted = _counted(targets, self.device, pairs=self.rows_loss is not None)
+            counted = self._counted(targets, positions)
             tokens, targets, inputs = self._local(tokens, targets, positions)
             self._batch_targets = targets
             if self.schedule is None:
@@ -532,12 +537,11 @@ class ParallelModel:
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """A microbatch's summed loss without a pipeline: fused with the output projection unless
-        the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`)."""
+        the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`),
+        or packed pairs' sides are summed apart (`layout.fused_loss`)."""
         model = self.parts[0]
         if self.fused_loss and on_logits is None and self.rows_loss is not None:
-            return self.rows_loss(
-                *self._rows(-model(x, y, reduction="rows", **inputs), y), self._microbatch(y)
-            )
+            return self.rows_loss(*self._rows(-model(x, y, reduction="rows", **inputs), y))
         if self.fused_loss and on_logits is None:
             return model(x, y, reduction="sum", **inputs)
         return self._microbatch_loss(model(x, **inputs), y, on_logits=on_logits)
@@ -548,25 +552,50 @@ class ParallelModel:
         row = (targets.data_ptr() - batch.data_ptr()) // (batch.stride(0) * batch.element_size())
         return row // targets.shape[0]
 
-    def _row_logps(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Each row's summed log-probability of its counted targets [b] from logits (tp: the
-        vocab-parallel cross entropy, per token)."""
-        nll = lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "none")
-        return -nll.reshape(targets.shape).sum(1)
+    def _token_logps(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's log-probability [b, s] from logits, 0 where it does not count (tp: the
+        vocab-parallel cross entropy)."""
+        return -lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "none").reshape(targets.shape)
 
-    def _rows(self, logps: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rows_loss`'s inputs: whole rows' log-probabilities and counted targets. Under cp each
-        rank holds part of every row: the parts' sums are added over cp, and the gradient flows
-        back to this rank's part alone (each rank's backward then gives its part's gradient, as
-        with language modelling)."""
-        counted = (targets != IGNORE).sum(1)
+    def _counted(self, targets: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
+        """This rank's counted targets, or under `rows_loss` its pairs (`_pair_slots`)."""
+        if targets is None:
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        if self.rows_loss is None:
+            return (targets != IGNORE).sum()
+        return self._pair_slots(targets, positions)
+
+    def _pair_slots(self, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Where `_rows` sums each target of whole rows [B, S]: its side's slot, the side's number
+        in its row (document ids from `positions`; `row_slots` past the last, padding's), kept as
+        this rank's part of the rows (cp) in `_slots`; each slot's counted targets [B, row_slots]
+        in `_slot_counted`. Returns the pairs among the rows: chosen sides that count a target."""
+        m = self.row_slots
+        sides = torch.zeros_like(targets) if positions is None else document_ids(positions) - 1
+        slots = sides.clamp(max=m)
+        counted = targets.new_zeros(targets.shape[0], m + 1)
+        self._slot_counted = counted.scatter_add_(1, slots, (targets != IGNORE).long())[:, :m]
+        if self.cp_mesh is not None:
+            slots = shard_sequence(slots, self.cp_mesh.size(), self.cp_mesh.get_local_rank())
+        self._slots = slots
+        return (self._slot_counted.reshape(-1)[0::2] > 0).sum()
+
+    def _rows(self, logps: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`rows_loss`'s inputs for a microbatch: each side's summed log-probability and counted
+        targets, [b x row_slots] each, from its targets' log-probabilities [b, s] (or, one side per
+        row, their rows' sums [b]), and its number. Under cp each rank holds part of every row:
+        the parts' sums are added over cp, and the gradient flows back to this rank's part alone
+        (each rank's backward then gives its part's gradient, as with language modelling)."""
+        i, b, m = self._microbatch(targets), targets.shape[0], self.row_slots
+        rows = slice(i * b, (i + 1) * b)
+        if logps.dim() == 2:
+            logps = logps.new_zeros(b, m + 1).scatter_add(1, self._slots[rows], logps)[:, :m]
+        logps, counted = logps.reshape(-1), self._slot_counted[rows].reshape(-1)
         if self.cp_mesh is None:
-            return logps, counted
-        group = self.cp_mesh.get_group()
+            return logps, counted, i
         whole = logps.detach().clone()
-        dist.all_reduce(whole, group=group)
-        dist.all_reduce(counted, group=group)
-        return logps + (whole - logps.detach()), counted
+        dist.all_reduce(whole, group=self.cp_mesh.get_group())
+        return logps + (whole - logps.detach()), counted, i
 
     def _report(
         self,
@@ -608,16 +637,6 @@ class ParallelModel:
                 nf4.fill(p, whole, offset, shape)
             elif local.numel():
                 local.copy_(box_slice(whole, (offset, shape)))
-
-
-def _counted(targets: torch.Tensor | None, device: torch.device, pairs: bool = False) -> torch.Tensor:
-    """The targets that count (not IGNORE), or (`pairs`) the pairs of rows, a device tensor; 0
-    where this rank holds none."""
-    if targets is None:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    if pairs:
-        return torch.tensor(targets.shape[0] // 2, device=device)
-    return (targets != IGNORE).sum()
 
 
 def _weight(numerator: float, count: torch.Tensor | int) -> torch.Tensor | float:

@@ -346,6 +346,7 @@ class Parallelism:
     attention: str = "auto"  # the attention kernel: auto, sdpa or flash (`models.attention`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`: tests only)
     lora: LoRA | None = None  # adapters trained on a frozen base (`megacore.models.adapters`)
+    packed_pairs: bool = False  # preference pairs packed: each row's sides summed apart (`fused_loss`)
 
     def dims(self, dp: int) -> Dims:
         """The mesh's sizes: this layout's with `dp` data-parallel ranks."""
@@ -464,8 +465,9 @@ def fsdp_unit(name: str, dims: Dims) -> str:
 
 def fused_loss(par: Parallelism) -> bool:
     """The loss is fused with the output projection (`Decoder(tokens, targets)`: no full fp32
-    logits) without tp and without a pipeline; otherwise the logits are vocab-parallel or sent."""
-    return par.spec.tp == 1 and par.spec.pp * par.stages_per_rank == 1
+    logits) without tp and without a pipeline; otherwise the logits are vocab-parallel or sent. Not
+    for packed preference pairs either: the fused loss sums whole rows, not a row's sides."""
+    return par.spec.tp == 1 and par.spec.pp * par.stages_per_rank == 1 and not par.packed_pairs
 
 
 def fast_paths(par: Parallelism) -> dict[str, bool]:
