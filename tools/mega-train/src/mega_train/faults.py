@@ -5,11 +5,16 @@ trainer as an argument; a run without it holds None and never looks again. At st
 (counted from 1, the step that just ran): `nan-grad` poisons a gradient on rank 0, `nan-loss` the
 loss; `kill` SIGKILLs the job in the middle of the step (after backward, before the update);
 `kill-in-save` in the middle of writing that step's checkpoint (after the shard files, before the
-manifest); `stall-in-save` waits there for a minute (time for a test to interrupt a save).
+manifest); `stall-in-save` waits there for a minute (time for a test to interrupt a save);
+`kill-before-write` once the save's snapshot is taken, before any file is written, and
+`kill-after-commit` once its manifest is committed, before `latest` points at it (the moments of an
+asynchronous save's background write, on every rank); `fail-save` makes that step's save fail as a
+full disk would (rank 0's write raises ENOSPC).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -18,7 +23,10 @@ from dataclasses import dataclass
 
 from megacore.errors import UserError
 
-KINDS = ("nan-grad", "nan-loss", "kill", "kill-in-save", "stall-in-save")
+KINDS = (
+    "nan-grad", "nan-loss", "kill", "kill-in-save", "stall-in-save", "kill-before-write", "kill-after-commit",
+    "fail-save",
+)  # fmt: skip
 ENV = "MEGA_TRAIN_INJECT"
 
 
@@ -56,8 +64,19 @@ class Faults:
             next(p for p in params if p.grad is not None).grad.fill_(float("nan"))
         return loss
 
-    def in_save(self, step: int) -> Callable[[], None] | None:
+    def in_save(self, step: int, rank: int = 0) -> Callable[[], None] | None:
         """What to run once a checkpoint's shard files are written (before its manifest)."""
         if self.at("stall-in-save", step):
             return lambda: time.sleep(60)
+        if rank == 0 and self.at("fail-save", step):
+            return _disk_full
         return _kill_self if self.at("kill-in-save", step) else None
+
+    def around_write(self, step: int, moment: str) -> None:
+        """A save's `before` (its files) or `after` (its commit) moment: kill here if asked."""
+        if self.at({"before": "kill-before-write", "after": "kill-after-commit"}[moment], step):
+            _kill_self()
+
+
+def _disk_full() -> None:
+    raise OSError(errno.ENOSPC, "No space left on device (injected)")

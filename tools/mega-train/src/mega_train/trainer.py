@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -49,10 +48,8 @@ from mega_train.allocator import configure_allocator
 from mega_train.checkpoints import (
     PRODUCER,
     point_latest,
-    prune,
     resume_point,
     set_aside,
-    step_dir,
 )
 from mega_train.evaluation import EvalSums
 from mega_train.faults import Faults
@@ -68,16 +65,16 @@ from mega_train.metrics import (
     train_line,
 )
 from mega_train.run_plan import RUN_MARK, RunPlan
+from mega_train.saving import Saver
 from mega_train.schedule import LossScale, Schedule
 from mega_train.wandb_run import WandbLog
-from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec, TrainingState
+from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec
 from megacore.artifacts.reader import parent_of
-from megacore.artifacts.writer import staging_dir
 from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token, is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import DamagedFile, Silent, UserError
-from megacore.parallel.checkpoint_io import load_checkpoint, load_rank_state, save_checkpoint
+from megacore.parallel.checkpoint_io import load_checkpoint, load_rank_state
 from megacore.parallel.clip import clip_grad_norm
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.mesh import build_mesh, device_type, dp_mesh, shutdown
@@ -181,6 +178,7 @@ class Trainer:
         )
         self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
         self.pm.before_microbatch = trim
+        self.saver = Saver(self)
         self.params = [p for p in self.pm.parameters() if p.requires_grad]  # LoRA: the adapters
         self.opt = make_optimizer(self.params, run.optimizer)
         fp16 = run.precision == "fp16"
@@ -482,6 +480,7 @@ class Trainer:
         count = self.scaler.counters["nan_steps"]
         if nan.policy != "halt" or count < nan.max_steps:
             return
+        self.saver.wait()
         self.flush()
         if self.rank != 0:
             raise Silent(Halted.exit_code)
@@ -533,6 +532,8 @@ class Trainer:
         self.log.write(record)
         if self.wb is not None:
             self.wb.log(record)
+        if record["kind"] == "checkpoint":
+            return  # the saver says its own line
         if record["kind"] == "eval":
             say(eval_line(record))
         elif record["step"] % self.run.logging.every == 0 or record["step"] == self.run.train_steps:
@@ -541,45 +542,15 @@ class Trainer:
     # --- save and stop ------------------------------------------------------------------------
 
     def save(self) -> None:
-        """A checkpoint of this step (collective): weights, moments, schedule, counters, RNG."""
-        pos, plan = self.position, self.plan
-        path = step_dir(plan.checkpoints, pos.step)
-        training = TrainingState(
-            step=pos.step,
-            consumed_samples=pos.step * self.G,
-            scheduler=self.schedule.saved(pos.step),
-            optimizer="adamw",
-            optimizer_steps=pos.optimizer_steps,
-            loss_scale=self.scaler.scale,
-            counters=dict(self.scaler.counters),
-            fingerprint=plan.fingerprint,
-            metrics={k: v for k, v in pos.metrics.items() if math.isfinite(v)},
-        )
-        if self.rank == 0 and self.stop is not None:  # a second Ctrl-C leaves no half-written step
-            self.stop.on_abort = lambda: shutil.rmtree(staging_dir(path), ignore_errors=True)
-        try:
-            save_checkpoint(
-                path, self.pm, self.opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
-                rank_state={"cpu": torch.get_rng_state()},
-                on_written=self.faults.in_save(pos.step) if self.faults is not None else None,
-                tokenizer=plan.tokenizer, parents=[parent_of(p) for p in plan.inputs] if self.rank == 0 else [],
-                license=plan.license, adapter=plan.lora.adapter() if plan.lora is not None else None,
-            )  # fmt: skip
-        except UserError:
-            if self.rank != 0:
-                raise Silent(2) from None
-            raise UserError(
-                f"cannot save step {pos.step}: {path} is in the way and is not a checkpoint this run can "
-                "resume from; move it elsewhere and rerun to resume"
-            ) from None
-        finally:
-            if self.stop is not None:
-                self.stop.on_abort = None
-        self.saved_at, self.last = pos.step, path
-        if self.rank == 0:
-            point_latest(plan.checkpoints, path)
-            prune(plan.checkpoints, self.run.checkpoint.keep)
-            say(f"mega-train: saved {path}")
+        """A checkpoint of this step (collective; `saving.Saver`), in the background if asynchronous."""
+        self.saver.save()
+
+    def save_now(self) -> None:
+        """This step's checkpoint, written before going on (the end, a stop): tried again until it
+        is, or saving has failed `saving.MAX_FAILED_SAVES` times in a row (the run then ends)."""
+        while self.saved_at != self.position.step:
+            self.save()
+            self.saver.wait()
 
     def fit(self) -> dict | None:
         """Steps until `train_steps` or a stop request; rank 0 returns the run's summary."""
@@ -593,6 +564,7 @@ class Trainer:
         while pos.step < run.train_steps:
             stopping = self.step()
             progress.update(1)
+            self.saver.poll()
             self.check_halt()
             evaluates = run.eval.every and (pos.step % run.eval.every == 0 or pos.step == run.train_steps)
             saves = pos.step % run.checkpoint.every == 0 or pos.step == run.train_steps
@@ -602,8 +574,7 @@ class Trainer:
                 self.report(self.eval_record(self.evaluate()))
             if stopping:
                 name = self.stop.name or "SIGTERM"
-                if self.saved_at != pos.step:
-                    self.save()
+                self.save_now()
                 if self.rank == 0:
                     say(
                         f"mega-train: {name} at step {pos.step}: checkpoint saved; rerun the command to resume"
@@ -611,8 +582,7 @@ class Trainer:
                 return self.summary(name)
             if saves:
                 self.save()
-        if self.saved_at != pos.step:
-            self.save()
+        self.save_now()
         progress.done()
         return self.summary(None)
 

@@ -403,11 +403,14 @@ class OptimizerSpec(Struct):
 
 class CheckpointSpec(Struct):
     """Save every `every` steps and at the end into `dir` (default: `checkpoints` in the run's
-    `out`), as `step-00000012` checkpoint artifacts and a `latest` link; `keep` the last K."""
+    `out`), as `step-00000012` checkpoint artifacts and a `latest` link; `keep` the last K. `async`:
+    training goes on while the files are written (`mega_train.saving`); "auto" (the default) on a
+    GPU, whose state the host copy does not take memory from."""
 
     dir: Ref | None = None
     every: Positive = 1000
     keep: Positive | None = None
+    async_: bool | Literal["auto"] = msgspec.field(default="auto", name="async")
 
 
 class NanSpec(Struct):
