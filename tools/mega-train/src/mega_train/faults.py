@@ -9,7 +9,8 @@ manifest); `stall-in-save` waits there for a minute (time for a test to interrup
 `kill-before-write` once the save's snapshot is taken, before any file is written, and
 `kill-after-commit` once its manifest is committed, before `latest` points at it (the moments of an
 asynchronous save's background write, on every rank); `fail-save` makes that step's save fail as a
-full disk would (rank 0's write raises ENOSPC).
+full disk would (rank 0's write raises ENOSPC); `hang` stops rank 0 in the middle of the step for
+an hour, as a rank stuck in a collective would (the watchdog's test).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from megacore.errors import UserError
 
 KINDS = (
     "nan-grad", "nan-loss", "kill", "kill-in-save", "stall-in-save", "kill-before-write", "kill-after-commit",
-    "fail-save",
+    "fail-save", "hang",
 )  # fmt: skip
 ENV = "MEGA_TRAIN_INJECT"
 
@@ -58,6 +59,8 @@ class Faults:
         """Apply this step's faults between backward and the update; returns the (poisoned) loss."""
         if self.at("kill", step):
             _kill_self()
+        if rank == 0 and self.at("hang", step):
+            time.sleep(3600)
         if loss is not None and self.at("nan-loss", step):
             loss = loss.new_full(loss.shape, float("nan"))
         if rank == 0 and self.at("nan-grad", step):

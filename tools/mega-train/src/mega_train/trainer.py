@@ -68,6 +68,7 @@ from mega_train.run_plan import RUN_MARK, RunPlan
 from mega_train.saving import Saver
 from mega_train.schedule import LossScale, Schedule
 from mega_train.wandb_run import WandbLog
+from mega_train.watchdog import Watchdog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec
 from megacore.artifacts.reader import parent_of
 from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token, is_adapter_tensor
@@ -157,6 +158,7 @@ class Trainer:
         self.saved_at: int | None = None
         self._rng: dict[str, torch.Tensor] | None = None  # the resumed checkpoint's RNG state of this rank
         self.pending: list[Pending] = []  # steps whose device values are not read back yet
+        self.watchdog: Watchdog | None = None
 
     # --- set up -------------------------------------------------------------------------------
 
@@ -179,6 +181,8 @@ class Trainer:
         self.pm = ParallelModel(self.plan.config, par, self.mesh, self.device)
         self.pm.before_microbatch = trim
         self.saver = Saver(self)
+        hang_s = run.watchdog.hang_s
+        self.watchdog = Watchdog(hang_s, self.plan.out, self.rank, dist.get_world_size()) if hang_s else None
         self.params = [p for p in self.pm.parameters() if p.requires_grad]  # LoRA: the adapters
         self.opt = make_optimizer(self.params, run.optimizer)
         fp16 = run.precision == "fp16"
@@ -582,6 +586,8 @@ class Trainer:
                 return self.summary(name)
             if saves:
                 self.save()
+            if self.watchdog is not None:
+                self.watchdog.beat(pos.step)
         self.save_now()
         progress.done()
         return self.summary(None)
@@ -611,6 +617,8 @@ class Trainer:
 
     def close(self, ok: bool) -> None:
         """Restore the signal handlers, close the reports, release the lock."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.stop is not None:
             self.stop.restore()
         if self.log is not None:

@@ -413,6 +413,14 @@ class CheckpointSpec(Struct):
     async_: bool | Literal["auto"] = msgspec.field(default="auto", name="async")
 
 
+class WatchdogSpec(Struct):
+    """A rank that finishes no step (nor evaluation, nor save) for `hang_s` seconds writes every
+    thread's stack to `out/hangs/`, the ranks that stopped progressing are named, and the job exits
+    (`mega_train.watchdog`); null: not watched."""
+
+    hang_s: PositiveFloat | None = 1800.0
+
+
 class NanSpec(Struct):
     """A step whose loss or gradients are not finite is never applied: `skip` goes on, `halt` stops
     (exit 1) once `max_steps` such steps happened in the run."""
@@ -475,6 +483,7 @@ class RunManifest(Header, tag="run", kw_only=True):
     compile: bool | Literal["auto"] = "auto"
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
     nan: NanSpec = msgspec.field(default_factory=NanSpec)
+    watchdog: WatchdogSpec = msgspec.field(default_factory=WatchdogSpec)
     eval: EvalSpec = msgspec.field(default_factory=EvalSpec)
     logging: LoggingSpec = msgspec.field(default_factory=LoggingSpec)
     lora: LoRASpec | None = None
