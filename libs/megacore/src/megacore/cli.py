@@ -114,9 +114,23 @@ _RECEIVED: list[int] = []
 # escape the handling as a traceback and exit 1.
 _ARMED = [False]
 
+# Stop signals a Python handler has run for (this module's, or a tool's own that calls
+# `mark_handled`): a watcher thread compares them with the signals received (mega_train.lifecycle).
+_HANDLED = [0]
+
+
+def mark_handled() -> None:
+    """A Python-level handler ran for a stop signal (the main thread is not stuck in C code)."""
+    _HANDLED[0] += 1
+
+
+def handled_signals() -> int:
+    return _HANDLED[0]
+
 
 def _raise_stopped(signum: int, frame: object) -> None:
     _RECEIVED.append(signum)
+    mark_handled()
     if _ARMED[0]:
         raise Stopped(signum)
 

@@ -44,6 +44,11 @@ VARIABLES = (
     Variable(
         "TORCHELASTIC_RUN_ID", "mega-train", "torchrun's: a worker watches its launcher and stops with it"
     ),
+    Variable(
+        "TORCHELASTIC_RESTART_COUNT",
+        "mega-train",
+        "torchrun's: the workers' restart; each start's process groups keep their keys apart in the store",
+    ),
     Variable("SLURM_JOB_ID", "mega-train", "a requeued SLURM job takes over its own run's lock"),
     Variable(
         "XDG_CACHE_HOME", "mega-tokenize", "where converted tokenizers are cached (`~/.cache` if unset)"

@@ -92,6 +92,13 @@ def train(
     master_port: int | None = typer.Option(
         None, "--master-port", show_default=False, help="With --nproc-per-node: node 0's port."
     ),
+    max_restarts: int = typer.Option(
+        0,
+        "--max-restarts",
+        min=0,
+        help="With --nproc-per-node: start the workers again, up to N times, "
+        "when one fails (they resume from the newest intact checkpoint).",
+    ),
     version: bool = version_option("mega-train", __version__),
     debug: bool = debug_option(),
 ) -> None:
@@ -121,7 +128,7 @@ def train(
         worker = ["--manifest", str(manifest), "--verify", verify]
         worker += (["--json"] if as_json else []) + (["--debug"] if debug else [])
         worker += ["--peak-tflops", str(peak_tflops)] if peak_tflops is not None else []
-        options = torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+        options = torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port, max_restarts)
         raise typer.Exit(launch(options, worker))
     if world_size is not None and world_size != int(env.get("WORLD_SIZE", "1")):
         raise UserError("--world-size is for --dry-run; a run's world size is torchrun's", "--world-size")

@@ -93,11 +93,18 @@ def _stopped(exitcode: int) -> bool:
 
 
 def torchrun_args(
-    nproc: int, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int | None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The torchrun options of a static rendezvous (on one node without an address, torchrun's
-    `--standalone`: a c10d rendezvous on a free local port)."""
+    `--standalone`: a c10d rendezvous on a free local port), restarting the workers up to
+    `max_restarts` times."""
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--node-rank={node_rank}"]
+    args.append(f"--max-restarts={max_restarts}")
     if nnodes == 1 and master_addr is None and master_port is None:
         return [*args, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
     args.append(f"--master-addr={master_addr or '127.0.0.1'}")

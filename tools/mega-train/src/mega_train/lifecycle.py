@@ -17,7 +17,10 @@ launcher (which forwards it) and the workers alike.
 
 **The launcher.** Under torchrun or `mega-train --nproc-per-node` (`launch.py`) each worker watches
 its parent process; when the launcher dies without stopping it (SIGKILL), the worker exits within
-`WATCH_S` seconds, writing nothing more.
+`WATCH_S` seconds, writing nothing more. A stop signal that no Python handler has run for within
+`STUCK_S` (the main thread blocked in C code: a collective whose peer died, a connect) ends the
+worker at once (`watch_signals`): the launcher then stops or restarts the job without waiting out
+its grace period.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from pathlib import Path
 
 from megacore import env
 from megacore.artifacts.output import pid_alive
+from megacore.cli import handled_signals, mark_handled
 from megacore.errors import UserError
 
 LOCK_FILE = ".lock"
 SECOND_SIGINT_S = 1.0
 WATCH_S = 1.0
+STUCK_S = 2.0  # a stop signal no Python handler has run for by then: the main thread is stuck in C
 ABORTED = 130  # the exit status of a second Ctrl-C, as a shell reports SIGINT
 
 
@@ -158,6 +163,7 @@ class StopRequest:
         self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
+        mark_handled()
         now = time.monotonic()
         if self.signum == signal.SIGINT and signum == signal.SIGINT and now - self._first > SECOND_SIGINT_S:
             os.write(2, b"mega-train: error: interrupted again: stopped without saving\n")
@@ -175,6 +181,41 @@ class StopRequest:
     def restore(self) -> None:
         for s, h in self.previous.items():
             signal.signal(s, h)
+
+
+def watch_signals() -> threading.Thread | None:
+    """Under a launcher: a daemon thread woken by every signal (`signal.set_wakeup_fd`) that ends
+    this process when a stop signal is not handled within STUCK_S. Python runs its handlers in the
+    main thread between bytecodes, never while it is blocked in C code (a collective whose peer is
+    gone, a connect): torchrun's agent would wait out its grace period (30 s) and then SIGKILL it.
+    Nothing is saved then; the newest checkpoint is where the run resumes. None without a launcher."""
+    if env.get("TORCHELASTIC_RUN_ID") is None:
+        return None
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    stops = {int(s) for s in StopRequest.SIGNALS}
+    received = [handled_signals()]
+
+    def watch() -> None:
+        while True:
+            signums = [s for s in os.read(read, 64) if s in stops]
+            if not signums:
+                continue
+            received[0] += len(signums)
+            deadline = time.monotonic() + STUCK_S
+            while handled_signals() < received[0]:
+                if time.monotonic() > deadline:
+                    name = signal.Signals(signums[0]).name
+                    os.write(
+                        2, f"mega-train: error: {name} while blocked outside Python; rank stopped\n".encode()
+                    )
+                    os._exit(128 + signums[0])
+                time.sleep(0.05)
+
+    t = threading.Thread(target=watch, name="mega-train-signal-watch", daemon=True)
+    t.start()
+    return t
 
 
 def watch_launcher() -> threading.Thread | None:

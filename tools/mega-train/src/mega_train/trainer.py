@@ -53,7 +53,7 @@ from mega_train.checkpoints import (
 )
 from mega_train.evaluation import EvalSums
 from mega_train.faults import Faults
-from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher
+from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher, watch_signals
 from mega_train.metrics import (
     MetricsLog,
     compile_seconds,
@@ -166,6 +166,7 @@ class Trainer:
         """Mesh, lock, stop flag, data and model; collective."""
         run = self.run
         trim = configure_allocator(device_type())
+        watch_signals()  # before the first connect: a stop must end a worker stuck in one
         dims = self.plan.dims
         self.mesh = build_mesh(dims.tp, dims.pp, dims.cp, dims.ep)
         self.rank = dist.get_rank()

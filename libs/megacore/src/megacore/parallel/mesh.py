@@ -18,7 +18,12 @@ def device_type() -> str:
 
 def init_distributed() -> None:
     """Initialise the default process group from torchrun's variables (RANK, WORLD_SIZE, ...), or
-    a group of one process when they are absent (a plain `python` or console-script run)."""
+    a group of one process when they are absent (a plain `python` or console-script run).
+
+    Under torchrun the store is its agent's, which outlives the workers: after a restart
+    (`--max-restarts`) the new workers would find the dead ones' keys there (Gloo's addresses of
+    each rank: connecting to them is refused, and the first restart failed), so each start's keys
+    go under a prefix of their own (TORCHELASTIC_RESTART_COUNT)."""
     if dist.is_initialized():
         return
     backend = "nccl" if device_type() == "cuda" else "gloo"
@@ -26,8 +31,11 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     if env.get("RANK") is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend)
+        return
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"mega-train/start-{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def build_mesh(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> DeviceMesh:
