@@ -61,6 +61,12 @@ def checkpoint_tensors(path: Path) -> dict:
         return {name: ckpt.read(name).clone() for name in ckpt.manifest.tensors}
 
 
+def worker_rank(pid: int) -> int:
+    """The rank torchrun gave worker `pid` (its RANK)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])
+
+
 def metrics(out: Path, kind: str = "train") -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

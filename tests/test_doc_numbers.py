@@ -518,6 +518,18 @@ def _nf4() -> tuple[int, int, int]:
     return NF4_BLOCK, NF4_SCALER_BLOCK, NF4_QUANTUM
 
 
+def _stuck_s() -> tuple[float]:
+    from mega_train.lifecycle import STUCK_S
+
+    return (STUCK_S,)
+
+
+def _straggler() -> tuple[float, float]:
+    from mega_train.stragglers import FACTOR, MIN_EXCESS_S
+
+    return FACTOR, MIN_EXCESS_S * 1000
+
+
 TRAIN = "docs/mega-train.md"
 EQ = literals(EQUIVALENCE_WORKER)
 CHECKED: list[Check] = [
@@ -642,6 +654,8 @@ CHECKED: list[Check] = [
     Check(TRAIN, "scaler blocks of {} values", lambda: _nf4()[2:]),
     Check(TRAIN, "the loss and every adapter gradient within {}", lambda: (literals(QLORA_TEST)["REL"],)),
     Check(TRAIN, "{} s by default), then torchrun exits", lambda: (shutdown_timeout(),)),
+    Check(TRAIN, "leaves on a stop signal within {} s", _stuck_s),
+    Check(TRAIN, "more than {}x its peers' median and at least {} ms above it", _straggler),
     Check(TRAIN, "aborts at once, exit {}:", _aborted),
 ]
 

@@ -52,6 +52,7 @@ def test_a_killed_worker_is_restarted_in_the_job_and_the_run_ends_bit_identical(
             os.killpg(proc.pid, signal.SIGKILL)
     log = (tmp_path / "log.txt").read_text()
     (resumed,) = re.findall(r"mega-train: resuming from \S+ \(step (\d+) of 40\)", log)
+    assert re.findall(r"\(restart (\d+) of (\d+)\)", log) == [("1", "1")], log[-3000:]
     assert int(resumed) >= 8, log[-3000:]
     ok(
         subprocess.run(

@@ -201,6 +201,14 @@ def test_fault_plan_is_parsed_once() -> None:
     assert faults.at("kill", 7) and faults.at("nan-loss", 3) and not faults.at("kill", 3)
     with pytest.raises(UserError, match="MEGA_TRAIN_INJECT: 'explode@3' is not one of"):
         Faults.parse("explode@3")
+    # Scoped to a rank and to a start of the job; the one-rank faults are rank 0's unless scoped.
+    spec = "kill@5/r1/s0,fail-save@4/s1,hang@9,slow@2/r1"
+    assert Faults.parse(spec, rank=0, start=0).planned == {("hang", 9)}
+    assert Faults.parse(spec, rank=1, start=0).planned == {("kill", 5), ("slow", 2)}
+    assert Faults.parse(spec, rank=0, start=1).planned == {("fail-save", 4), ("hang", 9)}
+    assert Faults.parse(spec, rank=1, start=1).planned == {("slow", 2)}
+    with pytest.raises(UserError, match="'kill@5/x1': a scope is /rRANK or /sSTART"):
+        Faults.parse("kill@5/x1")
 
 
 # --- the Trainer's phases, in this process (a process group of one) -------------------------------

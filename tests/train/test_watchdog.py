@@ -15,14 +15,9 @@ import pytest
 
 from helpers import BIN
 from mega_train.launch import children
-from runlib import train, write_run
+from runlib import train, worker_rank, write_run
 
 HANG_S = 6
-
-
-def rank_of(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
 
 
 def watched_run(tmp_path: Path, tokens: Path) -> Path:
@@ -61,7 +56,7 @@ def test_a_stopped_worker_is_named_and_the_others_stacks_are_written(tmp_path: P
         workers = children(proc.pid)
         assert len(workers) == 2
         stopped = workers[1]
-        rank = rank_of(stopped)
+        rank = worker_rank(stopped)
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
         _, err = proc.communicate(timeout=HANG_S + 90)

@@ -141,7 +141,8 @@ def _train(plan, peak_tflops: float | None, as_json: bool) -> None:
     from mega_train.faults import ENV, Faults
     from mega_train.trainer import train as run_training
 
-    faults = Faults.parse(env.get(ENV))
+    start = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    faults = Faults.parse(env.get(ENV), int(env.get("RANK", "0")), int(start))
     if not as_json:
         run_training(plan, peak_tflops, faults)
         return

@@ -13,6 +13,8 @@ What it changes from plain `torchrun`:
   the launch with one line (rank 0's, or this launcher's) and the signal's exit code.
 - The manifest is checked here before any worker starts, so a bad one is one line, once.
 - The workers watch the launcher: if it is SIGKILLed they exit within a second (`lifecycle.py`).
+- With `--max-restarts N` a failed worker makes the agent start all workers again (each start
+  meets in a store prefix of its own: `megacore.parallel.mesh`), said in one line per restart.
 """
 
 from __future__ import annotations
@@ -87,6 +89,21 @@ def _failure(failures: dict) -> int:
     return code
 
 
+class _Restarts(logging.Handler):
+    """One line where the agent starts the workers again (`--max-restarts`), counted: a restart
+    that itself fails shows as one more."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "attempts left" in str(record.msg):
+            left, total = record.args[2], record.args[3]
+            print(
+                f"mega-train: a worker failed; the workers start again (restart {total - left + 1} of "
+                f"{total}) and resume from the newest checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def _stopped(exitcode: int) -> bool:
     """Whether a worker ended by a signal (killed, or its own exit on SIGTERM)."""
     return exitcode < 0 or exitcode == 128 + signal.SIGTERM
@@ -126,6 +143,11 @@ def launch(options: list[str], worker_args: list[str]) -> int:
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent.setLevel(logging.INFO)  # its restarts, said in our words (`_Restarts`)
+    agent.propagate = False
+    if not any(isinstance(h, _Restarts) for h in agent.handlers):
+        agent.addHandler(_Restarts())
     entry = [sys.executable, "-c", "from mega_train.cli import main; main()"]
     args = get_args_parser().parse_args([*options, "--no-python", *entry, *worker_args])
     config, cmd, cmd_args = config_from_args(args)

@@ -160,7 +160,7 @@ class Saver:
         try:
             if faults is not None:
                 faults.around_write(step, "before")
-            written = faults.in_save(step, self.t.rank) if faults is not None else None
+            written = faults.in_save(step) if faults is not None else None
             nbytes = write_snapshot(snap, self.group, written)
             if faults is not None:
                 faults.around_write(step, "after")

@@ -17,7 +17,8 @@
   (loss, norm, counts, router statistics) stays on the device until `flush`.
 - `flush` at every logging step (and before an evaluation, a save, a stop or a halt): the pending
   steps' values read back at once, each step's record written to metrics.jsonl and W&B on rank 0,
-  and the console line when due; `evaluate` every `eval.every` steps and after the last one
+  and the console line when due, with every rank's own work per step and the stragglers named
+  (`stragglers.py`); `evaluate` every `eval.every` steps and after the last one
   (`evaluation.py`); `save` writes an atomic checkpoint.
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).
@@ -67,6 +68,7 @@ from mega_train.metrics import (
 from mega_train.run_plan import RUN_MARK, RunPlan
 from mega_train.saving import Saver
 from mega_train.schedule import LossScale, Schedule
+from mega_train.stragglers import OwnWork, straggler_line, stragglers
 from mega_train.wandb_run import WandbLog
 from mega_train.watchdog import Watchdog
 from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec
@@ -194,6 +196,7 @@ class Trainer:
         data = dp_mesh(self.mesh)
         self.dp, self.dp_rank, self.dp_group = data.size(), data.get_local_rank(), data.get_group()
         self.pp_group = self.mesh["pp"].get_group() if run.parallel.pp > 1 else None
+        self.own = OwnWork(self.device, self.mesh["pp"].get_local_rank() if self.pp_group else 0)
         # Once, not per step: the device's peak is a name lookup in a table.
         self.flops = flops_per_token(self.plan.config, self.S)
         self.peak_flops = peak_tflops(self.peak, run.precision)
@@ -422,22 +425,27 @@ class Trainer:
         lr = self.schedule.lr(pos.step)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        tokens, targets, positions, counted = self.batch(
-            self.rows(self.train_data, pos.step), self.train_role
-        )
+        with self.own.host():
+            tokens, targets, positions, counted = self.batch(
+                self.rows(self.train_data, pos.step), self.train_role
+            )
         scale = self.scaler.factor
         count = self.global_count(counted)
         out = self.pm.forward_backward(tokens, targets, scale, positions, count)
         pos.step += 1
         local = out.loss
         if self.faults is not None:
-            local = self.faults.after_backward(pos.step, local, self.params, self.rank)
+            local = self.faults.after_backward(pos.step, local, self.params)
         loss, stop = self.reduce_loss(local, counted, self.stop.signum if self.stop else 0)
         clip = self.run.optimizer.grad_clip
         norm = unscale_and_clip(self.params, scale, clip, self.pp_group, self.pm.tied_copy)
         finite = torch.stack([torch.isfinite(loss), torch.isfinite(norm)])
         self.opt.found_inf = (~finite.all()).float()  # the fused AdamW skips the update on the device
-        self.opt.step()
+        with self.own.update():
+            if self.faults is not None:
+                self.faults.slow(pos.step)
+            self.opt.step()
+        self.own.end_step()
         self.opt.zero_grad(set_to_none=True)
         # The step's one read back, once its work is queued: the stop request and the finiteness.
         stopping, loss_ok, norm_ok = (bool(v) for v in torch.cat([stop[None] > 0, finite]).tolist())
@@ -468,8 +476,13 @@ class Trainer:
         """The pending steps' device values, read back at once on rank 0, into their records,
         which are reported (and returned); the last train loss kept for checkpoints and the summary."""
         pending, self.pending = self.pending, []
-        if self.rank != 0 or not pending:
+        if not pending:
             return []
+        ranks = self.own.gather()
+        if self.rank != 0:
+            return []
+        for p, seconds in zip(pending, ranks[:, 1:].T.tolist(), strict=True):
+            p.record["rank_local_s"] = seconds
         values = iter(torch.stack([v.double() for p in pending for v in p.device.values()]).tolist())
         for p in pending:
             p.record.update((k, next(values)) for k in p.device)
@@ -477,6 +490,8 @@ class Trainer:
                 p.record["counted_tokens"] = int(p.record["counted_tokens"])
             self.report(p.record)
         self.position.metrics["train_loss"] = pending[-1].record["loss"]
+        for slow in stragglers(ranks):
+            say(straggler_line(self.position.step, *slow))
         return [p.record for p in pending]
 
     def check_halt(self) -> None:
