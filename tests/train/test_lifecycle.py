@@ -3,6 +3,7 @@ silently. Real processes: mega-train alone and as its own launcher (`--nproc-per
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -88,6 +89,8 @@ def test_damaged_newest_checkpoint_is_set_aside(tmp_path: Path, tokens: Path, re
         dry = ok(train(run_json, "--dry-run", "--verify", "sha256"))
         assert "step-00000012 is damaged" in dry.stdout and "the run will set it aside" in dry.stdout
         assert "resumes from" in dry.stdout and "step-00000008 (step 8 of 12)" in dry.stdout
+        summary = json.loads(ok(train(run_json, "--dry-run", "--json", "--verify", "sha256")).stdout)
+        assert (summary["resumes_at"], summary["complete"]) == (8, False)
         assert (out / "checkpoints" / "step-00000012").is_dir()  # a dry run moves nothing
         resumed = ok(train(run_json))
         assert (

@@ -171,7 +171,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
 
 def test_run_lock(tmp_path: Path) -> None:
     """Held: a second taker is refused naming the holder; released: taken again; left by a dead
-    process of this host: taken over; left by another host: refused, naming it."""
+    process of this host (or one whose pid was handed out again): taken over; left by another
+    host: refused, naming it."""
     first = RunLock(tmp_path)
     first.acquire("run.json")
     assert held_by(tmp_path / LOCK_FILE)["pid"] == os.getpid()
@@ -193,6 +194,22 @@ def test_run_lock(tmp_path: Path) -> None:
     (tmp_path / LOCK_FILE).write_text(json.dumps({**record, "host": "elsewhere-node-7"}))
     with pytest.raises(UserError, match=r"locked by mega-train pid \d+ on elsewhere-node-7 .* delete"):
         RunLock(tmp_path).acquire("run.json")
+
+    # Left by a process whose pid a live one has now (a restarted container, a reboot): the live
+    # one started at another time, so the lock is taken over; the same start time is its holder.
+    with subprocess.Popen(["sleep", "60"]) as live:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ticks = Path(f"/proc/{live.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        reused = {**record, "pid": live.pid, "start": f"{boot}/{int(ticks) - 100}"}
+        (tmp_path / LOCK_FILE).write_text(json.dumps(reused))
+        taker = RunLock(tmp_path)
+        taker.acquire("run.json")
+        assert taker.took_over == reused
+        taker.release()
+        (tmp_path / LOCK_FILE).write_text(json.dumps({**reused, "start": f"{boot}/{ticks}"}))
+        with pytest.raises(UserError, match=rf"in use by mega-train pid {live.pid} "):
+            RunLock(tmp_path).acquire("run.json")
+        live.kill()
 
 
 def test_fault_plan_is_parsed_once() -> None:

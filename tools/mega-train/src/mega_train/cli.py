@@ -209,9 +209,11 @@ def _report(
         from mega_train.memory_plan import memory_lines, memory_plan
 
         compile_note = plan.compile_note(this_machine=gpus is None)
-        notes += ([compile_note] if compile_note else []) + plan.resume_notes(verify)
+        resume, step = plan.resume_notes(verify)
+        notes += ([compile_note] if compile_note else []) + resume
         report = memory_plan(plan, memory_bytes, gpus)
-        summary |= report | {"notes": notes}
+        # Whether a start now would have anything to do: a job script's test (examples/kubernetes).
+        summary |= report | {"notes": notes, "resumes_at": step, "complete": step >= plan.run.train_steps}
     if as_json and dry_run:
         typer.echo(json.dumps(summary, indent=2))
         return

@@ -5,7 +5,8 @@ launcher that died.
 anything until it ends; rank 0 takes it and the other ranks wait for its verdict. The file is also
 `flock`ed while held, so on this host a live holder is known for sure and a crashed one (even
 SIGKILLed) releases it. A second launch on the same `out` exits 2 naming the live run. A lock left
-behind by a process that no longer exists on this host is taken over with one line; one left by
+behind by a process that no longer exists on this host (its pid gone, or held by a process started
+at another time: a restarted container reuses pids) is taken over with one line; one left by
 another host is refused, naming that host, since its process cannot be checked from here.
 
 **Stop requests.** SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's warning before preemption) set a
@@ -79,7 +80,12 @@ class RunLock:
         job = env.get("SLURM_JOB_ID")
         if job is not None and held.get("job") == job:
             return True
-        return held.get("host") == socket.gethostname() and not pid_alive(int(held.get("pid", 0)))
+        if held.get("host") != socket.gethostname():
+            return False
+        pid = int(held.get("pid", 0))
+        # A pid alive now may be another process's: a restarted container (a new pid namespace
+        # under the same host name) or a reboot hands the dead run's pid out again.
+        return not pid_alive(pid) or held.get("start", _start_of(pid)) != _start_of(pid)
 
     def _refusal(self, held: dict) -> str:
         out = self.path.parent
@@ -120,8 +126,20 @@ def _read(fd: int) -> dict:
         return {}
 
 
+def _start_of(pid: int) -> str | None:
+    """Process `pid`'s identity beyond its number: the boot and its start time (clock ticks since
+    boot, /proc's stat); None where /proc cannot say."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot}/{ticks}"
+
+
 def _holder() -> dict:
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    record["start"] = _start_of(os.getpid())
     if env.get("SLURM_JOB_ID") is not None:
         record["job"] = env.get("SLURM_JOB_ID")
     return record

@@ -61,10 +61,11 @@ class RunPlan:
     lora: LoraPlan | None = None  # adapters on a frozen base (`lora_plan`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`, decided by `start_checks`)
 
-    def resume_notes(self, verify: Verify = "size") -> list[str]:
-        """Where a run would start (a dry run's report; the run itself says it as it resumes),
-        with the same search as the run's (`checkpoints.resume_point`) and the same refusal of a
-        checkpoint it may not resume from (`check_resume`)."""
+    def resume_notes(self, verify: Verify = "size") -> tuple[list[str], int]:
+        """Where a run would start (a dry run's report, and the step: 0 for a fresh start; the run
+        itself says it as it resumes), with the same search as the run's
+        (`checkpoints.resume_point`) and the same refusal of a checkpoint it may not resume from
+        (`check_resume`)."""
         from mega_train.checkpoints import resume_point
         from mega_train.lifecycle import LOCK_FILE, describe, held_by
 
@@ -75,11 +76,12 @@ class RunPlan:
         found, damaged = resume_point(self.checkpoints, verify)
         for path, why in damaged:
             notes.append(f"warning: {path} is damaged ({why}); the run will set it aside")
-        if found is not None:
-            self.check_resume(*found)
-            step = found[1].training.step
-            notes.append(f"resumes from {found[0]} (step {step} of {self.run.train_steps})")
-        return notes
+        if found is None:
+            return notes, 0
+        self.check_resume(*found)
+        step = found[1].training.step
+        notes.append(f"resumes from {found[0]} (step {step} of {self.run.train_steps})")
+        return notes, step
 
     def check_resume(self, path: Path, manifest: CheckpointManifest) -> None:
         """UserError unless this run may resume from the checkpoint `path`: the same model (the

@@ -5,8 +5,9 @@ cannot tell which rank is slow. What differs is the work no collective holds up:
 batch and the optimizer's update (after the gradients are reduced and clipped). Each rank times
 that work every step (the batch on the host clock; the update by CUDA events on a GPU, the host
 clock on a CPU) and keeps the times; at every `flush` (the log steps) the ranks gather them in one
-all-gather, the only collective this adds (on a GPU after the last update's end event, so the
-flush waits for that update too). Rank 0 puts each step's times into its train record as
+all-reduce (each rank fills its row), the only collective this adds (on a GPU once the last
+update's end event is reached, as the flush's read would wait for it anyway), and rank 0 reads
+them back with the step's other values, in the flush's one read. Rank 0 puts each step's times into its train record as
 `rank_local_s` (one number per rank) and names on the console every rank whose mean over the
 interval (its median step: one step held up by the host is no straggler) is more than `FACTOR`
 times its peers' median and `MIN_EXCESS_S` above it (nor are milliseconds of scheduling noise). Its peers are the ranks of its pipeline stage
@@ -62,30 +63,31 @@ class OwnWork:
         self._host, self._events = 0.0, []
 
     def gather(self) -> torch.Tensor:
-        """[world, 1 + steps]: each rank's pipeline stage, then its seconds of each step kept
-        (collective: every rank gathers at the same steps, so all keep as many)."""
+        """On the device, [world, 1 + steps]: each rank's pipeline stage, then its seconds of each
+        step kept (collective: every rank gathers at the same steps, so all keep as many)."""
         if self.gpu and self.steps and self.steps[-1][1]:
             self.steps[-1][1][-1][1].synchronize()
         mine = [h + sum(a.elapsed_time(b) for a, b in events) / 1e3 for h, events in self.steps]
         self.steps = []
-        local = torch.tensor([self.stage, *mine], dtype=torch.float64, device=self.device)
-        out = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(out, local)
-        return out.view(dist.get_world_size(), -1).cpu()
+        table = torch.zeros(dist.get_world_size(), 1 + len(mine), dtype=torch.float64, device=self.device)
+        table[dist.get_rank()] = torch.tensor([self.stage, *mine], dtype=torch.float64)
+        dist.all_reduce(table)
+        return table
 
 
-def stragglers(gathered: torch.Tensor) -> list[tuple[int, float, float]]:
-    """The slow ranks of a gather: (rank, its median seconds a step, its peers' median)."""
-    stages, means = gathered[:, 0].tolist(), gathered[:, 1:].median(1).values.tolist()
+def stragglers(table: list[list[float]]) -> list[tuple[int, float, float]]:
+    """The slow ranks of a gather (read back: a row per rank, its stage and its seconds a step):
+    (rank, its median seconds a step, its peers' median)."""
+    stages, medians = [row[0] for row in table], [statistics.median(row[1:]) for row in table]
     slow = []
-    for rank, mean in enumerate(means):
-        others = [r for r in range(len(means)) if r != rank]
+    for rank, mine in enumerate(medians):
+        others = [r for r in range(len(medians)) if r != rank]
         peers = [r for r in others if stages[r] == stages[rank]] or others
         if not peers:
             continue
-        median = statistics.median(means[r] for r in peers)
-        if mean > FACTOR * median and mean - median > MIN_EXCESS_S:
-            slow.append((rank, mean, median))
+        median = statistics.median(medians[r] for r in peers)
+        if mine > FACTOR * median and mine - median > MIN_EXCESS_S:
+            slow.append((rank, mine, median))
     return slow
 
 

@@ -473,24 +473,27 @@ class Trainer:
         }  # fmt: skip
 
     def flush(self) -> list[dict]:
-        """The pending steps' device values, read back at once on rank 0, into their records,
-        which are reported (and returned); the last train loss kept for checkpoints and the summary."""
+        """The pending steps' device values, read back at once on rank 0 with every rank's own
+        work per step (`stragglers.py`), into their records, which are reported (and returned);
+        the last train loss kept for checkpoints and the summary."""
         pending, self.pending = self.pending, []
         if not pending:
             return []
         ranks = self.own.gather()
         if self.rank != 0:
             return []
-        for p, seconds in zip(pending, ranks[:, 1:].T.tolist(), strict=True):
-            p.record["rank_local_s"] = seconds
-        values = iter(torch.stack([v.double() for p in pending for v in p.device.values()]).tolist())
-        for p in pending:
+        device = torch.stack([v.double() for p in pending for v in p.device.values()])
+        read = torch.cat([device, ranks.flatten()]).tolist()  # the flush's one read
+        values, n = iter(read[: device.numel()]), ranks.shape[1]
+        table = [read[device.numel() + r * n : device.numel() + (r + 1) * n] for r in range(ranks.shape[0])]
+        for i, p in enumerate(pending):
             p.record.update((k, next(values)) for k in p.device)
+            p.record["rank_local_s"] = [row[1 + i] for row in table]
             if "counted_tokens" in p.device:
                 p.record["counted_tokens"] = int(p.record["counted_tokens"])
             self.report(p.record)
         self.position.metrics["train_loss"] = pending[-1].record["loss"]
-        for slow in stragglers(ranks):
+        for slow in stragglers(table):
             say(straggler_line(self.position.step, *slow))
         return [p.record for p in pending]
 
