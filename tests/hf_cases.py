@@ -15,6 +15,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -205,6 +206,24 @@ CASES: dict[str, tuple[type, dict, int]] = {
         Qwen3MoeConfig,
         {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32, "rope_theta": 1e6,
          "moe_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 3},
+        24,
+    ),
+    # Dense layers among the sparse ones: decoder_sparse_step 2 makes layer 0 dense, mlp_only_layers
+    # layer 3; the dense MLPs intermediate_size wide, the experts moe_intermediate_size.
+    "qwen3-moe-dense-layers": (
+        Qwen3MoeConfig,
+        {**_LLAMA, "num_hidden_layers": 4, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 32,
+         "moe_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+         "decoder_sparse_step": 2, "mlp_only_layers": [3]},
+        24,
+    ),
+    # Qwen 2 MoE (Qwen2MoeForCausalLM): q/k/v biases, experts top-2 of 4 (not renormalised, its
+    # default) beside a shared expert with its sigmoid gate; layer 0 dense (mlp_only_layers).
+    "qwen2-moe": (
+        Qwen2MoeConfig,
+        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "rope_theta": 1e6,
+         "moe_intermediate_size": 40, "shared_expert_intermediate_size": 56, "num_experts": 4,
+         "num_experts_per_tok": 2, "mlp_only_layers": [0]},
         24,
     ),
 }  # fmt: skip

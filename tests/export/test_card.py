@@ -43,3 +43,20 @@ def test_a_mixture_of_experts_card_states_its_experts(
     assert f"| parameters | {total:,} in all, {active:,} active per token |" in rows
     want = "| layout | tp 1 x pp 1 x dp 1, the experts over ep 1 of the dp ranks, float32 |"
     assert want in rows, rows
+
+
+def test_a_card_states_dense_layers_and_a_shared_expert(tmp_path: Path) -> None:
+    """Qwen 2 MoE (hf_cases: layer 0 dense, 4 experts top-2 not renormalised, a gated shared expert):
+    the row says which layers are dense and that every token also goes through the shared expert;
+    the parameters as transformers counts them (the shared expert always active)."""
+    hf, ckpt, exported = build("qwen2-moe", tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "exported"
+    run_in_process("mega-convert", "hf", hf, ckpt, check=True)
+    run_in_process("mega-export", ckpt, exported, check=True)
+    rows = (exported / "README.md").read_text().splitlines()
+    want = (
+        "| experts | 4 in every layer but 0 (dense), top 2 per token, their routing weights the softmax's, "
+        "not renormalised, beside a shared expert every token goes through (gated) |"
+    )
+    assert want in rows, rows
+    total, active = counted(exported, 4, 2)
+    assert f"| parameters | {total:,} in all, {active:,} active per token |" in rows

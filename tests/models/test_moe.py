@@ -28,7 +28,10 @@ CASES = {
     "mixtral8": (8, 2, "block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3-moe": (4, 2, "mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3-moe-unnormed": (8, 3, "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3-moe-dense-layers": (4, 2, "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2-moe": (4, 2, "mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+UNNORMED = ("qwen3-moe-unnormed", "qwen2-moe")
 
 
 def _pair(tmp_path: Path, case: str = "mixtral", layers: int = 2) -> tuple[torch.nn.Module, Decoder]:
@@ -39,7 +42,7 @@ def _pair(tmp_path: Path, case: str = "mixtral", layers: int = 2) -> tuple[torch
     hf = load_hf(path)
     cfg = config_from_hf(hf.config)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == (experts, k, COEF)
-    assert cfg.renormalize_top_k == (case != "qwen3-moe-unnormed")
+    assert cfg.renormalize_top_k == (case not in UNNORMED)
     ours = Decoder(cfg)
     ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
     return hf.train(), ours.train()
@@ -139,22 +142,33 @@ def test_a_router_sending_every_token_to_the_same_experts_still_trains(tmp_path:
 
 
 def test_what_the_decoder_cannot_express_is_refused() -> None:
-    """Experts outside the families whose checkpoints carry them, router settings without experts,
-    and a Qwen 3 MoE with dense layers among the sparse ones (one line naming the key)."""
+    """Experts outside the families whose checkpoints carry them, router and expert settings
+    without experts, dense layers that are not layers, a shared expert's gate without the expert;
+    Qwen 3 MoE's dense layers read as the config says (one line naming the key where refused)."""
     from megacore.config import ModelConfig
     from megacore.errors import UserError
 
     small = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
              "ffn_hidden_size": 48}  # fmt: skip
-    with pytest.raises(ValueError, match="mixtral or qwen3"):
+    with pytest.raises(ValueError, match="mixtral, qwen3, qwen2"):
         ModelConfig(family="llama", num_experts=4, experts_per_token=2, **small)
     with pytest.raises(ValueError, match="need a mixture of experts"):
         ModelConfig(family="qwen3", renormalize_top_k=False, **small)
-    assert ModelConfig(family="qwen3", num_experts=4, experts_per_token=2, **small).renormalize_top_k
-    hf = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+    with pytest.raises(ValueError, match="need a mixture of experts"):
+        ModelConfig(family="qwen3", dense_layers=[0], **small)
+    moe = {**small, "num_experts": 4, "experts_per_token": 2}
+    with pytest.raises(ValueError, match="increasing layer indices below 2"):
+        ModelConfig(family="qwen3", dense_layers=[2], **moe)
+    with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
+        ModelConfig(family="qwen2", shared_expert_gate=True, **moe)
+    assert ModelConfig(family="qwen3", **moe).renormalize_top_k
+    hf = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "head_dim": 8,
           "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
-    assert config_from_hf(hf).ffn_hidden_size == 16  # the experts', not intermediate_size
-    for bad in ({"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}):
-        with pytest.raises(UserError, match="mlp_only_layers"):
-            config_from_hf({**hf, **bad})
+    cfg = config_from_hf(hf)
+    assert (cfg.ffn_hidden_size, cfg.dense_layers, cfg.dense_ffn_hidden_size) == (16, [], None)
+    # transformers: layer i is dense when in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    cfg = config_from_hf({**hf, "mlp_only_layers": [1], "decoder_sparse_step": 2})
+    assert (cfg.dense_layers, cfg.dense_ffn_hidden_size) == ([0, 1, 2], 48)
+    with pytest.raises(UserError, match="mlp_only_layers"):
+        config_from_hf({**hf, "mlp_only_layers": "1"})

@@ -110,6 +110,15 @@ FAMILIES = {
     "mixtral": ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
                            num_kv_heads=2, ffn_hidden_size=48, num_experts=4, experts_per_token=2,
                            router_aux_loss_coef=0.05, router_z_loss_coef=0.01),
+    # Qwen 2 MoE: layer 0 dense (64 wide), the others 4 experts top-2 beside a gated shared expert
+    # (40 wide, split over tp like a dense MLP, its gate replicated); no q/k/v biases (qkv_bias
+    # false: k's bias has a zero gradient, whose rounding AdamW turns into lr-sized steps). Under
+    # pp 2 the first stage holds the dense layer and a sparse one.
+    "qwen2-moe": ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
+                             num_kv_heads=2, ffn_hidden_size=24, num_experts=4, experts_per_token=2,
+                             renormalize_top_k=False, router_aux_loss_coef=0.05,
+                             dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=40,
+                             shared_expert_gate=True),
 }  # fmt: skip
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
 FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=256, num_layers=2, num_heads=4,
@@ -117,7 +126,7 @@ FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=2
 # Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
 # ep 2 the second rank receives no rows at all.
 FAMILIES["mixtral-collapsed"] = FAMILIES["mixtral"]
-MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4, "mixtral-collapsed": 2}
+MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4, "mixtral-collapsed": 2, "qwen2-moe": 2}
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
 CLIP = 0.1

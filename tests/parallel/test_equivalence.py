@@ -87,6 +87,10 @@ def two_process_core(ckpt: Path, tied: Path, lora: Path) -> list[dict]:
 
 
 MORE_TWO = [
+    {"family": "qwen2-moe", "ep": 2},
+    {"family": "qwen2-moe", "tp": 2, "sp": True, "microbatches": 2},
+    {"family": "qwen2-moe", "ep": 2, "recompute": "full"},
+    {"family": "qwen2-moe", "lora": True, "tp": 2, "microbatches": 2},  # the shared experts adapted
     {"family": "llama", "pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2},
     {"family": "falcon40b", "tp": 2, "sp": True},
     {"family": "llama", "packed": True, "pp": 2, "schedule": "zbv"},
@@ -181,6 +185,7 @@ MORE_FOUR = [
     {"family": "mixtral", "tp": 2, "pp": 2, "sp": True, "schedule": "interleaved1f1b", "virtual_stages": 2},
     {"family": "mixtral", "ep": 2, "tp": 2, "recompute": "full"},
     {"family": "mixtral-collapsed", "ep": 2, "tp": 2},  # one ep rank's experts get every row
+    {"family": "qwen2-moe", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
 ]
 
 
@@ -201,6 +206,7 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
         {"family": "mixtral", "ep": 2, "save": str(ep2)},
         {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
         {"family": "mixtral", "ep": 2, "packed": True},
+        {"family": "qwen2-moe", "pp": 2, "schedule": "1f1b"},  # a dense and a sparse layer a stage
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
@@ -213,6 +219,7 @@ def moe_four(ep2tp2: Path) -> list[dict]:
     return [
         {"family": "mixtral4", "ep": 4},
         {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
+        {"family": "qwen2-moe", "ep": 2, "tp": 2, "sp": True},  # the shared expert split over tp
         {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
     ]
 

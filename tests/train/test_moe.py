@@ -70,6 +70,31 @@ def test_mixtral_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: 
     ok(run_in_process("mega-convert", "verify", final, exported, "--seq-len", "16"))
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_qwen2_moe_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: Path) -> None:
+    """The chain on a Qwen 2 MoE (hf_cases: layer 0 dense, a gated shared expert beside 4 experts):
+    converted, resharded to ep 2 x tp 2, trained on 4 processes with sequence parallel, exported to
+    a directory transformers loads with every key, equal to the checkpoint's logits."""
+    hf = build("qwen2-moe", tmp_path / "hf", vocab_size=400, router_aux_loss_coef=0.02)
+    ckpt, ep2tp2 = tmp_path / "ckpt", tmp_path / "ckpt-ep2tp2"
+    run_in_process("mega-convert", "hf", hf, ckpt, check=True)
+    run_in_process("mega-shard", ckpt, ep2tp2, "--tp", "2", "--ep", "2", check=True)
+    run_json = _run_json(
+        tmp_path / "train", ep2tp2, tokens, parallel={"tp": 2, "ep": 2, "sequence_parallel": True}
+    )
+    out = ok(torchrun(4, run_json))
+    assert not out.stderr.strip(), out.stderr[-3000:]
+    records = metrics(run_json.parent / "run")
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, (records[0]["loss"], records[-1]["loss"])
+    final, exported = run_json.parent / "run" / "checkpoints" / "latest", tmp_path / "exported"
+    run_in_process("mega-export", final, exported, check=True)
+    model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    assert model.config.mlp_only_layers == [0] and model.config.shared_expert_intermediate_size == 56
+    ok(run_in_process("mega-convert", "verify", final, exported, "--seq-len", "16"))
+
+
 def test_a_router_sending_every_token_to_two_experts_trains_and_shows_it(
     tmp_path: Path, tokens: Path
 ) -> None:

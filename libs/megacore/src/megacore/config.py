@@ -158,6 +158,15 @@ class ModelConfig(Struct):
     renormalize_top_k: bool = True
     router_aux_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     router_z_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # Dense blocks among the sparse ones (Qwen 3 MoE's mlp_only_layers and decoder_sparse_step):
+    # these layers' MLP is a dense SwiGLU `dense_ffn_hidden_size` wide (None: ffn_hidden_size).
+    dense_layers: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=list)
+    dense_ffn_hidden_size: Positive | None = None
+    # A shared expert beside the routed ones (Qwen 2 MoE): a SwiGLU every token goes through,
+    # `shared_expert_size` wide, its output times sigmoid(a linear of the input) when
+    # `shared_expert_gate`, added to the routed experts'.
+    shared_expert_size: Positive | None = None
+    shared_expert_gate: bool = False
     bos_id: int | None = None
     eos_id: int | None = None
 
@@ -204,14 +213,15 @@ class ModelConfig(Struct):
                 "num_experts and experts_per_token are set together (a mixture of experts) or not at all"
             )
         if self.num_experts is None:
-            if self.router_aux_loss_coef or self.router_z_loss_coef or not self.renormalize_top_k:
-                raise ValueError("router settings need a mixture of experts (num_experts)")
+            moe_only = self.dense_layers or self.dense_ffn_hidden_size or self.shared_expert_size
+            if self.router_aux_loss_coef or self.router_z_loss_coef or not self.renormalize_top_k or moe_only:
+                raise ValueError("router and expert settings need a mixture of experts (num_experts)")
             if self.family == "mixtral":
                 raise ValueError("a mixtral config needs num_experts and experts_per_token")
             return
         if self.family not in EXPERT_FAMILIES:  # those whose config.json and names carry experts
             raise ValueError(
-                f"family {self.family} has no experts; a mixture of experts is family mixtral or qwen3"
+                f"family {self.family} has no experts; a mixture of experts is family {', '.join(EXPERT_FAMILIES)}"
             )
         if self.experts_per_token > self.num_experts:
             raise ValueError(
@@ -219,6 +229,12 @@ class ModelConfig(Struct):
             )
         if self.activation != "swiglu" or self.mlp_bias:
             raise ValueError("experts are SwiGLU without biases (activation swiglu, mlp_bias false)")
+        if sorted(set(self.dense_layers)) != self.dense_layers or any(
+            i >= self.num_layers for i in self.dense_layers
+        ):
+            raise ValueError(f"dense_layers must be increasing layer indices below {self.num_layers}")
+        if self.shared_expert_gate and self.shared_expert_size is None:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_size)")
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -226,6 +242,18 @@ def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
     if multiple < 1:
         raise ValueError(f"the vocab pad multiple must be at least 1, got {multiple}")
     return math.ceil(vocab_size / multiple) * multiple
+
+
+def sparse_layer(config: ModelConfig, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is a mixture of experts (else dense)."""
+    return config.num_experts is not None and layer not in config.dense_layers
+
+
+def mlp_width(config: ModelConfig, layer: int) -> int:
+    """Layer `layer`'s MLP width: each expert's when sparse, else the dense MLP's."""
+    if sparse_layer(config, layer) or config.dense_ffn_hidden_size is None:
+        return config.ffn_hidden_size
+    return config.dense_ffn_hidden_size
 
 
 def attention_window(config: ModelConfig, layer: int) -> int | None:
@@ -250,7 +278,8 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 # The router losses' weights (a mixture of experts): training settings a run may set on top of
 # its init checkpoint's config, which change no tensor either.
 ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
-EXPERT_FAMILIES = ("mixtral", "qwen3")  # Mixtral, and Qwen 3 MoE (model_type qwen3_moe)
+# Mixtral, Qwen 3 MoE (model_type qwen3_moe) and Qwen 2 MoE (model_type qwen2_moe)
+EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2")
 # What a run from a checkpoint may set of its model, beside `init`.
 INIT_OVERRIDES = (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
 
@@ -299,7 +328,9 @@ def model_tensors(
     "layers.<i>.attn_post_norm.weight" (sandwich_norm), "layers.<i>.mlp_norm.weight",
     "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}" (or, with experts, "layers.<i>.mlp.router.
     weight" [experts, hidden] and "layers.<i>.mlp.experts.{gate,up,down}_proj.weight", each expert's
-    matrix stacked on a leading experts dim), "layers.<i>.mlp_post_norm.weight"
+    matrix stacked on a leading experts dim, with a shared expert "layers.<i>.mlp.shared_expert.
+    {gate,up,down}_proj.weight" and "layers.<i>.mlp.shared_expert_gate.weight" [1, hidden]),
+    "layers.<i>.mlp_post_norm.weight"
     (sandwich_norm), "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline
     stage's part.
     Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
@@ -390,20 +421,28 @@ def _layer_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str
         _norm(out, config, f"{at}.attn_post_norm")
     if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
         _norm(out, config, f"{at}.mlp_norm")
-    _mlp_tensors(out, config, f"{at}.mlp")
+    _mlp_tensors(out, config, f"{at}.mlp", int(at.rpartition(".")[2]))
     if config.sandwich_norm:
         _norm(out, config, f"{at}.mlp_post_norm")
 
 
-def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
-    """A layer's MLP (`at`: "layers.<i>.mlp"): dense, or the router and the stacked experts."""
-    hidden, ffn = config.hidden_size, config.ffn_hidden_size
-    if config.num_experts is not None:
+def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str, layer: int) -> None:
+    """A layer's MLP (`at`: "layers.<i>.mlp"): dense, or the router, the stacked experts and the
+    shared expert with its gate."""
+    hidden, ffn = config.hidden_size, mlp_width(config, layer)
+    if sparse_layer(config, layer):
         experts = config.num_experts
         out[f"{at}.router.weight"] = (experts, hidden)
         out[f"{at}.experts.gate_proj.weight"] = (experts, ffn, hidden)
         out[f"{at}.experts.up_proj.weight"] = (experts, ffn, hidden)
         out[f"{at}.experts.down_proj.weight"] = (experts, hidden, ffn)
+        if config.shared_expert_size is not None:
+            shared = config.shared_expert_size
+            _linear(out, f"{at}.shared_expert.gate_proj", shared, hidden, False)
+            _linear(out, f"{at}.shared_expert.up_proj", shared, hidden, False)
+            _linear(out, f"{at}.shared_expert.down_proj", hidden, shared, False)
+            if config.shared_expert_gate:
+                out[f"{at}.shared_expert_gate.weight"] = (1, hidden)
         return
     if config.activation in GATED_ACTIVATIONS:
         _linear(out, f"{at}.gate_proj", ffn, hidden, config.mlp_bias)

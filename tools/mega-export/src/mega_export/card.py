@@ -57,9 +57,17 @@ def _experts_rows(cfg: ModelConfig) -> list[str]:
     how = "renormalised to sum to 1" if cfg.renormalize_top_k else "the softmax's, not renormalised"
     # Counted as the export holds them: the vocab rows without the checkpoint's padding.
     total, active = parameter_counts(msgspec.structs.replace(cfg, padded_vocab_size=cfg.vocab_size))
+    where = "every layer"
+    if cfg.dense_layers:
+        where = f"every layer but {', '.join(map(str, cfg.dense_layers))} (dense)"
+    shared = ""
+    if cfg.shared_expert_size is not None:
+        shared = (
+            f", beside a shared expert every token goes through{' (gated)' if cfg.shared_expert_gate else ''}"
+        )
     return [
-        f"| experts | {cfg.num_experts} in every layer, top {cfg.experts_per_token} per token, "
-        f"their routing weights {how} |",
+        f"| experts | {cfg.num_experts} in {where}, top {cfg.experts_per_token} per token, "
+        f"their routing weights {how}{shared} |",
         f"| parameters | {total:,} in all, {active:,} active per token |",
     ]
 

@@ -28,7 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megacore.config import GATED_ACTIVATIONS, LORA_A, LORA_B, ModelConfig, attention_window, local_rope
+from megacore.config import (
+    GATED_ACTIVATIONS,
+    LORA_A,
+    LORA_B,
+    ModelConfig,
+    attention_window,
+    local_rope,
+    mlp_width,
+    sparse_layer,
+)
 from megacore.models.attention import Impl, causal_attention, document_ids
 from megacore.models.lora import delta, has_adapter
 from megacore.models.loss import fused_linear_cross_entropy
@@ -194,12 +203,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU or GeGLU (gate, up, down; `GATED_ACTIVATIONS`) or GELU (up, down, as Falcon)."""
+    """SwiGLU or GeGLU (gate, up, down; `GATED_ACTIVATIONS`) or GELU (up, down, as Falcon), `ffn`
+    wide (None: the config's ffn_hidden_size)."""
 
-    def __init__(self, config: ModelConfig, fast: FastPaths = FastPaths()) -> None:
+    def __init__(self, config: ModelConfig, fast: FastPaths = FastPaths(), ffn: int | None = None) -> None:
         super().__init__()
         self.fused = fast.projections  # gate/up as one matmul
-        hidden, ffn, bias = config.hidden_size, config.ffn_hidden_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        ffn = config.ffn_hidden_size if ffn is None else ffn
         gated = config.activation in GATED_ACTIVATIONS
         self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
@@ -238,7 +249,11 @@ class Block(nn.Module):
         self.attn_post_norm = make_norm(config, fast) if config.sandwich_norm else None
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
         self.mlp_norm = None if one_norm else make_norm(config, fast)
-        self.mlp = MoE(config) if config.num_experts is not None else MLP(config, fast)
+        if sparse_layer(config, layer):
+            size = config.shared_expert_size
+            self.mlp = MoE(config, None if size is None else MLP(config, fast, size))
+        else:
+            self.mlp = MLP(config, fast, mlp_width(config, layer))
         self.mlp_post_norm = make_norm(config, fast) if config.sandwich_norm else None
 
     def forward(

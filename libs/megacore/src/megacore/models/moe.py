@@ -1,4 +1,5 @@
-"""Sparse mixture of experts, the MLP of a block when the config has `num_experts` (Mixtral).
+"""Sparse mixture of experts, the MLP of a block when the config has `num_experts` (Mixtral), but
+for its `dense_layers`.
 
 Routing as transformers' Mixtral and Qwen 3 MoE compute it: router logits from a bias-free
 linear, an fp32 softmax, the top `experts_per_token` probabilities, renormalised to sum to 1
@@ -6,7 +7,9 @@ linear, an fp32 softmax, the top `experts_per_token` probabilities, renormalised
 token reaches its experts whatever the load. The (token, expert) pairs are sorted by expert, so
 each expert runs its SwiGLU as one matmul per projection over a contiguous block of rows
 (`grouped_swiglu`: `torch._grouped_mm` on a GPU in bf16, a loop over the experts elsewhere); each
-output is scaled by its routing weight and added back to its token.
+output is scaled by its routing weight and added back to its token. A shared expert (Qwen 2 MoE) is
+a dense MLP every token goes through, its output scaled by sigmoid(`shared_expert_gate`) and added
+to the routed experts' (transformers' order of the sum).
 
 The router's losses are not returned through the model's output (a pipeline stage sends hidden
 states only): each MoE layer attaches its load-balancing loss (`load_balancing_loss`, Mixtral's,
@@ -143,11 +146,15 @@ class MoE(nn.Module):
     aux_weight = 0.0  # the gradient weight of this layer's load-balancing loss (the engine sets it)
     z_weight = 0.0  # of its z-loss
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize = config.experts_per_token, config.renormalize_top_k
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config)
+        # Qwen 2 MoE's shared expert (the decoder's dense MLP, handed in) and its sigmoid gate.
+        self.shared_expert = shared_expert
+        gated = shared_expert is not None and config.shared_expert_gate
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
         self.stats = MoEStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +168,11 @@ class MoE(nn.Module):
         # The routing weight in fp32, rounded once on the way back (transformers' order).
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         y = flat.new_zeros(flat.shape).index_add_(0, token, out)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            y = y + shared
         aux = load_balancing_loss(probs, counts)
         z = router_z_loss(logits)
         # Recompute (activation checkpointing) runs the forward again inside backward: count once.

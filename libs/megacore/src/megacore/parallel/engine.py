@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megacore.artifacts.pieces import Box
-from megacore.config import ModelConfig, is_block_projection
+from megacore.config import ModelConfig, is_block_projection, sparse_layer
 from megacore.data.packing import IGNORE
 from megacore.models import adapters, nf4
 from megacore.models.attention import document_ids
@@ -135,7 +135,8 @@ class ParallelModel:
         self.copies: list[ComputeCopies] = []
         self.parts: list[nn.Module] = [self._build_stage(s) for s in self.stage_ids]
         self.schedule = self._build_schedule() if self.num_stages > 1 else None
-        # This rank's MoE layers by global index (a dense model has none).
+        # The model's MoE layers (the others dense), and this rank's by global index.
+        self.sparse = [i for i in range(self.config.num_layers) if sparse_layer(self.config, i)]
         self.moe_layers = {
             int(i): block.mlp
             for part in self.parts
@@ -383,7 +384,7 @@ class ParallelModel:
         statistics reset. The model's router loss is the mean over layers and over the global
         batch's microbatches (`share`: this rank's part of that mean, gradient averaging over the
         replicas and the step's scale included), times the config's coefficient."""
-        layers = self.config.num_layers
+        layers = len(self.sparse)
         for moe in self.moe_layers.values():
             moe.aux_weight = self.config.router_aux_loss_coef * share / layers
             moe.z_weight = self.config.router_z_loss_coef * share / layers
@@ -396,11 +397,12 @@ class ParallelModel:
         variation."""
         if self.config.num_experts is None:
             return None
-        layers, experts = self.config.num_layers, self.config.num_experts
+        layers, experts = len(self.sparse), self.config.num_experts
         table = torch.zeros(layers, experts + 2, dtype=torch.float64, device=self.device)
         for i, moe in self.moe_layers.items():
             load, losses = moe.stats.totals(last=microbatches)
-            table[i, :experts], table[i, experts:] = load.double(), losses.double()
+            row = self.sparse.index(i)
+            table[row, :experts], table[row, experts:] = load.double(), losses.double()
         dist.all_reduce(table)
         table /= self.par.spec.tp  # every tp rank routes the same tokens
         load = table[:, :experts]

@@ -168,9 +168,11 @@ def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool,
             return colwise(input_layouts=hidden_layout, output_layouts=Shard(-1), use_local_output=True)
         return colwise()
     if isinstance(module, nn.Linear) and dim == 1:
+        if ".mlp.shared_expert." in name:  # inside the MoE, which takes and gives whole plain rows
+            return rowwise(output_layouts=Replicate(), use_local_output=True)
         return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
-    if isinstance(module, GroupedLinear) or name.endswith("mlp.router"):
-        return None  # experts: split by `ep.apply_ep` (over tp too); the router replicated
+    if isinstance(module, GroupedLinear) or name.endswith(("mlp.router", "mlp.shared_expert_gate")):
+        return None  # experts: split by `ep.apply_ep` (over tp too); the router and gate replicated
     if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
         return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
     if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard

@@ -47,7 +47,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from megacore.config import GATED_ACTIVATIONS, ModelConfig, attention_window, local_rope
+from megacore.config import (
+    GATED_ACTIVATIONS,
+    ModelConfig,
+    attention_window,
+    local_rope,
+    mlp_width,
+    sparse_layer,
+)
 from megacore.parallel.layout import Parallelism, check_parallelism, fast_paths, fused_loss, kv_replicated
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 but the float8 matmuls
@@ -153,14 +160,15 @@ def layer_activations(
     residual = math.ceil(tokens / sp) * h * c  # a hidden state on the residual stream
     if mode == "full":
         return residual
-    heads = config.num_heads // tp
-    q, f = heads * hd, config.ffn_hidden_size // tp
+    heads, sparse = config.num_heads // tp, sparse_layer(config, layer)
+    q, f = heads * hd, mlp_width(config, layer) // tp
+    shared = (config.shared_expert_size or 0) // tp if sparse else 0  # a dense MLP beside the experts
     kv = kv_width(config, tp)
     fast = fast_paths(par)
     if fast["projections"]:  # fused q/k/v: v is a view of the projection output, which stays alive whole
         qkv = tokens * (2 * q + 3 * kv) * c
-        gate_up = config.activation in GATED_ACTIVATIONS and config.num_experts is None  # fused
-        weights = (q + 2 * kv) * h * c + (2 * f * h * c if gate_up else 0)
+        gate_up = f if config.activation in GATED_ACTIVATIONS and not sparse else shared  # fused
+        weights = (q + 2 * kv) * h * c + 2 * gate_up * h * c
     else:  # kv heads replicated: this rank's head is a view of the whole v projection output
         v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
         qkv = tokens * (q + kv + v) * c
@@ -174,20 +182,21 @@ def layer_activations(
     elif window is not None and seq > window and attention != "flash":
         kernel += seq * seq * c  # SDPA's additive mask
     mlp = (4 if config.activation in GATED_ACTIVATIONS else 2) * tokens * f * c
-    if config.num_experts is not None:
-        mlp = _moe_activations(config, tokens, c, tp)
+    if sparse:  # the routed experts, and a shared one's SwiGLU and sigmoid gate
+        mlp = _moe_activations(config, tokens, c, tp) + 4 * tokens * shared * c + 2 * tokens * c
     total = norms + qkv + o_proj_in + mlp + weights
     return total if mode == "selective" else total + kernel
 
 
 def _layer_kinds(config: ModelConfig, layers: Sequence[int]) -> dict[int, int]:
-    """A layer of each kind among `layers` (their window: what `layer_activations` reads of a layer)
+    """A layer of each kind among `layers` (their window and whether sparse: what
+    `layer_activations` reads of a layer)
     and how many of `layers` are of its kind; the planner's long-sequence search sizes a layer once."""
-    if config.layer_types is None:  # every layer alike
+    if config.layer_types is None and not config.dense_layers:  # every layer alike
         return {layers[0]: len(layers)} if len(layers) else {}
-    kinds: dict[int | None, list[int]] = {}
+    kinds: dict[tuple[int | None, bool], list[int]] = {}
     for i in layers:
-        kinds.setdefault(attention_window(config, i), []).append(i)
+        kinds.setdefault((attention_window(config, i), sparse_layer(config, i)), []).append(i)
     return {same[0]: len(same) for same in kinds.values()}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, sparse_layer
 from megacore.errors import UserError
 from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
 from megacore.models.families.tensor_map import TensorMap, linear, rename, stacked
@@ -96,18 +96,24 @@ def lineage_to_hf(config: ModelConfig, architecture: str, model_type: str) -> di
 EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
 def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
     """One layer's router and experts under its family's checkpoint names (`EXPERT_NAMES`), each
-    projection stacked over the experts."""
+    projection stacked over the experts; and a shared expert with its gate (Qwen 2 MoE's names)."""
     module, projections = EXPERT_NAMES[config.family]
     moe, experts = f"{hf}.{module}", range(config.num_experts)
     maps = [rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight")]
     for w, p in zip(projections, ("gate_proj", "up_proj", "down_proj"), strict=True):
         names = [f"{moe}.experts.{j}.{w}.weight" for j in experts]
         maps.append(stacked(names, f"{ours}.mlp.experts.{p}.weight"))
+    if config.shared_expert_size is not None:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            linear(maps, f"{moe}.shared_expert.{p}", f"{ours}.mlp.shared_expert.{p}", False)
+    if config.shared_expert_gate:
+        maps.append(rename(f"{moe}.shared_expert_gate.weight", f"{ours}.mlp.shared_expert_gate.weight"))
     return maps
 
 
@@ -123,7 +129,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             maps.append(rename(f"{hf}.self_attn.q_norm.weight", f"{ours}.attn.q_norm.weight"))
             maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
-        if config.num_experts is not None:
+        if sparse_layer(config, i):
             maps.extend(moe_experts(config, hf, ours))
             continue
         for p in ("gate_proj", "up_proj", "down_proj"):

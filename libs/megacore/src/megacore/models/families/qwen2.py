@@ -1,6 +1,13 @@
 """Qwen 2 / 2.5: the Llama layout (RMSNorm, SwiGLU, GQA, RoPE) with biases on q, k and v only,
 tied embeddings in the small sizes, and a sliding window as the config's switches set it.
 
+Qwen 2 MoE (Qwen2MoeForCausalLM, model_type qwen2_moe; Qwen1.5-MoE, Qwen2-57B-A14B): the same
+decoder whose MLPs are mixtures of experts (`models/moe.py`) as Qwen 3 MoE's (`moe_fields`: softmax
+routing, top `num_experts_per_tok`, renormalised when `norm_topk_prob`; dense layers where
+`mlp_only_layers` or `decoder_sparse_step` say), each with a shared expert every token goes through
+(`mlp.shared_expert.{gate,up,down}_proj`, `shared_expert_intermediate_size` wide) scaled by
+sigmoid(`mlp.shared_expert_gate`); q/k/v biases as `qkv_bias` says.
+
 HF layout (Qwen2ForCausalLM): Llama's tensor names (`llama.tensor_maps`). Qwen2Config has no bias
 switch: q/k/v always have one, o_proj and the MLP never; its `head_dim`, when a config.json carries
 one, is what the attention uses (else hidden_size / heads).
@@ -22,12 +29,26 @@ from megacore.models.families import llama
 from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
 from megacore.models.families.tensor_map import TensorMap
 
-MODEL_TYPES = ("qwen2",)
+MODEL_TYPES = ("qwen2", "qwen2_moe")
 ARCHITECTURE = "Qwen2ForCausalLM"
+MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
 NAME = "Qwen 2"
-# The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 2 config.json can set to other
-# than their defaults (`families.check_expressible` refuses the rest); attn_bias is always set.
-SWITCHES = ("head_dim", "sliding_window", "attn_bias")
+# The experts' switches Qwen 2 MoE and Qwen 3 MoE configs share (`moe_fields`).
+MOE_SWITCHES = (
+    "num_experts", "experts_per_token", "renormalize_top_k", "router_aux_loss_coef", "dense_layers",
+    "dense_ffn_hidden_size",
+)  # fmt: skip
+# The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 2 (or Qwen 2 MoE) config.json can
+# set to other than their defaults (`families.check_expressible` refuses the rest); attn_bias is
+# always set, but for a Qwen 2 MoE without qkv_bias.
+SWITCHES = (
+    "head_dim",
+    "sliding_window",
+    "attn_bias",
+    *MOE_SWITCHES,
+    "shared_expert_size",
+    "shared_expert_gate",
+)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -90,14 +111,58 @@ def common_fields(c: HFConfig) -> dict[str, Any]:
     }
 
 
+def moe_fields(c: HFConfig, width: int, experts: int, per_token: int) -> dict[str, Any]:
+    """A Qwen 2 MoE or Qwen 3 MoE config's experts (the defaults, which differ, given): routed
+    experts `moe_intermediate_size` wide, and dense layers (`mlp_only_layers`, and those a
+    `decoder_sparse_step` skips) `intermediate_size` wide."""
+    layers, step = c.int("num_hidden_layers"), c.int("decoder_sparse_step", 1)
+    only = c.data.get("mlp_only_layers") or []
+    if not (isinstance(only, list) and all(type(i) is int and i >= 0 for i in only)):
+        raise UserError(f"$.mlp_only_layers: expected a list of layer indices, got {only!r}", c.where)
+    dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    return {
+        "ffn_hidden_size": c.int("moe_intermediate_size", width),
+        # config.json says num_experts; transformers 5's to_dict, num_local_experts
+        "num_experts": c.int("num_experts" if "num_experts" in c.data else "num_local_experts", experts),
+        "experts_per_token": c.int("num_experts_per_tok", per_token),
+        "renormalize_top_k": c.bool("norm_topk_prob", False),
+        "router_aux_loss_coef": c.router_aux_loss_coef(),
+        "dense_layers": dense,
+        "dense_ffn_hidden_size": c.int("intermediate_size") if dense else None,
+    }
+
+
+def moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The experts' config.json keys of Qwen 2 MoE and Qwen 3 MoE."""
+    return {
+        "moe_intermediate_size": config.ffn_hidden_size,
+        "intermediate_size": config.dense_ffn_hidden_size or config.ffn_hidden_size,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+        "norm_topk_prob": config.renormalize_top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(config.dense_layers),
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+    }
+
+
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     c = HFConfig(hf, where)
+    fields = common_fields(c)
+    bias = True
+    if hf.get("model_type") == "qwen2_moe":  # defaults as Qwen2MoeConfig's
+        fields |= moe_fields(c, 1408, 60, 4)
+        fields |= {
+            "shared_expert_size": c.int("shared_expert_intermediate_size", 5632),
+            "shared_expert_gate": True,
+        }
+        bias = c.bool("qkv_bias", True)
     return build_config(
         where,
         family="qwen2",
-        **common_fields(c),
+        **fields,
         head_dim=c.int("head_dim") if c.data.get("head_dim") else None,
-        attn_bias=True,
+        attn_bias=bias,
         attn_out_bias=False,
         mlp_bias=False,
     )
@@ -117,12 +182,33 @@ def common_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if not config.attn_bias:
+    moe = config.num_experts is not None
+    if not (config.attn_bias or moe):
         raise UserError("Qwen 2 always has biases on q, k and v; this config has none (attn_bias)", "config")
-    out = {"architectures": [ARCHITECTURE], "model_type": "qwen2", **common_hf(config)}
+    if moe and (config.shared_expert_size is None or not config.shared_expert_gate):
+        raise UserError(
+            "Qwen 2 MoE has a gated shared expert in every sparse layer; this config has none", "config"
+        )
+    out = {
+        "architectures": [MOE_ARCHITECTURE if moe else ARCHITECTURE],
+        "model_type": "qwen2_moe" if moe else "qwen2",
+        **common_hf(config),
+    }
     if config.head_dim * config.num_heads != config.hidden_size:  # published configs carry none
         out["head_dim"] = config.head_dim
-    return out
+    if not moe:
+        return out
+    # Qwen2MoeConfig's default layer types slide on every other layer: say what every layer does.
+    kind = "sliding_attention" if config.sliding_window is not None else "full_attention"
+    return (
+        out
+        | moe_to_hf(config)
+        | {
+            "shared_expert_intermediate_size": config.shared_expert_size,
+            "qkv_bias": config.attn_bias,
+            "layer_types": [kind] * config.num_layers,
+        }
+    )
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

@@ -11,8 +11,7 @@ mixture of experts (`models/moe.py`): `num_experts` SwiGLU experts of `moe_inter
 and 235B-A22B set it; transformers' default does not): `renormalize_top_k`. Per layer the
 checkpoint holds `mlp.gate` (the router) and `mlp.experts.<j>.{gate,up,down}_proj`, stacked per
 projection in ours (`llama.moe_experts`). Dense layers among the sparse ones (`mlp_only_layers`,
-`decoder_sparse_step` > 1) are refused: every published Qwen 3 MoE is sparse throughout. Qwen 2
-MoE's shared expert is no switch of the decoder: that model type is not covered.
+`decoder_sparse_step` > 1) are dense SwiGLUs `intermediate_size` wide (`qwen2.moe_fields`).
 """
 
 from __future__ import annotations
@@ -32,23 +31,14 @@ NAME = "Qwen 3"
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 3 (or Qwen 3 MoE) config.json can
 # set to other than their defaults (`families.check_expressible` refuses the rest); qk_norm is
 # always set.
-SWITCHES = (
-    "head_dim",
-    "sliding_window",
-    "attn_bias",
-    "attn_out_bias",
-    "qk_norm",
-    "num_experts",
-    "experts_per_token",
-    "renormalize_top_k",
-    "router_aux_loss_coef",
-)
+SWITCHES = ("head_dim", "sliding_window", "attn_bias", "attn_out_bias", "qk_norm", *qwen2.MOE_SWITCHES)
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     c = HFConfig(hf, where)
     bias = c.bool("attention_bias", False)
-    fields = qwen2.common_fields(c) | (_moe_fields(c) if hf.get("model_type") == "qwen3_moe" else {})
+    moe = hf.get("model_type") == "qwen3_moe"
+    fields = qwen2.common_fields(c) | (qwen2.moe_fields(c, 768, 128, 8) if moe else {})
     return build_config(
         where,
         family="qwen3",
@@ -59,23 +49,6 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         attn_out_bias=bias,
         mlp_bias=False,
     )
-
-
-def _moe_fields(c: HFConfig) -> dict[str, Any]:
-    """A Qwen 3 MoE config's experts (defaults as Qwen3MoeConfig's)."""
-    if c.int("decoder_sparse_step", 1) != 1 or c.data.get("mlp_only_layers"):
-        raise UserError(
-            "$.mlp_only_layers: dense layers among the experts' (or decoder_sparse_step > 1) are not supported",
-            c.where,
-        )
-    return {
-        "ffn_hidden_size": c.int("moe_intermediate_size", 768),
-        # config.json says num_experts; transformers 5's to_dict, num_local_experts
-        "num_experts": c.int("num_experts" if "num_experts" in c.data else "num_local_experts", 128),
-        "experts_per_token": c.int("num_experts_per_tok", 8),
-        "renormalize_top_k": c.bool("norm_topk_prob", False),
-        "router_aux_loss_coef": c.router_aux_loss_coef(),
-    }
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -91,15 +64,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
     if not moe:
         return out
-    return out | {
-        "moe_intermediate_size": config.ffn_hidden_size,
-        "num_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
-        "norm_topk_prob": config.renormalize_top_k,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": config.router_aux_loss_coef,
-    }
+    return out | qwen2.moe_to_hf(config)
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
