@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     FalconConfig,
     Gemma3TextConfig,
     LlamaConfig,
@@ -226,6 +227,30 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "num_experts_per_tok": 2, "mlp_only_layers": [0]},
         24,
     ),
+    # DeepSeek V3 (DeepseekV3ForCausalLM): latent attention with q's low-rank pair (or one q_proj),
+    # interleaved RoPE on its 8 rope dims; the first 2 layers dense, then 8 routed experts in 2
+    # groups (the best 1 chosen) beside a shared one, sigmoid routing with the balancing bias,
+    # top-2 renormalised and scaled by 2.5; the other with YaRN (mscale_all_dim: the score scale).
+    "deepseek-v3": (
+        DeepseekV3Config,
+        {**_LLAMA, "num_hidden_layers": 4, "num_key_value_heads": 4, "vocab_size": 120,
+         "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+         "n_group": 2, "topk_group": 1, "first_k_dense_replace": 2, "q_lora_rank": 32, "kv_lora_rank": 24,
+         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "routed_scaling_factor": 2.5},
+        24,
+    ),
+    "deepseek-v3-yarn": (
+        DeepseekV3Config,
+        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 4, "vocab_size": 120,
+         "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 2, "num_experts_per_tok": 3,
+         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 24,
+         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "norm_topk_prob": False,
+         "max_position_embeddings": 64,
+         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                             "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0}},
+        40,
+    ),
 }  # fmt: skip
 
 
@@ -240,6 +265,9 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.1 * noise)
             else:
                 p.copy_(0.08 * noise)
+        for name, b in model.named_buffers():  # DeepSeek's balancing bias: a buffer, not a parameter
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def build(case: str, out: Path, dtype: torch.dtype = torch.float32, **overrides: object) -> Path:

@@ -73,7 +73,7 @@ def test_valid_run_manifest_round_trips():
                     }
                 }
             },
-            '$.model.config.family: invalid enum value \'gpt\'; choose one of "falcon", "gemma3", "llama"',
+            '$.model.config.family: invalid enum value \'gpt\'; choose one of "deepseek_v3", "falcon", "gemma3"',
         ),
     ],
 )

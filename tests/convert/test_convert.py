@@ -298,3 +298,37 @@ def test_early_falcon_config_names(tmp_path: Path) -> None:
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert_bitwise_equal(ta[k], tb[k], k)
+
+
+def test_deepseek_v3s_multi_token_prediction_layer_is_left_out_in_one_line(tmp_path: Path) -> None:
+    """The published DeepSeek V3 checkpoints carry a multi-token-prediction layer after the last
+    (`model.layers.<num_hidden_layers>`): convert leaves its tensors out saying so in one line, the
+    model verifies, and the export says it has none (`num_nextn_predict_layers` 0)."""
+    hf = build("deepseek-v3", tmp_path / "hf")
+    state = load_file(hf / "model.safetensors")
+    state["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)  # the MTP layer's own, as published
+    state["model.layers.4.enorm.weight"] = torch.ones(64)
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(hf, num_nextn_predict_layers=1)
+    ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
+    converted = run_in_process("mega-convert", "hf", hf, ckpt, check=True)
+    line = "mega-convert: the multi-token-prediction layer 4 (2 tensors) left out: it is not trained here"
+    assert line in converted.stderr, converted.stderr
+    assert run_in_process("mega-convert", "verify", ckpt, hf, check=True).stdout.rstrip().endswith("PASS")
+    run_in_process("mega-export", ckpt, exported, check=True)
+    assert json.loads((exported / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_deepseek_v3_configs_the_decoder_cannot_build_exit_2(tmp_path: Path) -> None:
+    """Latent attention with an odd number of rotated dims, expert groups that do not divide the
+    experts: one line naming the field, exit 2, nothing written."""
+    for i, (change, field) in enumerate(
+        [
+            ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7 must be even"),
+            ({"n_group": 3}, "expert_groups 3 must divide"),
+        ]
+    ):
+        hf = build("deepseek-v3", tmp_path / f"hf{i}")
+        _edit_config(hf, **change)
+        assert_one_line_error(run_in_process("mega-convert", "hf", hf, tmp_path / f"o{i}"), field)
+        assert not (tmp_path / f"o{i}").exists()

@@ -192,11 +192,19 @@ def test_gemma3_configs_the_decoder_cannot_express_are_refused(what: str) -> Non
 
 # One config per family (hf_cases), the base the allow-list tests vary.
 BASES = {"llama": "llama", "mistral": "mistral-window", "falcon": "falcon-7b", "qwen2": "qwen2",
-         "qwen3": "qwen3", "gemma3": "gemma3", "mixtral": "mixtral"}  # fmt: skip
+         "qwen3": "qwen3", "gemma3": "gemma3", "mixtral": "mixtral", "deepseek_v3": "deepseek-v3"}  # fmt: skip
 FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
 # The switches: every ModelConfig field but those every family writes (or none carries).
 SWITCHES = [name for name in FIELDS if name not in SHARED_FIELDS]
 _EXPERTS = {"num_experts": 4, "experts_per_token": 2}
+
+
+def _latent(c: ModelConfig) -> dict[str, Any]:
+    """Latent attention on a base: one k/v head per q head, no biases or q/k norms."""
+    return {"kv_lora_rank": 16, "qk_rope_head_dim": 4, "v_head_dim": 8, "num_kv_heads": c.num_heads,
+            "head_dim": 12, "attn_bias": False, "attn_out_bias": False, "qk_norm": False}  # fmt: skip
+
+
 # Each switch at a value other than its default, with what that value needs to make a valid
 # ModelConfig on a family's base. A switch added to ModelConfig needs an entry here; it is then
 # refused by every family whose SWITCHES do not list it (and `check_expressible` refuses it
@@ -226,16 +234,28 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "dense_ffn_hidden_size": lambda c: {**_EXPERTS, "dense_layers": [0], "dense_ffn_hidden_size": 2 * c.ffn_hidden_size},
     "shared_expert_size": lambda c: {**_EXPERTS, "shared_expert_size": 24, "shared_expert_gate": True},
     "shared_expert_gate": lambda c: {**_EXPERTS, "shared_expert_size": 24, "shared_expert_gate": True},
+    "router_scoring": lambda c: {**_EXPERTS, "router_scoring": "sigmoid"},
+    "router_bias": lambda c: {**_EXPERTS, "router_bias": True},
+    "expert_groups": lambda c: {**_EXPERTS, "expert_groups": 2, "expert_groups_chosen": 1},
+    "expert_groups_chosen": lambda c: {**_EXPERTS, "expert_groups": 2, "expert_groups_chosen": 1},
+    "routed_scaling": lambda c: {**_EXPERTS, "routed_scaling": 2.5},
+    "q_lora_rank": lambda c: {**_latent(c), "q_lora_rank": 16},
+    "kv_lora_rank": lambda c: _latent(c),
+    "qk_rope_head_dim": lambda c: _latent(c),
+    "v_head_dim": lambda c: _latent(c),
 }  # fmt: skip
 # Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 2/3,
 # and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
 _EXPERT_SWITCHES = (
     "num_experts", "experts_per_token", "renormalize_top_k", "router_aux_loss_coef", "dense_layers",
-    "dense_ffn_hidden_size", "shared_expert_size", "shared_expert_gate",
+    "dense_ffn_hidden_size", "shared_expert_size", "shared_expert_gate", "router_scoring", "router_bias",
+    "expert_groups", "expert_groups_chosen", "routed_scaling",
 )  # fmt: skip
 UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EXPERT_SWITCHES} | {
     ("mixtral", "activation"),
     ("mixtral", "mlp_bias"),
+    # DeepSeek V3's experts (SwiGLU, no biases) and latent attention (no biases, no q/k norms).
+    *(("deepseek_v3", s) for s in ("activation", "mlp_bias", "attn_bias", "attn_out_bias", "qk_norm")),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {

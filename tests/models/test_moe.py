@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from hf_cases import CASES as CASES_HF
 from hf_cases import build, load_hf, tokens
 from megacore.models import Decoder, config_from_hf, export_tensors, hf_state_dict_to_ours
 from megacore.models.moe import MoE
@@ -31,6 +32,8 @@ CASES = {
     "qwen3-moe-dense-layers": (4, 2, "mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen2-moe": (4, 2, "mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+# Not through `_pair` (its router is no softmax, it has no load-balancing loss): its own test.
+DEEPSEEK = {"deepseek-v3": (8, 2, "mlp", ("gate_proj", "up_proj", "down_proj"))}
 UNNORMED = ("qwen3-moe-unnormed", "qwen2-moe")
 
 
@@ -51,7 +54,7 @@ def _pair(tmp_path: Path, case: str = "mixtral", layers: int = 2) -> tuple[torch
 def _hf_grads_as_saved(hf: torch.nn.Module, case: str) -> dict[str, torch.Tensor]:
     """transformers' gradients under the names its checkpoints use (what our export writes): its
     in-memory fused gate_up_proj [E, 2f, h] cut into each expert's gate and up projections."""
-    experts, _, module, (w_gate, w_up, w_down) = CASES[case]
+    experts, _, module, (w_gate, w_up, w_down) = {**CASES, **DEEPSEEK}[case]
     out = {}
     for name, p in hf.named_parameters():
         m = re.match(
@@ -172,3 +175,32 @@ def test_what_the_decoder_cannot_express_is_refused() -> None:
     assert (cfg.dense_layers, cfg.dense_ffn_hidden_size) == ([0, 1, 2], 48)
     with pytest.raises(UserError, match="mlp_only_layers"):
         config_from_hf({**hf, "mlp_only_layers": "1"})
+
+
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-yarn"])
+def test_deepseek_v3_logits_loss_and_every_gradient_match_transformers(case: str, tmp_path: Path) -> None:
+    """DeepSeek V3 (hf_cases: latent attention with and without q's low-rank pair, YaRN's score
+    scale, dense layers first, grouped sigmoid routing with its balancing bias, shared experts):
+    logits, loss and every gradient equal transformers' (fp32, < 1e-4 absolute up to magnitude 1);
+    the bias, a buffer there, takes none here either."""
+    path = build(case, tmp_path / "hf")
+    hf = load_hf(path).train()
+    cfg = config_from_hf(hf.config)
+    ours = Decoder(cfg)
+    ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
+    ids = tokens(120, CASES_HF[case][2] + 1)
+    x, y = ids[:, :-1], ids[:, 1:]
+    out = hf(x)
+    F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).backward()
+    logits = ours(x)
+    assert (logits - out.logits).abs().max() < 1e-4
+    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    params = dict(ours.named_parameters())
+    assert all(p.grad is None for n, p in params.items() if n.endswith("router_bias"))
+    grads = {n: p.grad if p.requires_grad else torch.zeros_like(p) for n, p in params.items()}
+    got = dict(export_tensors(cfg, grads.__getitem__))
+    ref = _hf_grads_as_saved(hf, "deepseek-v3")
+    assert sorted(set(got) - set(ref)) == sorted(n for n, _ in hf.named_buffers() if n in got)
+    for name, g in ref.items():
+        err = (got[name] - g).abs().max().item()
+        assert err < 1e-4 * max(1.0, g.abs().max().item()), (name, err)

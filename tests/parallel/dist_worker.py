@@ -119,6 +119,15 @@ FAMILIES = {
                              renormalize_top_k=False, router_aux_loss_coef=0.05,
                              dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=40,
                              shared_expert_gate=True),
+    # DeepSeek V3: latent attention (q's low-rank pair, 8 of 24 dims rotated, v heads 12 wide),
+    # layer 0 dense, then 4 experts in 2 groups (the best 1 chosen) beside a shared one, sigmoid
+    # routing scaled by 2.5 with the balancing bias moved 0.01 a step towards even loads.
+    "deepseek": ModelConfig(family="deepseek_v3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
+                            num_kv_heads=4, ffn_hidden_size=24, head_dim=24, q_lora_rank=16, kv_lora_rank=16,
+                            qk_rope_head_dim=8, v_head_dim=12, num_experts=4, experts_per_token=2,
+                            dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=24,
+                            router_scoring="sigmoid", router_bias=True, router_bias_update=0.01,
+                            expert_groups=2, expert_groups_chosen=1, routed_scaling=2.5),
 }  # fmt: skip
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
 FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=256, num_layers=2, num_heads=4,
@@ -126,7 +135,8 @@ FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=2
 # Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
 # ep 2 the second rank receives no rows at all.
 FAMILIES["mixtral-collapsed"] = FAMILIES["mixtral"]
-MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4, "mixtral-collapsed": 2, "qwen2-moe": 2}
+LATER = ("qwen2-moe", "deepseek")
+MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4, "mixtral-collapsed": 2, "qwen2-moe": 2, "deepseek": 2}
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
 CLIP = 0.1
@@ -224,13 +234,26 @@ def reference(family: str, tokens, targets, positions=None, lora: bool | str = F
                     p.grad.copy_(out["grads"][n])
         opt.step()
         opt.zero_grad()
+        balance(model, cfg)
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         out["logits"] = model(tokens, positions=positions)[..., : cfg.vocab_size]
     reference_loss(model, cfg, tokens, targets, positions, chunks).backward()  # a 4th step, for resumed runs
     opt.step()
+    balance(model, cfg)
     out["params4"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+@torch.no_grad()
+def balance(model: Decoder, cfg: ModelConfig) -> None:
+    """DeepSeek V3's auxiliary-loss-free balancing as its paper states it: after each step every
+    expert's bias moves by the update rate, up when the expert got fewer of the step's tokens than
+    its layer's mean, down when more."""
+    for m in model.modules():
+        if isinstance(m, MoE) and m.router_bias is not None:
+            load = m.stats.totals()[0]
+            m.router_bias += cfg.router_bias_update * torch.sign(load.mean() - load)
 
 
 def first_step_checks(
@@ -392,7 +415,8 @@ def main() -> None:
     cases = {case_of(sc) for sc in scenarios}
     g = torch.Generator().manual_seed(42)
     data = {}
-    for fam in sorted(set(FAMILIES) - {"mixtral4", "mixtral-collapsed"}):
+    # Families added later draw their rows last: the others' rows stay what they were.
+    for fam in sorted(set(FAMILIES) - {"mixtral4", "mixtral-collapsed"}, key=lambda f: (f in LATER, f)):
         v = FAMILIES[fam].vocab_size
         rows = (
             torch.randint(0, v, (BATCH, SEQ), generator=g),

@@ -15,7 +15,9 @@ microbatches than stages), FSDP2 and replicate, a checkpoint saved by one layout
 another, and packed documents with ignored targets (the loss a mean over the counted targets of the
 whole batch) under dp, tp, pp and tp x pp. Context parallel alone (cp 2 and 4, one token per chunk)
 and with tp + SP, pp (1F1B, ZBV, interleaved, GPipe; tied embeddings), dp (FSDP2 over dp x cp),
-packed documents, windows and bf16, and a checkpoint saved at cp 2 resumed at cp 1.
+packed documents, windows and bf16, and a checkpoint saved at cp 2 resumed at cp 1. Mixtures of
+experts (Mixtral; Qwen 2 MoE's dense layer and gated shared expert; DeepSeek V3's latent attention,
+grouped sigmoid routing and balancing bias) under ep, tp, pp and their combinations.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ def two_process_core(ckpt: Path, tied: Path, lora: Path) -> list[dict]:
 
 
 MORE_TWO = [
+    {"family": "deepseek", "ep": 2},
+    {"family": "deepseek", "ep": 2, "recompute": "full"},
+    {"family": "deepseek", "tp": 2, "sp": True, "recompute": "selective", "microbatches": 2},
+    {"family": "deepseek", "lora": True, "tp": 2, "microbatches": 2},
     {"family": "qwen2-moe", "ep": 2},
     {"family": "qwen2-moe", "tp": 2, "sp": True, "microbatches": 2},
     {"family": "qwen2-moe", "ep": 2, "recompute": "full"},
@@ -186,6 +192,7 @@ MORE_FOUR = [
     {"family": "mixtral", "ep": 2, "tp": 2, "recompute": "full"},
     {"family": "mixtral-collapsed", "ep": 2, "tp": 2},  # one ep rank's experts get every row
     {"family": "qwen2-moe", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
+    {"family": "deepseek", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
 ]
 
 
@@ -207,6 +214,8 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
         {"family": "mixtral", "load": str(ep2)},  # ep 2 -> ep 1 (dp 2)
         {"family": "mixtral", "ep": 2, "packed": True},
         {"family": "qwen2-moe", "pp": 2, "schedule": "1f1b"},  # a dense and a sparse layer a stage
+        {"family": "deepseek", "pp": 2, "schedule": "1f1b"},
+        {"family": "deepseek", "tp": 2, "microbatches": 2},
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
@@ -220,6 +229,9 @@ def moe_four(ep2tp2: Path) -> list[dict]:
         {"family": "mixtral4", "ep": 4},
         {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
         {"family": "qwen2-moe", "ep": 2, "tp": 2, "sp": True},  # the shared expert split over tp
+        # DeepSeek V3: latent attention's heads over tp (its shared rotated k's gradient summed over
+        # them), grouped sigmoid routing over ep, the balancing bias moved each step.
+        {"family": "deepseek", "ep": 2, "tp": 2, "sp": True},
         {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
     ]
 

@@ -70,18 +70,30 @@ def test_mixtral_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: 
     ok(run_in_process("mega-convert", "verify", final, exported, "--seq-len", "16"))
 
 
+# hf_cases' case -> what the run sets beside `init`, and what transformers must read in the export.
+CHAINS = {
+    "qwen2-moe": ({}, {"mlp_only_layers": [0], "shared_expert_intermediate_size": 56}),
+    # DeepSeek V3's balancing bias moved each step: the export carries it (e_score_correction_bias).
+    "deepseek-v3": ({"router_bias_update": 0.001}, {"first_k_dense_replace": 2, "n_shared_experts": 1}),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_qwen2_moe_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: Path) -> None:
-    """The chain on a Qwen 2 MoE (hf_cases: layer 0 dense, a gated shared expert beside 4 experts):
-    converted, resharded to ep 2 x tp 2, trained on 4 processes with sequence parallel, exported to
-    a directory transformers loads with every key, equal to the checkpoint's logits."""
-    hf = build("qwen2-moe", tmp_path / "hf", vocab_size=400, router_aux_loss_coef=0.02)
+@pytest.mark.parametrize("case", list(CHAINS))
+def test_the_chain_on_dense_layers_and_shared_experts(tmp_path: Path, tokens: Path, case: str) -> None:
+    """The chain on a Qwen 2 MoE (a dense layer, a gated shared expert) and a DeepSeek V3 (latent
+    attention, grouped sigmoid routing, its bias moved by the run): converted, resharded to ep 2 x
+    tp 2, trained on 4 processes with sequence parallel, exported to a directory transformers
+    loads with every key, equal to the checkpoint's logits."""
+    beside, hf_config = CHAINS[case]
+    hf = build(case, tmp_path / "hf", vocab_size=400)
     ckpt, ep2tp2 = tmp_path / "ckpt", tmp_path / "ckpt-ep2tp2"
     run_in_process("mega-convert", "hf", hf, ckpt, check=True)
     run_in_process("mega-shard", ckpt, ep2tp2, "--tp", "2", "--ep", "2", check=True)
+    parallel = {"tp": 2, "ep": 2, "sequence_parallel": True}
     run_json = _run_json(
-        tmp_path / "train", ep2tp2, tokens, parallel={"tp": 2, "ep": 2, "sequence_parallel": True}
+        tmp_path / "train", ep2tp2, tokens, parallel=parallel, model={"init": str(ep2tp2), **beside}
     )
     out = ok(torchrun(4, run_json))
     assert not out.stderr.strip(), out.stderr[-3000:]
@@ -91,7 +103,9 @@ def test_qwen2_moe_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens
     run_in_process("mega-export", final, exported, check=True)
     model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    assert model.config.mlp_only_layers == [0] and model.config.shared_expert_intermediate_size == 56
+    assert {k: getattr(model.config, k) for k in hf_config} == hf_config
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert all(b.abs().max() > 0 for b in biases)  # moved (DeepSeek), none elsewhere
     ok(run_in_process("mega-convert", "verify", final, exported, "--seq-len", "16"))
 
 

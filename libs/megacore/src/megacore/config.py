@@ -104,7 +104,7 @@ GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")
 class ModelConfig(Struct):
     """Everything needed to build the decoder; every family is a choice of these switches."""
 
-    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral"]
+    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral", "deepseek_v3"]
     vocab_size: Positive
     hidden_size: Positive
     num_layers: Positive
@@ -167,6 +167,25 @@ class ModelConfig(Struct):
     # `shared_expert_gate`, added to the routed experts'.
     shared_expert_size: Positive | None = None
     shared_expert_gate: bool = False
+    # DeepSeek V3's routing: sigmoid scores (not softmax); a per-expert bias added to the scores a
+    # token chooses by, not to its weights (`router_bias`, "mlp.router_bias", moved towards even
+    # loads by `router_bias_update` per step: auxiliary-loss-free balancing, a training setting);
+    # the choice within the best `expert_groups_chosen` of `expert_groups` groups of experts; the
+    # weights times `routed_scaling`.
+    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    router_bias: bool = False
+    router_bias_update: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    expert_groups: Positive | None = None
+    expert_groups_chosen: Positive | None = None
+    routed_scaling: PositiveFloat = 1.0
+    # Multi-head latent attention (DeepSeek V2/V3) when `kv_lora_rank` is set: k and v expanded per
+    # head from one latent of that width, q through a `q_lora_rank`-wide one (None: one projection);
+    # q's and k's heads are head_dim wide, their last `qk_rope_head_dim` rotated (shared by every
+    # head in k), v's heads `v_head_dim` wide.
+    q_lora_rank: Positive | None = None
+    kv_lora_rank: Positive | None = None
+    qk_rope_head_dim: Positive | None = None
+    v_head_dim: Positive | None = None
     bos_id: int | None = None
     eos_id: int | None = None
 
@@ -186,8 +205,12 @@ class ModelConfig(Struct):
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of the kv heads {self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        self._check_latent()
+        if rope_dim(self) % 2:
+            raise ValueError(
+                f"{'qk_rope_head_dim' if self.kv_lora_rank else 'head_dim'} "
+                f"{rope_dim(self)} must be even for rotary embeddings"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -207,13 +230,39 @@ class ModelConfig(Struct):
                 "weights were pretrained for"
             )
 
+    def _check_latent(self) -> None:
+        latent = (self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim)
+        if self.kv_lora_rank is None:
+            if any(v is not None for v in (*latent, self.q_lora_rank)):
+                raise ValueError(
+                    "q_lora_rank, qk_rope_head_dim and v_head_dim need latent attention (kv_lora_rank)"
+                )
+            return
+        if None in latent:
+            raise ValueError("latent attention needs kv_lora_rank, qk_rope_head_dim and v_head_dim")
+        if self.qk_rope_head_dim >= self.head_dim:
+            raise ValueError(
+                f"qk_rope_head_dim {self.qk_rope_head_dim} must be below head_dim {self.head_dim}"
+            )
+        if self.num_kv_heads != self.num_heads or self.attn_bias or self.attn_out_bias or self.qk_norm:
+            raise ValueError("latent attention has a k and v head per q head, no biases and no q/k norms")
+
     def _check_experts(self) -> None:
         if (self.num_experts is None) != (self.experts_per_token is None):
             raise ValueError(
                 "num_experts and experts_per_token are set together (a mixture of experts) or not at all"
             )
         if self.num_experts is None:
-            moe_only = self.dense_layers or self.dense_ffn_hidden_size or self.shared_expert_size
+            moe_only = (
+                self.dense_layers
+                or self.dense_ffn_hidden_size
+                or self.shared_expert_size
+                or self.router_bias
+                or self.expert_groups
+                or self.router_scoring != "softmax"
+                or self.routed_scaling != 1.0
+                or self.router_bias_update
+            )
             if self.router_aux_loss_coef or self.router_z_loss_coef or not self.renormalize_top_k or moe_only:
                 raise ValueError("router and expert settings need a mixture of experts (num_experts)")
             if self.family == "mixtral":
@@ -235,6 +284,21 @@ class ModelConfig(Struct):
             raise ValueError(f"dense_layers must be increasing layer indices below {self.num_layers}")
         if self.shared_expert_gate and self.shared_expert_size is None:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_size)")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, chosen = self.expert_groups, self.expert_groups_chosen
+        if (groups is None) != (chosen is None):
+            raise ValueError("expert_groups and expert_groups_chosen are set together or not at all")
+        if groups is not None and (self.num_experts % groups or chosen > groups):
+            raise ValueError(
+                f"expert_groups {groups} must divide num_experts {self.num_experts} "
+                f"(and expert_groups_chosen {chosen} be at most it)"
+            )
+        if groups is not None and (self.num_experts // groups) * chosen < self.experts_per_token:
+            raise ValueError("the chosen groups hold fewer experts than experts_per_token")
+        if self.router_bias_update and not self.router_bias:
+            raise ValueError("router_bias_update needs a router bias (router_bias)")
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -242,6 +306,11 @@ def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
     if multiple < 1:
         raise ValueError(f"the vocab pad multiple must be at least 1, got {multiple}")
     return math.ceil(vocab_size / multiple) * multiple
+
+
+def rope_dim(config: ModelConfig) -> int:
+    """The dims RoPE rotates in each head: all of head_dim, or latent attention's rope part."""
+    return config.head_dim if config.kv_lora_rank is None else config.qk_rope_head_dim
 
 
 def sparse_layer(config: ModelConfig, layer: int) -> bool:
@@ -277,9 +346,9 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 
 # The router losses' weights (a mixture of experts): training settings a run may set on top of
 # its init checkpoint's config, which change no tensor either.
-ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
-# Mixtral, Qwen 3 MoE (model_type qwen3_moe) and Qwen 2 MoE (model_type qwen2_moe)
-EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2")
+ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update")
+# Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe) and DeepSeek V3
+EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3")
 # What a run from a checkpoint may set of its model, beside `init`.
 INIT_OVERRIDES = (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
 
@@ -408,15 +477,11 @@ def _norm(out: dict[str, tuple[int, ...]], config: ModelConfig, name: str) -> No
 
 def _layer_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
     """One decoder layer's tensors (`at`: "layers.<i>")."""
-    hidden, hd = config.hidden_size, config.head_dim
     _norm(out, config, f"{at}.attn_norm")
-    _linear(out, f"{at}.attn.q_proj", config.num_heads * hd, hidden, config.attn_bias)
-    _linear(out, f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-    _linear(out, f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-    _linear(out, f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
-    if config.qk_norm:
-        out[f"{at}.attn.q_norm.weight"] = (hd,)
-        out[f"{at}.attn.k_norm.weight"] = (hd,)
+    if config.kv_lora_rank is not None:
+        _latent_tensors(out, config, f"{at}.attn")
+    else:
+        _attention_tensors(out, config, f"{at}.attn")
     if config.sandwich_norm:
         _norm(out, config, f"{at}.attn_post_norm")
     if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
@@ -426,12 +491,43 @@ def _layer_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str
         _norm(out, config, f"{at}.mlp_post_norm")
 
 
+def _latent_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
+    """Latent attention's (`at`: "layers.<i>.attn"): q's projection (or low-rank pair and its
+    norm), the latent's projection (its rope part last), norm and expansion, the output."""
+    hidden, heads, hd = config.hidden_size, config.num_heads, config.head_dim
+    if config.q_lora_rank is None:
+        out[f"{at}.q_proj.weight"] = (heads * hd, hidden)
+    else:
+        out[f"{at}.q_a_proj.weight"] = (config.q_lora_rank, hidden)
+        out[f"{at}.q_a_norm.weight"] = (config.q_lora_rank,)
+        out[f"{at}.q_b_proj.weight"] = (heads * hd, config.q_lora_rank)
+    latent, nope = config.kv_lora_rank, hd - config.qk_rope_head_dim
+    out[f"{at}.kv_a_proj.weight"] = (latent + config.qk_rope_head_dim, hidden)
+    out[f"{at}.kv_a_norm.weight"] = (latent,)
+    out[f"{at}.kv_b_proj.weight"] = (heads * (nope + config.v_head_dim), latent)
+    out[f"{at}.o_proj.weight"] = (hidden, heads * config.v_head_dim)
+
+
+def _attention_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
+    hidden, hd = config.hidden_size, config.head_dim
+    at = at.removesuffix(".attn")
+    _linear(out, f"{at}.attn.q_proj", config.num_heads * hd, hidden, config.attn_bias)
+    _linear(out, f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
+    _linear(out, f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
+    _linear(out, f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
+    if config.qk_norm:
+        out[f"{at}.attn.q_norm.weight"] = (hd,)
+        out[f"{at}.attn.k_norm.weight"] = (hd,)
+
+
 def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str, layer: int) -> None:
     """A layer's MLP (`at`: "layers.<i>.mlp"): dense, or the router, the stacked experts and the
     shared expert with its gate."""
     hidden, ffn = config.hidden_size, mlp_width(config, layer)
     if sparse_layer(config, layer):
         experts = config.num_experts
+        if config.router_bias:  # the MoE's own parameter: before its modules' in a state dict
+            out[f"{at}.router_bias"] = (experts,)
         out[f"{at}.router.weight"] = (experts, hidden)
         out[f"{at}.experts.gate_proj.weight"] = (experts, ffn, hidden)
         out[f"{at}.experts.up_proj.weight"] = (experts, ffn, hidden)
@@ -471,14 +567,16 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward and backward, recompute not counted), PaLM's count: 6 x the
     matmul parameters (the output projection, not the embedding lookup) + 12 x layers x heads x
-    head_dim x sequence length for attention scores and values. MFU divides by this. Experts
+    head_dim x sequence length for attention scores and values (latent attention: 6 x layers x
+    heads x (head_dim + v_head_dim) x sequence length, its v heads being narrower). MFU divides by this. Experts
     count as the `experts_per_token` a token passes through (the active parameters)."""
     tensors = model_tensors(config)
     matmul = sum(math.prod(s) for n, s in tensors.items() if len(s) == 2 and n != "embed.weight")
     matmul += _experts(config, tensors)[1]
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
-    return 6.0 * matmul + 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length
+    qk_v = config.head_dim + (config.v_head_dim or config.head_dim)
+    return 6.0 * matmul + 6.0 * config.num_layers * config.num_heads * qk_v * seq_length
 
 
 # The blocks' dense projections, not a mixture's router or experts, the embedding or the output

@@ -30,6 +30,7 @@ from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, tensor_maps
 from megacore.models.families.hf_config import read_config_json
+from megacore.models.hf import left_out
 from megacore.progress import Progress
 
 TOKENIZER_FILES = (
@@ -175,6 +176,8 @@ def convert_hf(
         return {**summary, "reused": True, "seconds": round(time.perf_counter() - t0, 3)}
 
     check_hf_tensors(config, src.where, model_dir)
+    if (line := left_out(config, list(src.where))) is not None:
+        say(f"mega-convert: {line}")
     shapes = model_tensors(config)
     order = [n for m in tensor_maps(config) for n in m.ours]  # the order import_tensors yields
     tokenizer_files = _write_checkpoint(src, out, shapes, order, force=force, progress=progress)

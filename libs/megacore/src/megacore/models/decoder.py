@@ -21,6 +21,7 @@ import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -42,7 +43,7 @@ from megacore.models.attention import Impl, causal_attention, document_ids
 from megacore.models.lora import delta, has_adapter
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.moe import MoE
-from megacore.models.rope import apply_rope, rope_tables
+from megacore.models.rope import apply_rope, latent_attention_scale, rope_tables
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,70 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, s, -1))
 
 
+LATENT_NORM_EPS = 1e-6  # DeepSeek's latent norms' own (transformers' DeepseekV3RMSNorm default)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek V2/V3, `families/deepseek_v3.py`): q through one
+    projection or a low-rank one, its RMSNorm and an expansion per head; k's and v's per-head parts
+    expanded from one normed latent (`kv_b_proj`), and a rotated part every head shares appended to
+    each head's k. q's and k's heads are head_dim wide (the rotated `qk_rope_head_dim` last), v's
+    `v_head_dim`. A tensor-parallel shard holds some heads of q_proj / q_b_proj, kv_b_proj and o_proj;
+    the latent projections and norms are whole on every rank (the heads need all of them)."""
+
+    kernel = staticmethod(causal_attention)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int = 0,
+        impl: Impl = "auto",
+        recompute: bool = False,
+        fast: FastPaths = FastPaths(),
+    ) -> None:
+        super().__init__()
+        hidden, heads, hd = config.hidden_size, config.num_heads, config.head_dim
+        self.rope, self.v_dim, self.latent = config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.nope = hd - self.rope
+        self.window = attention_window(config, layer)
+        self.local_rope = local_rope(config, layer)
+        self.scale = latent_attention_scale(config)
+        # v's heads are narrower than q's and k's: SDPA takes that, flash-attn 2 does not.
+        self.impl: Impl = "sdpa" if impl == "auto" else impl
+        self.recompute = recompute
+        q_lora, norm = config.q_lora_rank, partial(RMSNorm, eps=LATENT_NORM_EPS, fused=fast.head_norms)
+        self.q_proj = nn.Linear(hidden, heads * hd, bias=False) if q_lora is None else None
+        self.q_a_proj = nn.Linear(hidden, q_lora, bias=False) if q_lora else None
+        self.q_a_norm = norm(q_lora) if q_lora else None
+        self.q_b_proj = nn.Linear(q_lora, heads * hd, bias=False) if q_lora else None
+        self.kv_a_proj = nn.Linear(hidden, self.latent + self.rope, bias=False)
+        self.kv_a_norm = norm(self.latent)
+        self.kv_b_proj = nn.Linear(self.latent, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
+        # The rotated k every head shares: an identity here; where a rank holds some heads (tensor
+        # parallel) its gradient is the sum over every rank's heads, which `tp.apply_tp` hooks in.
+        self.shared_rope = nn.Identity()
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj(x).split([self.latent, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = self.shared_rope(apply_rope(k_rope.view(b, s, 1, self.rope), cos, sin))
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        args = (q, k, v, self.window, self.impl, segments, self.scale)
+        if self.recompute and torch.is_grad_enabled():
+            out = checkpoint(self.kernel, *args, use_reentrant=False)
+        else:
+            out = self.kernel(*args)
+        return self.o_proj(out.reshape(b, s, -1))
+
+
 class MLP(nn.Module):
     """SwiGLU or GeGLU (gate, up, down; `GATED_ACTIVATIONS`) or GELU (up, down, as Falcon), `ffn`
     wide (None: the config's ffn_hidden_size)."""
@@ -245,7 +310,8 @@ class Block(nn.Module):
         self.recompute = recompute == "full"
         # Registered in the naming contract's order (`model_tensors`).
         self.attn_norm = make_norm(config, fast)
-        self.attn = Attention(config, layer, attention, recompute == "selective", fast)
+        kind = Attention if config.kv_lora_rank is None else LatentAttention
+        self.attn = kind(config, layer, attention, recompute == "selective", fast)
         self.attn_post_norm = make_norm(config, fast) if config.sandwich_norm else None
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
         self.mlp_norm = None if one_norm else make_norm(config, fast)
@@ -393,7 +459,7 @@ def initial_value(
     if name.endswith(LORA_B):
         return torch.zeros(shape)
     if len(shape) == 1:
-        zero = name.endswith(".bias") or config.norm == "rmsnorm_plus1"
+        zero = name.endswith((".bias", "router_bias")) or config.norm == "rmsnorm_plus1"
         return torch.zeros(shape) if zero else torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(LORA_A):

@@ -40,6 +40,13 @@ def _unpadded(name: str, shape: tuple[int, ...], config: ModelConfig) -> tuple[i
     return (config.vocab_size, *shape[1:]) if name in VOCAB_TENSORS else shape
 
 
+def left_out(config: ModelConfig, names: list[str]) -> str | None:
+    """The line that says which of a checkpoint's tensors convert leaves out by design (a family's
+    `extra_tensors`: DeepSeek V3's multi-token-prediction layers), None when none."""
+    extra = getattr(family_of(config), "extra_tensors", None)
+    return None if extra is None else extra(config, names)[1]
+
+
 def check_maps(config: ModelConfig) -> None:
     """The name map covers the decoder's state dict exactly (a bug guard, not a user error)."""
     mapped = [n for m in tensor_maps(config) for n in m.ours]

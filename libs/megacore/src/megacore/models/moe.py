@@ -89,6 +89,34 @@ def route(
     return probs, top / top.sum(dim=-1, keepdim=True) if renormalize else top, chosen
 
 
+def route_sigmoid(
+    logits: torch.Tensor,
+    k: int,
+    renormalize: bool,
+    bias: torch.Tensor | None,
+    groups: tuple[int, int] | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek V3's routing, as transformers' DeepseekV3TopkRouter: (sigmoid scores [T, E] in fp32,
+    the top-k weights [T, k], the chosen experts [T, k]). A token chooses by its scores plus `bias`
+    (the auxiliary-loss-free balancing bias) among the experts of its best `groups[1]` of `groups[0]`
+    groups (a group scored by its two best); the weights are its plain scores of the chosen,
+    renormalised (+1e-20) or not, times `scaling`."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias.float()
+    if groups is not None:
+        n, best = groups
+        grouped = choice.view(-1, n, choice.shape[-1] // n)
+        top = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+        keep = torch.zeros_like(top).scatter_(1, top.topk(best, dim=-1).indices, 1.0).bool()
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    chosen = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores, weights * scaling, chosen
+
+
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mixtral's (Switch Transformer's) load-balancing loss of one layer's tokens: experts x the sum
     over experts of (the fraction of tokens that chose it) x (its mean router probability): k when
@@ -150,6 +178,14 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = config.experts_per_token, config.renormalize_top_k
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        # DeepSeek V3: sigmoid scores, the balancing bias (no gradient: the engine moves it towards
+        # even loads, `router_bias_update`), groups of experts, scaled weights.
+        self.sigmoid, self.scaling = config.router_scoring == "sigmoid", config.routed_scaling
+        self.groups = (
+            None if config.expert_groups is None else (config.expert_groups, config.expert_groups_chosen)
+        )
+        bias = torch.zeros(config.num_experts) if config.router_bias else None
+        self.router_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.experts = Experts(config)
         # Qwen 2 MoE's shared expert (the decoder's dense MLP, handed in) and its sigmoid gate.
         self.shared_expert = shared_expert
@@ -160,7 +196,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.router(flat)
-        probs, weights, chosen = route(logits, self.top_k, self.renormalize)
+        if self.sigmoid:
+            probs, weights, chosen = route_sigmoid(
+                logits, self.top_k, self.renormalize, self.router_bias, self.groups, self.scaling
+            )
+        else:
+            probs, weights, chosen = route(logits, self.top_k, self.renormalize)
         counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1])
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, expert) pairs grouped by expert
         token = order // self.top_k

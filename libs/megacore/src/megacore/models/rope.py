@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from megacore.config import ModelConfig, RopeScaling
+from megacore.config import ModelConfig, RopeScaling, rope_dim
 
 
 def inv_freq(
@@ -23,7 +23,7 @@ def inv_freq(
 ) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32 for a sequence of `seq_len` positions; `local`:
     the sliding layers' own RoPE (`local_rope_theta`, unscaled: Gemma 3's local layers)."""
-    dim = config.head_dim
+    dim = rope_dim(config)
     base = config.local_rope_theta if local else config.rope_theta
     scaling = None if local else config.rope_scaling
     if scaling is not None and scaling.type == "dynamic":
@@ -93,13 +93,27 @@ def attention_scale(config: ModelConfig, local: bool = False) -> float:
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
-
-    def mscale(factor: float, m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     if scaling.mscale and scaling.mscale_all_dim:
-        return float(mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim))
-    return mscale(scaling.factor)
+        return float(
+            _mscale(scaling.factor, scaling.mscale) / _mscale(scaling.factor, scaling.mscale_all_dim)
+        )
+    return _mscale(scaling.factor)
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scale (transformers' `yarn_get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def latent_attention_scale(config: ModelConfig) -> float:
+    """Latent attention's score scale: head_dim ** -0.5, under YaRN times mscale(factor,
+    mscale_all_dim) squared (DeepSeek's softmax_scale; transformers' `yarn_apply_mscale`)."""
+    scale = config.head_dim**-0.5
+    s = config.rope_scaling
+    if s is not None and s.type == "yarn" and s.mscale_all_dim:
+        m = _mscale(s.factor, s.mscale_all_dim)
+        scale = scale * m * m
+    return scale
 
 
 def rope_tables(

@@ -406,6 +406,8 @@ class ParallelModel:
         dist.all_reduce(table)
         table /= self.par.spec.tp  # every tp rank routes the same tokens
         load = table[:, :experts]
+        if self.config.router_bias_update:
+            self._balance(load)
         mean = load.mean()
         losses = table[:, experts:].sum(0) / (layers * microbatches * self.dp)
         cv = torch.where(mean > 0, load.std(correction=0) / mean, torch.zeros_like(mean))
@@ -416,6 +418,17 @@ class ParallelModel:
             "expert_load_max": load.max(),
             "expert_load_cv": cv,
         }
+
+    def _balance(self, load: torch.Tensor) -> None:
+        """DeepSeek V3's auxiliary-loss-free balancing: each MoE layer's router bias moved by
+        `router_bias_update` towards even loads, up for an expert below the layer's mean load and
+        down above it, from this step's loads over every rank (the same on every rank: each moves
+        its own piece of the bias, which the optimizer never touches)."""
+        step = torch.sign(load.mean(dim=1, keepdim=True) - load) * self.config.router_bias_update
+        with torch.no_grad():
+            for i, moe in self.moe_layers.items():
+                offset, shape, local = local_piece(moe.router_bias)
+                local.add_(box_slice(step[self.sparse.index(i)], (offset, shape)).to(local.dtype))
 
     def evaluate(
         self,

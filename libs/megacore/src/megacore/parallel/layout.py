@@ -39,19 +39,21 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; a mixture of experts'
 # stacked [experts, out, in] projections likewise on their ffn dim (1 for gate/up, 2 for down; the
 # experts dim is expert parallel's), its router replicated, a shared expert as a dense MLP and its
-# gate replicated; the rest replicated,
+# gate replicated; latent attention's per-head expansions (q_b_proj, kv_b_proj, or q_proj) like q,
+# its latent projections and norms replicated; the rest replicated,
 # the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads), and
 # the sandwich norms on the attention's and the MLP's outputs (Gemma: hidden-wide, like the others).
 _COLWISE = {
     "attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
-    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "attn.q_b_proj", "attn.kv_b_proj",
 }  # fmt: skip
 _ROWWISE = {"attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj"}
 _KV = {"attn.k_proj", "attn.v_proj"}
 _LAYER_REPLICATED = re.compile(
     r"^(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.(weight|bias)$"
     r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
-    r"|^mlp\.(router|shared_expert_gate)\.weight$"
+    r"|^mlp\.(router|shared_expert_gate)\.weight$|^mlp\.router_bias$"
+    r"|^attn\.(q_a_proj|q_a_norm|kv_a_proj|kv_a_norm)\.weight$"
 )
 _EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.weight$")
 

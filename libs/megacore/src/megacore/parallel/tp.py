@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from megacore.config import ModelConfig
+from megacore.models.decoder import LatentAttention
 from megacore.models.moe import GroupedLinear, MoE
 from megacore.parallel.layout import place
 
@@ -154,6 +155,9 @@ def _to_local_copy_hook(module, args, out):
     return out.to_local().clone() if isinstance(out, DTensor) else out
 
 
+LATENT = ("attn.q_a_proj", "attn.q_a_norm", "attn.kv_a_proj", "attn.kv_a_norm")
+
+
 def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool, float8: bool):
     """The style of one module with a weight, from where `place` puts its weight (None: none)."""
     hidden_layout = Shard(1) if sp else Replicate()
@@ -173,6 +177,8 @@ def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool,
         return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
     if isinstance(module, GroupedLinear) or name.endswith(("mlp.router", "mlp.shared_expert_gate")):
         return None  # experts: split by `ep.apply_ep` (over tp too); the router and gate replicated
+    if name.endswith(LATENT):
+        return None  # latent attention's latent projections and norms: whole on every rank
     if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
         return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
     if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard
@@ -191,12 +197,15 @@ def _check_plain(name: str, module: nn.Module) -> None:
 
 def _gather_block_inputs(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Sequence parallel: gather the sequence once per attention / MLP input (a mixture of experts
-    takes and gives whole plain rows: `ep.apply_ep`)."""
+    takes and gives whole plain rows: `ep.apply_ep`; latent attention takes them, its latent
+    projections being plain)."""
     parallelize_module(
         block.attn,
         tp_mesh,
         PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=isinstance(block.attn, LatentAttention),
         ),
     )
     moe = isinstance(block.mlp, MoE)
@@ -237,6 +246,8 @@ def apply_tp(
         if style is not None:
             parallelize_module(module, tp_mesh, style)
     for name, block in model.layers.items():  # each rank holds a slice of every projection
+        if isinstance(block.attn, LatentAttention):  # its shared rotated k: every rank's heads use it
+            block.attn.shared_rope.register_forward_hook(partial(_sum_grad_hook, tp_mesh.get_group()))
         _check_plain(f"layers.{name}.attn", block.attn)
         _check_plain(f"layers.{name}.mlp", block.mlp)
         if sp:
@@ -263,6 +274,12 @@ def distribute_adapters(model: nn.Module, tp_mesh: DeviceMesh, config: ModelConf
         dim = place(f"{name}.weight", config, tp).tp_dim
         layout = [Replicate() if dim is None else Shard(dim)]
         module.weight = nn.Parameter(distribute_tensor(module.weight, tp_mesh, layout))
+
+
+def _sum_grad_hook(
+    group: dist.ProcessGroup, module: nn.Module, args: tuple, out: torch.Tensor
+) -> torch.Tensor:
+    return _SumGradOverGroup.apply(out, group)
 
 
 def _replicate_norm_out(tp_mesh: DeviceMesh, mod: nn.Module, args: tuple, out: torch.Tensor) -> DTensor:

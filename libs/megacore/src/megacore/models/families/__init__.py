@@ -16,7 +16,7 @@ import msgspec
 
 from megacore.config import TOKEN_ID_FIELDS, ModelConfig, config_differences, pad_vocab
 from megacore.errors import UserError
-from megacore.models.families import falcon, gemma3, llama, mistral, mixtral, qwen2, qwen3
+from megacore.models.families import deepseek_v3, falcon, gemma3, llama, mistral, mixtral, qwen2, qwen3
 from megacore.models.families.hf_config import max_positions_to_hf
 from megacore.models.families.tensor_map import TensorMap
 
@@ -28,6 +28,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
     "mixtral": mixtral,
+    "deepseek_v3": deepseek_v3,
 }
 
 # The ModelConfig fields every family's config.json writes: the family (its model_type), the sizes,
@@ -49,9 +50,9 @@ WRITTEN_BY_ALL = (
     "eos_id",
 )
 # ... and those no config.json carries, left out on export by design: the vocab padding (export cuts
-# its rows off) and the router's z-loss weight, a training setting that changes nothing the model
-# computes (transformers' MoE models have no z-loss).
-NOT_CARRIED = ("padded_vocab_size", "router_z_loss_coef")
+# its rows off) and the router's z-loss weight and bias update rate, training settings that change
+# nothing the model computes (transformers' MoE models have no z-loss, nor balancing updates).
+NOT_CARRIED = ("padded_vocab_size", "router_z_loss_coef", "router_bias_update")
 SHARED_FIELDS = (*WRITTEN_BY_ALL, *NOT_CARRIED)
 
 
@@ -129,10 +130,10 @@ def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any
 
 def differences_from_hf(config: ModelConfig, hf_config: ModelConfig) -> list[str]:
     """The fields in which a checkpoint's config and one read from a config.json differ, but for what
-    a config.json does not carry: the token ids (generation settings), the vocab padding and, under
+    a config.json does not carry: the token ids (generation settings), `NOT_CARRIED` and, under
     dynamic RoPE scaling, max_seq_len (its max_position_embeddings is then the original context,
     what transformers' dynamic NTK measures growth against: `max_positions_to_hf`)."""
-    ignore = (*TOKEN_ID_FIELDS, "padded_vocab_size")
+    ignore = (*TOKEN_ID_FIELDS, *NOT_CARRIED)
     s = config.rope_scaling
     if s is not None and s.type == "dynamic" and hf_config.max_seq_len == max_positions_to_hf(config):
         ignore = (*ignore, "max_seq_len")

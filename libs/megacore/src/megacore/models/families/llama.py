@@ -97,7 +97,11 @@ EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# The module of a layer's shared expert(s), by family: Qwen 2 MoE's one (gated), DeepSeek's.
+SHARED_EXPERT_NAMES = {"qwen2": "shared_expert", "deepseek_v3": "shared_experts"}
 
 
 def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
@@ -105,13 +109,19 @@ def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
     projection stacked over the experts; and a shared expert with its gate (Qwen 2 MoE's names)."""
     module, projections = EXPERT_NAMES[config.family]
     moe, experts = f"{hf}.{module}", range(config.num_experts)
-    maps = [rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight")]
+    maps = (
+        [rename(f"{moe}.gate.e_score_correction_bias", f"{ours}.mlp.router_bias")]
+        if config.router_bias
+        else []
+    )
+    maps.append(rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight"))
     for w, p in zip(projections, ("gate_proj", "up_proj", "down_proj"), strict=True):
         names = [f"{moe}.experts.{j}.{w}.weight" for j in experts]
         maps.append(stacked(names, f"{ours}.mlp.experts.{p}.weight"))
     if config.shared_expert_size is not None:
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            linear(maps, f"{moe}.shared_expert.{p}", f"{ours}.mlp.shared_expert.{p}", False)
+        shared = SHARED_EXPERT_NAMES[config.family]
+        for p in MLP_NAMES:
+            linear(maps, f"{moe}.{shared}.{p}", f"{ours}.mlp.shared_expert.{p}", False)
     if config.shared_expert_gate:
         maps.append(rename(f"{moe}.shared_expert_gate.weight", f"{ours}.mlp.shared_expert_gate.weight"))
     return maps
