@@ -1,0 +1,122 @@
+"""The families of issue #35 against transformers' own models: a training step (forward + backward +
+fused AdamW) of megacore's Decoder as a small DeepSeek V3 against transformers'
+DeepseekV3ForCausalLM (same config, weights, batch, dtype, loss and optimizer), one process, 2
+threads, steps interleaved one by one so that load from other processes hits both alike; tokens/s
+are each side's fastest step, ratios the median over rounds of the two sides' times in the same
+round. transformers as its users run it: its default attention (SDPA) and experts implementation.
+
+Full size: hidden 512, 4 layers (the first dense), 8 heads of latent attention (q rank 256, kv rank
+128, 64 + 32 rotated dims, v 64), 16 experts of ffn 512 in 4 groups (the best 2 chosen), top-4 and
+one shared expert, vocab 32000, batch 4 x 512, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from run import Row
+
+THREADS = 2
+
+
+def _deepseek(quick: bool) -> dict:
+    if quick:
+        sizes = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 2000,
+                 "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                 "v_head_dim": 16, "moe_intermediate_size": 64, "intermediate_size": 256}  # fmt: skip
+    else:
+        sizes = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 32000,
+                 "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                 "v_head_dim": 64, "moe_intermediate_size": 512, "intermediate_size": 2048}  # fmt: skip
+    return {**sizes, "num_key_value_heads": sizes["num_attention_heads"], "n_routed_experts": 16,
+            "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "max_position_embeddings": 1024}  # fmt: skip
+
+
+def _models(quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """(ours, transformers' DeepSeek V3 with the same weights), and the HF config."""
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from megacore.models import Decoder, config_from_hf, hf_state_dict_to_ours
+
+    torch.manual_seed(0)
+    hf_config = DeepseekV3Config(**_deepseek(quick))
+    peer = DeepseekV3ForCausalLM(hf_config)
+    with torch.no_grad():  # a router that routes (transformers starts it at zero: every tie)
+        for name, p in peer.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.02)
+    with tempfile.TemporaryDirectory() as tmp:  # the checkpoint names (per-expert projections)
+        peer.save_pretrained(tmp)
+        state = load_file(Path(tmp) / "model.safetensors")
+    cfg = config_from_hf(hf_config)
+    ours = Decoder(cfg)
+    ours.load_state_dict(hf_state_dict_to_ours(cfg, state))
+    return ours.to(dtype).train(), peer.to(dtype).train(), hf_config
+
+
+def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4, fused=True)
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def step() -> float:
+        t = time.perf_counter()
+        if is_hf:
+            logits = model(x, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        else:
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    return step
+
+
+def run(quick: bool) -> list[Row]:
+    torch.set_num_threads(THREADS)
+    batch, seq = (2, 128) if quick else (4, 512)
+    rows = []
+    note = (
+        "quick: tiny"
+        if quick
+        else f"DeepSeek V3 shape: hidden 512, 4 layers, 16 experts top-4, {batch}x{seq}"
+    )
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ours, peer, hf_config = _models(quick, dtype)
+        ids = torch.randint(
+            0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
+        )
+        steppers = {"ours": _stepper(ours, False, ids), "peer": _stepper(peer, True, ids)}
+        for step in steppers.values():  # warm-up: optimizer state, oneDNN kernel selection
+            step()
+        times = {k: [] for k in steppers}
+        for _ in range(2 if quick else 7):
+            for k, step in steppers.items():
+                times[k].append(step())
+        tps = {k: batch * seq / min(v) for k, v in times.items()}
+        paired = statistics.median(t / o for t, o in zip(times["peer"], times["ours"], strict=True))
+        rows.append(
+            Row("families", f"train step tokens/s {name} vs transformers' DeepSeek V3", f"{tps['ours']:.0f}",
+                f"{tps['peer']:.0f}", paired, ">= 1.5x",
+                f"{note}, {THREADS} threads; ratio: median of {len(times['ours'])} paired rounds")
+        )  # fmt: skip
+        del steppers, ours, peer
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    from run import table
+
+    print(table(run("--quick" in sys.argv)))
