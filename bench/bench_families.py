@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from bench_moe import paired_rounds, stepper
 from run import Row
 
 THREADS = 2
@@ -62,26 +61,6 @@ def _models(quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.
     return ours.to(dtype).train(), peer.to(dtype).train(), hf_config
 
 
-def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=1e-4, fused=True)
-    x, y = ids[:, :-1], ids[:, 1:]
-
-    def step() -> float:
-        t = time.perf_counter()
-        if is_hf:
-            logits = model(x, use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        else:
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
-
-    return step
-
-
 def run(quick: bool) -> list[Row]:
     torch.set_num_threads(THREADS)
     batch, seq = (2, 128) if quick else (4, 512)
@@ -96,13 +75,8 @@ def run(quick: bool) -> list[Row]:
         ids = torch.randint(
             0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
         )
-        steppers = {"ours": _stepper(ours, False, ids), "peer": _stepper(peer, True, ids)}
-        for step in steppers.values():  # warm-up: optimizer state, oneDNN kernel selection
-            step()
-        times = {k: [] for k in steppers}
-        for _ in range(2 if quick else 7):
-            for k, step in steppers.items():
-                times[k].append(step())
+        steppers = {"ours": stepper(ours, False, ids), "peer": stepper(peer, True, ids)}
+        times = paired_rounds(steppers, 2 if quick else 7)
         tps = {k: batch * seq / min(v) for k, v in times.items()}
         paired = statistics.median(t / o for t, o in zip(times["peer"], times["ours"], strict=True))
         rows.append(

@@ -61,14 +61,16 @@ def _models(
     return ours.to(dtype).train(), peer.to(dtype).train(), dense_model.to(dtype).train(), hf_config
 
 
-def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+def stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
+    """One timed training step of `model` on `ids` (transformers' or ours), fused AdamW over what
+    it trains."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     x, y = ids[:, :-1], ids[:, 1:]
 
     def step() -> float:
         t = time.perf_counter()
         if is_hf:
-            logits = model(x, use_cache=False, output_router_logits=False).logits
+            logits = model(x, use_cache=False).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         else:
             loss = model(x, y)
@@ -78,6 +80,18 @@ def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
         return time.perf_counter() - t
 
     return step
+
+
+def paired_rounds(steppers: dict, rounds: int) -> dict[str, list[float]]:
+    """Each stepper's times over `rounds` rounds of one step each, after a warm-up step
+    (optimizer state, oneDNN kernel selection): interleaved, so that load hits all alike."""
+    for step in steppers.values():
+        step()
+    times = {k: [] for k in steppers}
+    for _ in range(rounds):
+        for k, step in steppers.items():
+            times[k].append(step())
+    return times
 
 
 def run(quick: bool) -> list[Row]:
@@ -94,14 +108,9 @@ def run(quick: bool) -> list[Row]:
         ids = torch.randint(
             0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
         )
-        steppers = {"ours": _stepper(ours, False, ids), "peer": _stepper(peer, True, ids),
-                    "dense": _stepper(dense, False, ids)}  # fmt: skip
-        for step in steppers.values():  # warm-up: optimizer state, oneDNN kernel selection
-            step()
-        times = {k: [] for k in steppers}
-        for _ in range(2 if quick else 7):
-            for k, step in steppers.items():
-                times[k].append(step())
+        steppers = {"ours": stepper(ours, False, ids), "peer": stepper(peer, True, ids),
+                    "dense": stepper(dense, False, ids)}  # fmt: skip
+        times = paired_rounds(steppers, 2 if quick else 7)
         tps = {k: batch * seq / min(v) for k, v in times.items()}
         for other, label, target in (("peer", "vs transformers' Mixtral", ">= 1.5x"),
                                      ("dense", "vs our dense model of the same active parameters", "")):  # fmt: skip

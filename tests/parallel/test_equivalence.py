@@ -193,6 +193,8 @@ MORE_FOUR = [
     {"family": "mixtral-collapsed", "ep": 2, "tp": 2},  # one ep rank's experts get every row
     {"family": "qwen2-moe", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
     {"family": "deepseek", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
+    {"family": "deepseek", "cp": 2, "tp": 2, "sp": True},
+    {"family": "deepseek", "cp": 2, "pp": 2, "schedule": "1f1b"},
 ]
 
 
@@ -216,6 +218,7 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
         {"family": "qwen2-moe", "pp": 2, "schedule": "1f1b"},  # a dense and a sparse layer a stage
         {"family": "deepseek", "pp": 2, "schedule": "1f1b"},
         {"family": "deepseek", "tp": 2, "microbatches": 2},
+        {"family": "deepseek", "cp": 2},  # the router's z-loss a mean over each rank's part of a row
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},

@@ -8,7 +8,7 @@ torchrun on gloo, mega-train), in the environment the training operator gives ea
 localhost: one pod of two processes trains to the end and exits 0; two pods of one process each,
 SIGTERM to the Master pod's PID 1 (what the kubelet sends a pod being deleted) saves one checkpoint
 in both, the other pod exits non-zero (so that OnFailure restarts it), and the pods started again
-resume from that checkpoint, finish and exit 0. Not tested: a real cluster (the operator, the
+resume from that checkpoint, finish and exit 0 (make test-slow). Not tested: a real cluster (the operator, the
 kubelet, DNS, the volume), GPUs, NCCL.
 """
 
@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from helpers import BIN
@@ -145,6 +146,7 @@ def start_two_pods(job: dict, run_json: Path) -> list[subprocess.Popen]:
     return [master, start_pod(job, run_json, port, nnodes=2, nproc=1, rank=1)]
 
 
+@pytest.mark.slow  # 21 s: make test keeps the one-pod run of the same script
 def test_sigterm_to_one_pod_restarts_the_other_and_the_run_resumes(tmp_path: Path, tokens: Path) -> None:
     steps = 24
     run_json = write_run(

@@ -360,7 +360,9 @@ class ParallelModel:
         tokens, targets, inputs = self._local(tokens, targets, positions)
         self._batch_targets = targets
         self._refresh()
-        self._weigh_router_losses(self.replicas * scale / (n * self.dp))
+        # The router losses are means over each rank's tokens (its rows, or under cp its part of
+        # them): the replicas' average of those is the global mean, so no weighting up.
+        self._weigh_router_losses(scale / n)
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 losses = []
@@ -409,7 +411,7 @@ class ParallelModel:
         if self.config.router_bias_update:
             self._balance(load)
         mean = load.mean()
-        losses = table[:, experts:].sum(0) / (layers * microbatches * self.dp)
+        losses = table[:, experts:].sum(0) / (layers * microbatches * self.replicas)
         cv = torch.where(mean > 0, load.std(correction=0) / mean, torch.zeros_like(mean))
         return {
             "aux_loss": losses[0],

@@ -413,9 +413,14 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         )
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
-    if config.num_experts is not None and spec.cp > 1:
+    if spec.ep > 1 and spec.cp > 1:
+        # The ranks holding the same experts would be edp's and cp's, which the mesh (pp, edp, ep,
+        # cp, tp) cannot give FSDP2 as one dim beside ep's sharding.
+        raise UserError("expert parallel trains at cp 1 for now (cp with ep 1 works)", f"{where}.cp")
+    if config.router_aux_loss_coef and spec.cp > 1:  # the rest of a router is per token
         raise UserError(
-            "a mixture of experts trains at cp 1 for now (its router sees whole rows)", f"{where}.cp"
+            "a mixture of experts' load-balancing loss takes whole rows: cp 1, or router_aux_loss_coef 0",
+            f"{where}.cp",
         )
     stages = spec.pp * par.stages_per_rank
     layers = stage_layers(
