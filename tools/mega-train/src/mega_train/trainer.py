@@ -161,6 +161,7 @@ class Trainer:
         self._rng: dict[str, torch.Tensor] | None = None  # the resumed checkpoint's RNG state of this rank
         self.pending: list[Pending] = []  # steps whose device values are not read back yet
         self.watchdog: Watchdog | None = None
+        self.first_step = 1  # of this start (`fit`): the stragglers' report leaves its interval out
 
     # --- set up -------------------------------------------------------------------------------
 
@@ -493,7 +494,8 @@ class Trainer:
                 p.record["counted_tokens"] = int(p.record["counted_tokens"])
             self.report(p.record)
         self.position.metrics["train_loss"] = pending[-1].record["loss"]
-        for slow in stragglers(table):
+        # Not over a start's first step: its update allocates AdamW's moments (and it may compile).
+        for slow in stragglers(table) if pending[0].record["step"] > self.first_step else ():
             say(straggler_line(self.position.step, *slow))
         return [p.record for p in pending]
 
@@ -578,6 +580,7 @@ class Trainer:
     def fit(self) -> dict | None:
         """Steps until `train_steps` or a stop request; rank 0 returns the run's summary."""
         run, pos = self.run, self.position
+        self.first_step = pos.step + 1
         progress = Progress(
             "mega-train",
             "steps",

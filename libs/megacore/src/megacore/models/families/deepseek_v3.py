@@ -36,7 +36,7 @@ from megacore.config import ModelConfig, sparse_layer
 from megacore.errors import UserError
 from megacore.models.families import llama
 from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
-from megacore.models.families.tensor_map import TensorMap, rename
+from megacore.models.families.tensor_map import TensorMap, linear, rename
 
 MODEL_TYPES = ("deepseek_v3",)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -198,7 +198,8 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         if sparse_layer(config, i):
             maps.extend(llama.moe_experts(config, hf, ours))
         else:
-            maps.extend(rename(f"{hf}.mlp.{p}.weight", f"{ours}.mlp.{p}.weight") for p in llama.MLP_NAMES)
+            for p in llama.MLP_NAMES:
+                linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", False)
     maps.append(rename("model.norm.weight", "norm.weight"))
     if not config.tie_embeddings:
         maps.append(rename("lm_head.weight", "lm_head.weight"))

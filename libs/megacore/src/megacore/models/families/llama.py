@@ -93,13 +93,13 @@ def lineage_to_hf(config: ModelConfig, architecture: str, model_type: str) -> di
 # The checkpoint names of a layer's mixture of experts, by family (what the Hub's checkpoints and
 # transformers' save_pretrained write): the module holding `gate` (the router) and `experts.<j>`,
 # and each expert's gate, up and down projections.
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3": ("mlp", MLP_NAMES),
+    "qwen2": ("mlp", MLP_NAMES),
+    "deepseek_v3": ("mlp", MLP_NAMES),
 }
-MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 # The module of a layer's shared expert(s), by family: Qwen 2 MoE's one (gated), DeepSeek's.
 SHARED_EXPERT_NAMES = {"qwen2": "shared_expert", "deepseek_v3": "shared_experts"}
 
@@ -115,7 +115,7 @@ def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
         else []
     )
     maps.append(rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight"))
-    for w, p in zip(projections, ("gate_proj", "up_proj", "down_proj"), strict=True):
+    for w, p in zip(projections, MLP_NAMES, strict=True):
         names = [f"{moe}.experts.{j}.{w}.weight" for j in experts]
         maps.append(stacked(names, f"{ours}.mlp.experts.{p}.weight"))
     if config.shared_expert_size is not None:
@@ -142,7 +142,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         if sparse_layer(config, i):
             maps.extend(moe_experts(config, hf, ours))
             continue
-        for p in ("gate_proj", "up_proj", "down_proj"):
+        for p in MLP_NAMES:
             linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", config.mlp_bias)
     maps.append(rename("model.norm.weight", "norm.weight"))
     if not config.tie_embeddings:
