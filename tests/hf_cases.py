@@ -4,6 +4,7 @@ classes and saved with save_pretrained (shared by the models and convert tests).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from transformers import (
     DeepseekV3Config,
     FalconConfig,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -20,6 +22,8 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from megacore.models.families import hf_attention
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
 _LLAMA = {**_SMALL, "intermediate_size": 96, "vocab_size": 101, "max_position_embeddings": 64}
@@ -251,7 +255,24 @@ CASES: dict[str, tuple[type, dict, int]] = {
                              "beta_fast": 32.0, "beta_slow": 1.0}},
         40,
     ),
+    # gpt-oss (GptOssForCausalLM): a sliding layer (window 8 over 24 tokens) then a full one, biases
+    # on q/k/v/o, a sink per head, experts top-2 of 4 with biases and the clamped SwiGLU (its limit
+    # 0.3, not 7, so that the clamps bind on these weights), the router's bias, YaRN.
+    "gpt-oss": (
+        GptOssConfig,
+        {**_LLAMA, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16, "intermediate_size": 32,
+         "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 0.3,
+         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
+        24,
+    ),
 }  # fmt: skip
+
+
+def attention_impl(config: object) -> str:
+    """transformers' attn_implementation for a config (a PretrainedConfig or a config.json dict):
+    SDPA, but eager where a family has no SDPA path (gpt-oss's sinks)."""
+    return hf_attention(config.get("model_type") if isinstance(config, dict) else config.model_type)
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:
@@ -261,7 +282,9 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if "norm" in name or "ln_" in name:
+            if name.endswith("sinks"):  # logits comparable with the scores', so that they matter
+                p.copy_(noise)
+            elif "norm" in name or "ln_" in name:
                 p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.1 * noise)
             else:
                 p.copy_(0.08 * noise)
@@ -274,14 +297,17 @@ def build(case: str, out: Path, dtype: torch.dtype = torch.float32, **overrides:
     """Save a tiny random model of `case` to `out` and return `out`."""
     cls, kwargs, _ = CASES[case]
     config = cls(**{**kwargs, **overrides})
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=attention_impl(config)
+    )
     randomize(model)
     model.to(dtype).save_pretrained(out)
     return out
 
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype).eval()
+    impl = attention_impl(json.loads((Path(path) / "config.json").read_text()))
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=dtype).eval()
 
 
 def tokens(vocab: int, seq: int, batch: int = 2, seed: int = 1) -> torch.Tensor:

@@ -70,6 +70,8 @@ NAMES = [
     r"\b(?:Mistral|Falcon) \d+B",  # Mistral 7B, Falcon 40B
     r"\bMixtral \d+×\d+B",  # Mixtral 8×7B
     r"\bPython \d+\.\d+\+?",  # Python 3.11+
+    r"\bDeepSeek V3 \d+B",  # DeepSeek V3 671B
+    r"\bgpt-oss \d+B",  # gpt-oss 120B
 ]
 
 
@@ -291,6 +293,32 @@ def lora_row(name: str, method: str) -> tuple:
     config = ModelConfig(**planner_test("LORA_MODELS")[name])
     gpus, pick = planner_test("fewest_gpus")(config, method == "QLoRA")
     return gpus, doc_layout(pick.dims), pick.recompute, gib(pick.peak), allowance()
+
+
+def _state_per_parameter() -> tuple[float]:
+    """The planner's bytes a trained parameter of fp32 weights, gradients and AdamW's two moments
+    (FSDP2 over 2 ranks: no compute copies; the step counters, a tensor each, left out)."""
+    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.config import ModelConfig, model_tensors
+    from megacore.parallel.layout import Parallelism
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=8, num_layers=1, num_heads=2,
+                         num_kv_heads=2, ffn_hidden_size=16)  # fmt: skip
+    tensors = model_tensors(config)
+    state = planner.rank_state(config, Parallelism(ParallelSpec(), "bf16", 1), 2)
+    held = state.weights + state.grads + state.optimizer - 4 * len(tensors)
+    return (held * 2 / sum(math.prod(t) for t in tensors.values()),)
+
+
+def moe_row(name: str) -> tuple:
+    """docs/mega-train.md's row of a large mixture of experts: its parameters, the fewest GPUs that
+    fit, the planner's first pick (layout, recompute), its peak and the allowance, and the state
+    alone per GPU on half as many (16 bytes a trained parameter; test_planner's search)."""
+    total, trained = planner_test("moe_parameters")(name)
+    gpus, pick = planner_test("fewest_full_gpus")(name)
+    layout = planner_test("pick_label")(pick)
+    half = gib(_state_per_parameter()[0] * trained / (gpus // 2))
+    return f"{total / 1e9:.1f}", gpus, layout, pick.recompute, gib(pick.peak), allowance(), half
 
 
 def mixtral_counts() -> tuple[str, str]:
@@ -601,6 +629,16 @@ CHECKED: list[Check] = [
         for name in ("Llama 2 7B", "Llama 2 70B", "Mixtral 8×7B")
         for method in ("LoRA", "QLoRA")
     ),
+    *(
+        Check(
+            TRAIN,
+            f"| {name} | {{}}B | {{}} | {{layout}}, recompute {{word}} | {{}} + {{}} GiB | {{}} GiB |",
+            lambda name=name: moe_row(name),
+        )
+        for name in ("DeepSeek V3 671B", "gpt-oss 120B", "gpt-oss 20B")
+    ),
+    Check(TRAIN, "the fewest {} GB GPUs (a power of 2) that fit", lambda: (_gpu_memory()[0],)),
+    Check(TRAIN, "moments alone ({} bytes a parameter) exceed a GPU", _state_per_parameter),
     Check(
         TRAIN,
         "on {} GPUs the planner's first pick is {layout} without recompute ({} + {} GiB)",

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers import assert_bitwise_equal, assert_one_line_error, load_decoder, run_in_process
-from hf_cases import CASES, build, load_hf, tokens
+from hf_cases import CASES, attention_impl, build, load_hf, tokens
 from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
 from mega_export.export import export_hf
@@ -59,7 +59,9 @@ def test_convert_verify_and_round_trip_bit_exact(case: str, tmp_path: Path) -> N
     # The exported config.json (classic rope form) gives transformers the same model, every weight
     # in its place: the source's architecture (Qwen2ForCausalLM stays one, not a Llama).
     exported, info = AutoModelForCausalLM.from_pretrained(
-        back, attn_implementation="sdpa", output_loading_info=True
+        back,
+        attn_implementation=attention_impl(json.loads((back / "config.json").read_text())),
+        output_loading_info=True,
     )
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     original = load_hf(src)

@@ -192,7 +192,8 @@ def test_gemma3_configs_the_decoder_cannot_express_are_refused(what: str) -> Non
 
 # One config per family (hf_cases), the base the allow-list tests vary.
 BASES = {"llama": "llama", "mistral": "mistral-window", "falcon": "falcon-7b", "qwen2": "qwen2",
-         "qwen3": "qwen3", "gemma3": "gemma3", "mixtral": "mixtral", "deepseek_v3": "deepseek-v3"}  # fmt: skip
+         "qwen3": "qwen3", "gemma3": "gemma3", "mixtral": "mixtral", "deepseek_v3": "deepseek-v3",
+         "gpt_oss": "gpt-oss"}  # fmt: skip
 FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
 # The switches: every ModelConfig field but those every family writes (or none carries).
 SWITCHES = [name for name in FIELDS if name not in SHARED_FIELDS]
@@ -243,6 +244,9 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "kv_lora_rank": lambda c: _latent(c),
     "qk_rope_head_dim": lambda c: _latent(c),
     "v_head_dim": lambda c: _latent(c),
+    "attn_sinks": lambda c: {"attn_sinks": True},
+    "swiglu_alpha": lambda c: {"activation": "clamped_swiglu", "swiglu_alpha": 1.5},
+    "swiglu_limit": lambda c: {"activation": "clamped_swiglu", "swiglu_limit": 3.0},
 }  # fmt: skip
 # Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 2/3,
 # and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
@@ -253,14 +257,16 @@ _EXPERT_SWITCHES = (
 )  # fmt: skip
 UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EXPERT_SWITCHES} | {
     ("mixtral", "activation"),
-    ("mixtral", "mlp_bias"),
-    # DeepSeek V3's experts (SwiGLU, no biases) and latent attention (no biases, no q/k norms).
-    *(("deepseek_v3", s) for s in ("activation", "mlp_bias", "attn_bias", "attn_out_bias", "qk_norm")),
+    # DeepSeek V3's experts (SwiGLU) and latent attention (no biases, q/k norms or sinks).
+    *(("deepseek_v3", s) for s in ("activation", "attn_bias", "attn_out_bias", "qk_norm", "attn_sinks")),
+    # gpt-oss's sinks are standard attention's, not latent attention's.
+    *(("gpt_oss", s) for s in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
     "qwen3": [{"attn_bias": True, "attn_out_bias": True}],
     "gemma3": [{"attn_bias": True, "attn_out_bias": True}],
+    "gpt_oss": [{"swiglu_alpha": 1.5}],
 }
 OFF_LIST = [(f, s) for f in FAMILIES for s in SWITCHES if s not in FAMILIES[f].SWITCHES]
 ON_LIST = [(f, s) for f in FAMILIES for s in FAMILIES[f].SWITCHES]
@@ -388,6 +394,8 @@ def test_mistral_and_mixtral_read_no_bias_keys() -> None:
          "always has qk_norm True, sandwich_norm True, scale_embeddings True; this config differs"),
         ("gemma3", {"attn_out_bias": True}, "Gemma 3 has one attention bias switch"),
         ("gemma3", {"local_rope_theta": None}, "local_rope_theta"),
+        ("gpt-oss", {"attn_sinks": False}, "gpt-oss is a mixture of experts with attention sinks"),
+        ("gpt-oss", {"activation": "swiglu", "swiglu_limit": 7.0}, "gpt-oss is a mixture of experts with attention sinks"),
     ],
 )  # fmt: skip
 def test_export_refuses_values_the_family_cannot_take(case: str, changes: dict, fragment: str) -> None:

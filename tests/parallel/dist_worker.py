@@ -128,6 +128,15 @@ FAMILIES = {
                             dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=24,
                             router_scoring="sigmoid", router_bias=True, router_bias_update=0.01,
                             expert_groups=2, expert_groups_chosen=1, routed_scaling=2.5),
+    # gpt-oss: a sliding layer (window 4 < SEQ) then a full one, twice; q/k/v/o biases, a sink per
+    # head (split over tp with q's heads), 4 experts top-2 with biases (gate/up's split over tp, the
+    # down one's added once after the sum over tp) and the clamped SwiGLU (limit 0.5: it binds),
+    # the router's bias; no load-balancing loss (cp takes none).
+    "gpt-oss": ModelConfig(family="gpt_oss", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
+                           num_kv_heads=2, ffn_hidden_size=24, head_dim=8, attn_bias=True, attn_out_bias=True,
+                           mlp_bias=True, attn_sinks=True, activation="clamped_swiglu", swiglu_limit=0.5,
+                           sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                           num_experts=4, experts_per_token=2, router_z_loss_coef=0.01),
 }  # fmt: skip
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
 FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=256, num_layers=2, num_heads=4,
@@ -135,8 +144,15 @@ FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=2
 # Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
 # ep 2 the second rank receives no rows at all.
 FAMILIES["mixtral-collapsed"] = FAMILIES["mixtral"]
-LATER = ("qwen2-moe", "deepseek")
-MOE_CHUNKS = {"mixtral": 2, "mixtral4": 4, "mixtral-collapsed": 2, "qwen2-moe": 2, "deepseek": 2}
+LATER = ("qwen2-moe", "deepseek", "gpt-oss")  # in the order they came
+MOE_CHUNKS = {
+    "mixtral": 2,
+    "mixtral4": 4,
+    "mixtral-collapsed": 2,
+    "qwen2-moe": 2,
+    "deepseek": 2,
+    "gpt-oss": 2,
+}
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.
 CLIP = 0.1
@@ -412,6 +428,10 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     return [f"{label}: {' '.join(checks)}"]
 
 
+def _draw_order(family: str) -> tuple[int, str]:
+    return (LATER.index(family) if family in LATER else -1, family)
+
+
 def main() -> None:
     scenarios = json.loads(Path(sys.argv[1]).read_text())
     # A launch takes well under a minute: a hung collective prints every rank's stack and ends the
@@ -423,7 +443,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(42)
     data = {}
     # Families added later draw their rows last: the others' rows stay what they were.
-    for fam in sorted(set(FAMILIES) - {"mixtral4", "mixtral-collapsed"}, key=lambda f: (f in LATER, f)):
+    for fam in sorted(set(FAMILIES) - {"mixtral4", "mixtral-collapsed"}, key=_draw_order):
         v = FAMILIES[fam].vocab_size
         rows = (
             torch.randint(0, v, (BATCH, SEQ), generator=g),

@@ -219,6 +219,12 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
         {"family": "deepseek", "pp": 2, "schedule": "1f1b"},
         {"family": "deepseek", "tp": 2, "microbatches": 2},
         {"family": "deepseek", "cp": 2},  # the router's z-loss a mean over each rank's part of a row
+        # gpt-oss: sinks per head under tp and cp (each chunk's suffix attention with them), the
+        # experts' biases over ep and tp.
+        {"family": "gpt-oss", "tp": 2, "microbatches": 2},
+        {"family": "gpt-oss", "ep": 2},
+        {"family": "gpt-oss", "cp": 2},
+        {"family": "gpt-oss", "pp": 2, "schedule": "1f1b"},
         {"family": "mixtral-collapsed", "ep": 2},  # one rank's experts get every row, the other's none
         {"family": "mixtral", "tp": 2, "sp": True, "microbatches": 2},
         {"family": "mixtral", "pp": 2, "schedule": "zbv", "recompute": "full"},
@@ -227,7 +233,7 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
     ]
 
 
-def moe_four(ep2tp2: Path) -> list[dict]:
+def moe_four(ep2tp2: Path, oss: Path) -> list[dict]:
     return [
         {"family": "mixtral4", "ep": 4},
         {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
@@ -235,6 +241,7 @@ def moe_four(ep2tp2: Path) -> list[dict]:
         # DeepSeek V3: latent attention's heads over tp (its shared rotated k's gradient summed over
         # them), grouped sigmoid routing over ep, the balancing bias moved each step.
         {"family": "deepseek", "ep": 2, "tp": 2, "sp": True},
+        {"family": "gpt-oss", "ep": 2, "tp": 2, "save": str(oss)},
         {"family": "mixtral", "tp": 2, "pp": 2, "load": str(ep2tp2)},
     ]
 
@@ -252,7 +259,7 @@ def two_processes(tmp_path_factory) -> Path:
 def four_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("four")
     launch(out, 4, four_process_core(out / "ckpt-tp2pp2", out / "ckpt-tp2-dp2", out / "ckpt-cp2-dp2")
-           + moe_four(out / "ckpt-ep2tp2"))  # fmt: skip
+           + moe_four(out / "ckpt-ep2tp2", out / "ckpt-gpt-oss-ep2tp2"))  # fmt: skip
     return out
 
 
@@ -318,6 +325,15 @@ def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path, f
         ([2 * e, 24 * t, 0], [2, 24, 32]) for e in range(2) for t in range(2)
     ]
     assert_reshards_bit_exactly(ep2tp2, tmp_path / "one", 1, 1)
+    # gpt-oss's experts' biases: gate/up's pieces each rank's experts and ffn slice, down's its
+    # experts only (stored once over tp)
+    oss = open_artifact(four_processes / "ckpt-gpt-oss-ep2tp2", "checkpoint").tensors
+    up, down = oss["layers.0.mlp.experts.up_proj.bias"], oss["layers.0.mlp.experts.down_proj.bias"]
+    assert sorted((p.offset, p.shape) for p in up.pieces) == [
+        ([2 * e, 12 * t], [2, 12]) for e in (0, 1) for t in (0, 1)
+    ]
+    assert sorted((p.offset, p.shape) for p in down.pieces) == [([0, 0], [2, 32]), ([2, 0], [2, 32])]
+    assert_reshards_bit_exactly(four_processes / "ckpt-gpt-oss-ep2tp2", tmp_path / "oss", 1, 1)
     reshard(tmp_path / "one", tmp_path / "back", 2, 1, ep=2, log=lambda msg: None)
     with TensorReader(ep2tp2) as a, TensorReader(tmp_path / "back") as b:
         back = open_artifact(tmp_path / "back", "checkpoint")

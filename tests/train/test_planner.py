@@ -8,10 +8,12 @@ helps, and its command line follows the tools' conventions."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +156,13 @@ MOE_ACT_CONFIG = msgspec.structs.replace(
     ACT_CONFIG, family="mixtral", ffn_hidden_size=172, num_experts=4, experts_per_token=2
 )
 
+# DeepSeek V3's latent attention at the same size (its MLP dense): q and k heads of 48, v of 32.
+MLA_ACT_CONFIG = msgspec.structs.replace(
+    ACT_CONFIG, family="deepseek_v3", num_kv_heads=8, head_dim=48, q_lora_rank=96, kv_lora_rank=64,
+    qk_rope_head_dim=16, v_head_dim=32,
+)  # fmt: skip
+ACT_IDS = {id(ACT_CONFIG): "llama", id(MOE_ACT_CONFIG): "mixtral", id(MLA_ACT_CONFIG): "deepseek-mla"}
+
 
 @pytest.mark.parametrize(
     ("recompute", "precision", "config"),
@@ -163,8 +172,12 @@ MOE_ACT_CONFIG = msgspec.structs.replace(
         pytest.param(r, "bf16", ACT_CONFIG, marks=() if r == "selective" else pytest.mark.slow)
         for r in ("none", "selective", "full")
     ]
-    + [("none", "fp32", MOE_ACT_CONFIG), ("selective", "bf16", MOE_ACT_CONFIG)],
-    ids=lambda v: "mixtral" if v is MOE_ACT_CONFIG else ("llama" if isinstance(v, ModelConfig) else v),
+    + [("none", "fp32", MOE_ACT_CONFIG), ("selective", "bf16", MOE_ACT_CONFIG)]
+    + [
+        ("none", "fp32", MLA_ACT_CONFIG),
+        pytest.param("selective", "bf16", MLA_ACT_CONFIG, marks=pytest.mark.slow),
+    ],
+    ids=lambda v: ACT_IDS[id(v)] if isinstance(v, ModelConfig) else v,
 )
 def test_activation_estimate_is_within_25_percent_of_a_measured_step(
     recompute: str, precision: str, config: ModelConfig, monkeypatch
@@ -215,6 +228,175 @@ def test_in_flight_microbatches_follow_the_schedules() -> None:
             for r in range(pp):
                 warmup = _get_warmup_ops(r, v, per_round, pp, m, multiply_factor=factor)
                 assert planner.in_flight(par(schedule, pp, m, v), r) == min(warmup + 1, m * v)
+
+
+# DeepSeek V3's latent attention at a small size, its MLP dense: q through a rank-64 pair, a latent
+# of 32 and a rope part of 16 shared by the heads, q and k heads of 48, v heads of 32.
+MLA = {
+    "family": "deepseek_v3", "vocab_size": 512, "hidden_size": 128, "num_layers": 1, "num_heads": 8,
+    "num_kv_heads": 8, "ffn_hidden_size": 192, "max_seq_len": 256, "head_dim": 48, "q_lora_rank": 64,
+    "kv_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+}  # fmt: skip
+
+
+def latent_norm_bytes(tokens: int, width: int, stored: int, c: int, plain: bool) -> int:
+    """A latent RMSNorm over `width` dims of a projection output `stored` wide: its input (a view,
+    which keeps the whole output), fp32 rstd and its output (the expansion's input). Plain
+    nn.RMSNorm (tp > 1) saves its fp32 normalised input too, and in bf16 an fp32 copy of its input
+    instead of the view."""
+    saved = tokens * stored * c if not plain or c == 4 else tokens * width * 4
+    return saved + tokens * 4 + tokens * width * c + (tokens * width * 4 if plain else 0)
+
+
+def latent_attention_bytes(shape: dict, heads: int, micro: int, seq: int, c: int, plain: bool) -> int:
+    """What LatentAttention's forward saves for `heads` heads, by hand: kv_a_proj's output's norm,
+    q_a_proj's (with q_lora_rank), q and k of heads x head_dim, v padded to head_dim, the kernel's
+    output and fp32 log-sum-exp, o_proj's input of heads x v_head_dim (sliced out of the output, a
+    copy). A v as wide as q's heads is a view of kv_b_proj's whole nope + v output, and o_proj's
+    input a view of the kernel's output ([b, s, heads, d] as q, a cat, is): the output once."""
+    T, hd, v, rope = micro * seq, shape["head_dim"], shape["v_head_dim"], shape["qk_rope_head_dim"]
+    latent, q_lora = shape["kv_lora_rank"], shape["q_lora_rank"]
+    total = latent_norm_bytes(T, latent, latent + rope, c, plain)
+    total += latent_norm_bytes(T, q_lora, q_lora, c, plain) if q_lora else 0
+    v_saved = hd if v < hd else hd - rope + v
+    qkv = T * heads * (2 * hd + v_saved) * c
+    out = T * heads * hd * c if v < hd else 0
+    return total + qkv + out + micro * heads * seq * 4 + T * heads * v * c
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["fused-norms", "plain-norms"])
+@pytest.mark.parametrize("v_head_dim", [32, 48])
+@pytest.mark.parametrize("q_lora_rank", [None, 64])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_latent_attention_saves_what_the_closed_form_counts(
+    precision: str, q_lora_rank: int | None, v_head_dim: int, plain: bool
+) -> None:
+    """The closed form against the tensors LatentAttention's forward hands autograd (saved tensor
+    hooks; the weights, the input and the RoPE tables left out, each storage once): with and
+    without q's low-rank pair, v narrower than q's heads (padded) and as wide, fused and plain
+    (tp > 1) latent norms."""
+    import torch
+
+    from megacore.models.decoder import FastPaths, LatentAttention
+    from megacore.models.rope import rope_tables
+
+    shape = {**MLA, "q_lora_rank": q_lora_rank, "v_head_dim": v_head_dim}
+    config, dtype = ModelConfig(**shape), {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    micro, seq = 2, 64
+    attn = LatentAttention(config, impl="sdpa", fast=FastPaths(head_norms=not plain)).to(dtype)
+    x = torch.randn(micro, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(config, seq, "cpu", dtype)
+    skip = {t.untyped_storage().data_ptr() for t in (*attn.parameters(), x, cos, sin)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attn(x, cos, sin)
+    c = 4 if precision == "fp32" else 2
+    assert sum(saved.values()) == latent_attention_bytes(shape, config.num_heads, micro, seq, c, plain)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 64])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_latent_attention_layers_are_sized_by_their_own_tensors(
+    tp: int, precision: str, q_lora_rank: int | None
+) -> None:
+    """A latent-attention layer (its MLP dense) at tp 1 and 2, recompute none and selective: the
+    planner's bytes are those worked out here, the attention's from its own tensors (the latent
+    projections' outputs whole on every tp rank, the heads split, v padded to q's heads) and not a
+    standard attention's of as many heads."""
+    shape = {**MLA, "q_lora_rank": q_lora_rank}
+    config = ModelConfig(**shape)
+    micro, seq, c = 2, 128, 4 if precision == "fp32" else 2
+    T, h, f, heads = micro * seq, MLA["hidden_size"], MLA["ffn_hidden_size"] // tp, MLA["num_heads"] // tp
+    norms = 2 * (T * h * c + T * 4) + 2 * T * h * c  # inputs, fp32 rstd, outputs
+    mlp = 4 * T * f * c + (2 * f * h * c if tp == 1 else 0)  # gate, up, silu, product; fused gate/up's
+    attention = latent_attention_bytes(shape, heads, micro, seq, c, plain=tp > 1)
+    kernel = T * heads * MLA["head_dim"] * c + micro * heads * seq * 4  # its output and log-sum-exp
+    for recompute, want in (
+        ("none", norms + attention + mlp),
+        ("selective", norms + attention + mlp - kernel),
+    ):
+        par = Parallelism(ParallelSpec(tp=tp), precision, 1, False, recompute)
+        assert planner.layer_activations(config, par, micro, seq) == want, recompute
+
+
+# gpt-oss's attention and MLP at a small size, its MLP dense: 8 q heads of 16 over 2 kv heads, q/k/v
+# and o biases, sinks, a window of 16 on its first layer, the clamped SwiGLU with biases.
+SINKS = {
+    "family": "gpt_oss", "vocab_size": 512, "hidden_size": 128, "num_layers": 2, "num_heads": 8,
+    "num_kv_heads": 2, "head_dim": 16, "ffn_hidden_size": 96, "max_seq_len": 256, "attn_bias": True,
+    "attn_out_bias": True, "mlp_bias": True, "attn_sinks": True, "activation": "clamped_swiglu",
+    "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+}  # fmt: skip
+
+
+def sink_layer_bytes(micro: int, seq: int, c: int, recompute: str) -> int:
+    """What a layer of SINKS saves at tp 1, by hand: the norms' inputs, rstd and outputs; the fused
+    q/k/v and gate/up matmuls' concatenated weights; o_proj's input; the clamped SwiGLU's gate and
+    up (the fused output), clamped gate, sigmoid, their product, up + 1 and product (7 x ffn). The
+    attention with sinks as on a GPU: the fp32 softmax over the scores and the sink column, the
+    probabilities in the compute dtype (fp32: the softmax's), fp32 copies of q and k, a copy of v
+    (repeated to q's heads), the boolean S x S mask, and not the q/k/v projection's output;
+    selective recompute keeps that output (q, k and v, the rerun's inputs) instead."""
+    T, h, f, heads, hd = micro * seq, SINKS["hidden_size"], SINKS["ffn_hidden_size"], 8, 16
+    q, kv = heads * hd, 2 * hd
+    norms = 2 * (T * h * c + T * 4) + 2 * T * h * c
+    weights = (q + 2 * kv) * h * c + 2 * f * h * c
+    mlp = 7 * T * f * c
+    if recompute == "selective":
+        return norms + weights + T * (2 * q + 3 * kv) * c + T * q * c + mlp
+    scores = micro * heads * seq * (seq + 1) * 4 + (micro * heads * seq * seq * c if c < 4 else 0)
+    sinks = scores + T * q * (4 + 4 + c) + seq * seq
+    return norms + weights + sinks + T * q * c + mlp
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sink_attention_and_clamped_swiglu_layers_are_sized_by_what_they_save(
+    precision: str, layer: int, monkeypatch
+) -> None:
+    """A gpt-oss layer at tp 1: the closed form against the tensors its block hands autograd (saved
+    tensor hooks, the weights and the RoPE tables left out, each storage once) with the sinks'
+    GPU path (the math one, through autograd) run on the CPU; the planner's bytes, recompute none
+    and selective, are the closed form's."""
+    import torch
+
+    from megacore.models import attention, sinks
+    from megacore.models.decoder import Block
+    from megacore.models.rope import rope_tables
+
+    def gpu_path(q, k, v, sink, mask, scale=None):
+        return sinks._math_sink_attention(
+            q, k, v, sink, mask, q.shape[-1] ** -0.5 if scale is None else scale
+        )
+
+    monkeypatch.setattr(attention, "sink_attention", gpu_path)
+    config, dtype = ModelConfig(**SINKS), {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    micro, seq, c = 2, 64, 4 if precision == "fp32" else 2
+    block = Block(config, layer, "sdpa").to(dtype)
+    x = torch.randn(micro, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(config, seq, "cpu", dtype)
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, cos, sin)
+    assert sum(saved.values()) == sink_layer_bytes(micro, seq, c, "none")
+    for recompute in ("none", "selective"):
+        par = Parallelism(ParallelSpec(), precision, 1, False, recompute)
+        got = planner.layer_activations(config, par, micro, seq, layer=layer)
+        assert got == sink_layer_bytes(micro, seq, c, recompute), recompute
 
 
 # --- context parallel: activations, the longest sequence, the layouts ----------------------------
@@ -935,3 +1117,221 @@ def test_the_lora_table_is_the_planners_and_its_state_a_closed_form(name: str) -
             want = lora_closed_form_state(LORA_MODELS[name], nf4, pick.dims.tp, pick.dims.pp, rank.pp_rank)
             got = {k: getattr(rank, k) for k in want}
             assert got == want, (method, rank.pp_rank, got, want)
+
+
+# --- docs/mega-train.md's rows for the largest mixtures of experts ------------------------------------
+
+# deepseek-ai/DeepSeek-V3's config.json as the Hub publishes it (its multi-token-prediction layer,
+# num_nextn_predict_layers, is not trained here: mega-convert leaves it out).
+DEEPSEEK_V3_CONFIG_JSON = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "pretraining_tp": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+# openai/gpt-oss-120b's config.json as the Hub publishes it; gpt-oss-20b's differs in its layers
+# (24) and experts (32). Its MXFP4 experts are trained here in bf16 (mega-convert dequantizes them).
+def gpt_oss_config_json(layers: int, experts: int) -> dict:
+    return {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": layers, "num_key_value_heads": 8,
+        "num_local_experts": experts, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"],
+                                "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+        "vocab_size": 201088,
+    }  # fmt: skip
+
+
+# A parameter of a rank: its tp-local shape, the dim FSDP2 cuts, whether it trains (else its weights alone).
+Param = tuple[tuple[int, ...], int, bool]
+
+
+@dataclass(frozen=True)
+class PublishedMoE:
+    """A mixture of experts as its config.json publishes it: the vocab and hidden size (untied
+    embedding and head, split by tp on the vocab), its layers, and a layer's parameters on a tp
+    rank (`layer(tp, i)`)."""
+
+    config_json: dict
+    vocab: int
+    hidden: int
+    layers: int
+    layer: Callable[[int, int], list[Param]]
+
+    def stage(self, tp: int, pp: int, r: int) -> list[Param]:
+        """Pipeline stage r's parameters of pp even stages: the embedding first, the norm and head last."""
+        assert self.layers % pp == 0 and self.vocab % tp == 0
+        table = ((self.vocab // tp, self.hidden), 0, True)
+        per = self.layers // pp
+        out = [table] if r == 0 else []
+        out += [p for i in range(r * per, (r + 1) * per) for p in self.layer(tp, i)]
+        return out + ([((self.hidden,), 0, True), table] if r == pp - 1 else [])
+
+
+def deepseek_v3_layer(tp: int, i: int) -> list[Param]:
+    """DeepSeek V3's layer i on a tp rank: latent attention (q's rank-1536 pair, the rank-512
+    latent and a 64-wide rope part, 128 heads of 128 + 64, v of 128; the per-head expansions split
+    by head, the latent projections and norms whole); the first 3 layers' MLP dense (18432), the
+    others 256 experts of 2048 (each expert's ffn split by tp; FSDP2 cuts gate/up's hidden dim
+    under tp, their ffn dim without, down's hidden dim), a router and its balancing bias (moved by
+    the engine, no gradient) and one shared expert."""
+    h, heads, q_lora, latent, nope, rope, v = 7168, 128, 1536, 512, 128, 64, 128
+    attention = [(h,), (q_lora, h), (q_lora,), (heads * (nope + rope) // tp, q_lora), (latent + rope, h),
+                 (latent,), (heads * (nope + v) // tp, latent), (h, heads * v // tp), (h,)]  # fmt: skip
+    out = [(s, 0, True) for s in attention]  # attention, its norm and the MLP's norm
+    if i < 3:
+        f = 18432 // tp
+        return [*out, ((f, h), 0, True), ((f, h), 0, True), ((h, f), 0, True)]
+    e, f, gate_up = 256, 2048 // tp, 2 if tp > 1 else 1
+    return [*out, ((e,), 0, False), ((e, h), 0, True), ((e, f, h), gate_up, True), ((e, f, h), gate_up, True),
+            ((e, h, f), 1, True), ((f, h), 0, True), ((f, h), 0, True), ((h, f), 0, True)]  # fmt: skip
+
+
+def gpt_oss_layer(experts: int) -> Callable[[int, int], list[Param]]:
+    """gpt-oss's layer on a tp rank: 64 q heads and 8 kv heads of 64 (q/k/v split by head with their
+    biases, o by its columns, o's bias whole), a sink per q head (split with them), `experts`
+    experts of 2880 with biases (each expert's ffn split by tp, gate's and up's biases with it,
+    down's whole; FSDP2 cuts their weights as DeepSeek V3's, the biases' experts), a router with
+    its bias."""
+
+    def layer(tp: int, i: int) -> list[Param]:
+        h, q, kv, e, f = 2880, 64 * 64 // tp, 8 * 64 // tp, experts, 2880 // tp
+        gate_up = 2 if tp > 1 else 1
+        attention = [(h,), (q, h), (q,), (kv, h), (kv,), (kv, h), (kv,), (h, q), (h,), (64 // tp,), (h,)]
+        out = [(s, 0, True) for s in attention]  # attention, its sinks, the norms
+        out += [((e, h), 0, True), ((e,), 0, True)]  # the router
+        out += 2 * [((e, f, h), gate_up, True), ((e, f), 0 if tp > 1 else 1, True)]  # gate, up
+        return [*out, ((e, h, f), 1, True), ((e, h), 1, True)]  # down
+
+    return layer
+
+
+MOE_MODELS = {
+    "DeepSeek V3 671B": PublishedMoE(DEEPSEEK_V3_CONFIG_JSON, 129280, 7168, 61, deepseek_v3_layer),
+    "gpt-oss 120B": PublishedMoE(gpt_oss_config_json(36, 128), 201088, 2880, 36, gpt_oss_layer(128)),
+    "gpt-oss 20B": PublishedMoE(gpt_oss_config_json(24, 32), 201088, 2880, 24, gpt_oss_layer(32)),
+}
+
+
+def closed_form_full_state(m: PublishedMoE, tp: int, pp: int, r: int, dp: int) -> dict:
+    """Stage r's state on replica 0 (no ep), FSDP2 over dp: each parameter's dim cut in dp chunks of
+    ceil(rows / dp) rows, replica 0 holding a whole one; fp32 weights, and of the trained ones fp32
+    gradients, AdamW's two moments and a step per tensor. Where dp is 1, bf16 compute copies (a
+    parameter without a gradient then in bf16 alone), and under tp the embedding's gradient whole
+    on every tp rank (the engine's DTensor backward: planner/memory.py's docstring)."""
+    trained = frozen = tensors = 0
+    for shape, dim, trains in m.stage(tp, pp, r):
+        n = -(-shape[dim] // dp) * math.prod(shape) // shape[dim]
+        trained, frozen, tensors = trained + n * trains, frozen + n * (not trains), tensors + trains
+    copies = dp == 1
+    whole = m.vocab * m.hidden * (tp - 1) // tp if copies and r == 0 else 0
+    return {"weights": 4 * trained + (2 if copies else 4) * frozen, "grads": 4 * (trained + whole),
+            "optimizer": 8 * trained + 4 * tensors, "copies": 2 * trained if copies else 0}  # fmt: skip
+
+
+FULL_FINE_TUNING = Parallelism(ParallelSpec(), "bf16", 1, attention="auto")  # FSDP2 over dp, 1F1B
+
+
+def moe_config(name: str) -> ModelConfig:
+    """A model of the page's mixtures of experts as mega-convert reads its config.json."""
+    from megacore.models.families import config_from_hf
+
+    return config_from_hf(MOE_MODELS[name].config_json)
+
+
+@functools.cache
+def fewest_full_gpus(name: str) -> tuple[int, planner.Candidate]:
+    """The fewest 80 GB GPUs (a power of 2) on which a full fine-tuning layout of the page's batch
+    fits, and the planner's first pick there."""
+    config = moe_config(name)
+    for gpus in (1 << i for i in range(11)):
+        found = planner.search(config, FULL_FINE_TUNING, gpus, 80 * GiB, B, S, GLOBAL_BATCH, "auto")
+        if found[0].fits:
+            return gpus, found[0]
+    raise AssertionError(f"nothing fits 1024 GPUs: {name}")
+
+
+def pick_label(pick: planner.Candidate) -> str:
+    """A layout as the page writes it: tp, then pp, cp and dp where above 1, ep where above 1."""
+    d = pick.dims
+    rest = [f"{n} {k}" for n, k in (("pp", d.pp), ("cp", d.cp), ("dp", d.dp)) if k > 1]
+    return " × ".join([f"tp {d.tp}", *rest]) + (f" with ep {d.ep}" if d.ep > 1 else "")
+
+
+_MOE_ROW = re.compile(
+    r"\| ([^|]+?) \| (\d+\.\d)B \| (\d+) \| (tp \d+(?: × (?:pp|cp|dp) \d+)*(?: with ep \d+)?), recompute (\w+)"
+    r" \| (\d+\.\d) \+ (\d+) GiB \| (\d+\.\d) GiB \|"
+)
+
+
+def moe_table() -> dict[str, dict]:
+    """The page's rows for the largest mixtures of experts, by model; every row must parse."""
+    section = PAGE.read_text().split("## How many GPUs: TP and PP\n", 1)[1].split("\n## ", 1)[0]
+    lines = section[section.index("| model | parameters | GPUs |") :].splitlines()[2:]
+    table = {}
+    for line in itertools.takewhile(lambda line: line.startswith("|"), lines):
+        m = _MOE_ROW.fullmatch(line)
+        assert m, f"docs/mega-train.md mixture of experts table: cannot parse {line!r}"
+        name, params, gpus, layout, recompute, peak, allowance, half = m.groups()
+        table[name] = {"params": params, "gpus": int(gpus), "layout": layout, "recompute": recompute,
+                       "peak": peak, "allowance": int(allowance), "half": half}  # fmt: skip
+    return table
+
+
+def moe_parameters(name: str) -> tuple[int, int]:
+    """(every parameter, the trained ones) of a model of MOE_MODELS, from its published shapes."""
+    params = MOE_MODELS[name].stage(1, 1, 0)
+    return sum(math.prod(s) for s, _, _ in params), sum(math.prod(s) for s, _, trains in params if trains)
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_the_moe_table_is_the_planners_and_its_state_a_closed_form(name: str) -> None:
+    """Each row of the page's mixtures of experts (full fine-tuning, the dense table's batch and
+    conditions): the parameters, worked out here from the published config, are the converter's
+    reading's; the fewest GPUs that fit, the first pick and its peak are the planner's; the pick's
+    state bytes on every stage equal, to the byte, those worked out here; and on half as many GPUs
+    none can fit, by the closed form: the fp32 weights, gradients and AdamW moments alone (16 bytes
+    a trained parameter, at least, on the fullest rank) exceed a GPU less the allowance."""
+    table = moe_table()
+    assert set(table) == set(MOE_MODELS), sorted(table)
+    row, m, config = table[name], MOE_MODELS[name], moe_config(name)
+    total, trained = moe_parameters(name)
+    assert total == sum(math.prod(s) for s in model_tensors(config).values())
+    assert f"{total / 1e9:.1f}" == row["params"]
+    gpus, pick = fewest_full_gpus(name)
+    assert (row["gpus"], row["layout"], row["recompute"]) == (gpus, pick_label(pick), pick.recompute)
+    assert f"{pick.peak / GiB:.1f}" == row["peak"] and row["allowance"] * GiB == planner.ALLOWANCE
+    assert pick.dims.ep == pick.dims.cp == 1, pick.label  # the closed form's case
+    par = planner.candidate_parallelism(FULL_FINE_TUNING, pick.dims, pick.microbatches, pick.recompute)
+    ranks = planner.estimate(config, par, pick.dims.dp, B, S, "auto", all_dp_ranks=False)
+    assert [r.pp_rank for r in ranks] == list(range(pick.dims.pp))
+    for rank in ranks:
+        want = closed_form_full_state(m, pick.dims.tp, pick.dims.pp, rank.pp_rank, pick.dims.dp)
+        assert {k: getattr(rank, k) for k in want} == want, rank.pp_rank
+        assert rank.state <= rank.total <= pick.peak <= 80 * GiB - planner.ALLOWANCE
+    half = 16 * trained / (gpus // 2)
+    assert half > 80 * GiB - planner.ALLOWANCE and f"{half / GiB:.1f}" == row["half"]

@@ -98,13 +98,16 @@ class RopeScaling(Struct, omit_defaults=True):
 # A layer's attention: over every earlier token, or through the `sliding_window` most recent ones.
 LayerType = Literal["full_attention", "sliding_attention"]
 # MLPs with a gate (gate, up, down projections): SwiGLU and GeGLU with GELU's tanh approximation.
-GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")
+# clamped_swiglu: gpt-oss's SwiGLU variant (`swiglu_alpha`, `swiglu_limit`).
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh", "clamped_swiglu")
 
 
 class ModelConfig(Struct):
     """Everything needed to build the decoder; every family is a choice of these switches."""
 
-    family: Literal["llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral", "deepseek_v3"]
+    family: Literal[
+        "llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral", "deepseek_v3", "gpt_oss"
+    ]
     vocab_size: Positive
     hidden_size: Positive
     num_layers: Positive
@@ -118,8 +121,12 @@ class ModelConfig(Struct):
     norm: Literal["rmsnorm", "layernorm", "rmsnorm_plus1"] = "rmsnorm"
     norm_eps: PositiveFloat = 1e-5
     # swiglu: down(silu(gate) · up); geglu_tanh: down(gelu_tanh(gate) · up) (Gemma's
-    # gelu_pytorch_tanh); gelu: down(gelu(up)) (Falcon).
-    activation: Literal["swiglu", "gelu", "geglu_tanh"] = "swiglu"
+    # gelu_pytorch_tanh); gelu: down(gelu(up)) (Falcon); clamped_swiglu (gpt-oss): gate clamped
+    # to at most `swiglu_limit`, up to ±`swiglu_limit`, down(gate · sigmoid(`swiglu_alpha` · gate)
+    # · (up + 1)).
+    activation: Literal["swiglu", "gelu", "geglu_tanh", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: PositiveFloat = 1.702
+    swiglu_limit: PositiveFloat = 7.0
     head_dim: Positive | None = None  # None: hidden_size // num_heads (resolved on construction)
     rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -132,6 +139,9 @@ class ModelConfig(Struct):
     local_rope_theta: PositiveFloat | None = None
     # Attention scores scaled by attn_scalar ** -0.5 (Gemma's query_pre_attn_scalar); None: head_dim.
     attn_scalar: PositiveFloat | None = None
+    # Attention sinks (gpt-oss): a learned logit per head ("attn.sinks.weight" [heads]) in every
+    # softmax's denominator, with no value: a query may attend to nothing.
+    attn_sinks: bool = False
     parallel_attn: bool = False
     num_ln_in_parallel_attn: Literal[1, 2] = 1
     attn_bias: bool = False
@@ -152,7 +162,8 @@ class ModelConfig(Struct):
     # token (softmax, top-k, the chosen probabilities renormalised to sum to 1 unless
     # `renormalize_top_k` is false, as Qwen 3 MoE's norm_topk_prob); None: the dense MLP. The
     # load-balancing loss (Mixtral's, per layer, averaged over layers) and the router's z-loss join
-    # the training loss times these coefficients (0: not at all).
+    # the training loss times these coefficients (0: not at all). `mlp_bias` on a mixture (gpt-oss):
+    # the router's linear has a bias and each expert's projections theirs.
     num_experts: Positive | None = None
     experts_per_token: Positive | None = None
     renormalize_top_k: bool = True
@@ -220,6 +231,8 @@ class ModelConfig(Struct):
                 )
             if self.sliding_window is None and "sliding_attention" in self.layer_types:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        if self.activation != "clamped_swiglu" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
+            raise ValueError("swiglu_alpha and swiglu_limit are clamped_swiglu's (activation)")
         if self.sandwich_norm and self.parallel_attn:
             raise ValueError("sandwich_norm needs sequential blocks (parallel_attn false)")
         self._check_experts()
@@ -246,6 +259,8 @@ class ModelConfig(Struct):
             )
         if self.num_kv_heads != self.num_heads or self.attn_bias or self.attn_out_bias or self.qk_norm:
             raise ValueError("latent attention has a k and v head per q head, no biases and no q/k norms")
+        if self.attn_sinks:
+            raise ValueError("attention sinks are standard attention's (not latent attention)")
 
     def _check_experts(self) -> None:
         if (self.num_experts is None) != (self.experts_per_token is None):
@@ -276,8 +291,8 @@ class ModelConfig(Struct):
             raise ValueError(
                 f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}"
             )
-        if self.activation != "swiglu" or self.mlp_bias:
-            raise ValueError("experts are SwiGLU without biases (activation swiglu, mlp_bias false)")
+        if self.activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError("experts are SwiGLU (activation swiglu or clamped_swiglu)")
         if sorted(set(self.dense_layers)) != self.dense_layers or any(
             i >= self.num_layers for i in self.dense_layers
         ):
@@ -347,8 +362,8 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 # The router losses' weights (a mixture of experts): training settings a run may set on top of
 # its init checkpoint's config, which change no tensor either.
 ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update")
-# Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe) and DeepSeek V3
-EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3")
+# Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe), DeepSeek V3, gpt-oss
+EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss")
 # What a run from a checkpoint may set of its model, beside `init`.
 INIT_OVERRIDES = (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
 
@@ -518,6 +533,8 @@ def _attention_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at:
     if config.qk_norm:
         out[f"{at}.attn.q_norm.weight"] = (hd,)
         out[f"{at}.attn.k_norm.weight"] = (hd,)
+    if config.attn_sinks:
+        out[f"{at}.attn.sinks.weight"] = (config.num_heads,)
 
 
 def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str, layer: int) -> None:
@@ -528,10 +545,11 @@ def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str, 
         experts = config.num_experts
         if config.router_bias:  # the MoE's own parameter: before its modules' in a state dict
             out[f"{at}.router_bias"] = (experts,)
-        out[f"{at}.router.weight"] = (experts, hidden)
-        out[f"{at}.experts.gate_proj.weight"] = (experts, ffn, hidden)
-        out[f"{at}.experts.up_proj.weight"] = (experts, ffn, hidden)
-        out[f"{at}.experts.down_proj.weight"] = (experts, hidden, ffn)
+        _linear(out, f"{at}.router", experts, hidden, config.mlp_bias)
+        for proj, rows, cols in (("gate", ffn, hidden), ("up", ffn, hidden), ("down", hidden, ffn)):
+            out[f"{at}.experts.{proj}_proj.weight"] = (experts, rows, cols)
+            if config.mlp_bias:
+                out[f"{at}.experts.{proj}_proj.bias"] = (experts, rows)
         if config.shared_expert_size is not None:
             shared = config.shared_expert_size
             _linear(out, f"{at}.shared_expert.gate_proj", shared, hidden, False)
@@ -546,10 +564,15 @@ def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str, 
     _linear(out, f"{at}.down_proj", hidden, ffn, config.mlp_bias)
 
 
+def is_expert_tensor(name: str) -> bool:
+    """Whether a contract name is a routed expert's (stacked on a leading experts dim)."""
+    return ".mlp.experts." in name
+
+
 def _experts(config: ModelConfig, tensors: dict[str, tuple[int, ...]]) -> tuple[int, int]:
     """(the experts' parameters, those of them one token passes through: `experts_per_token` of
-    each layer's experts); the stacked experts tensors are the model's only 3-D ones."""
-    stacked = sum(math.prod(s) for s in tensors.values() if len(s) == 3)
+    each layer's experts)."""
+    stacked = sum(math.prod(s) for n, s in tensors.items() if is_expert_tensor(n))
     if config.num_experts is None:
         return stacked, stacked
     return stacked, stacked * config.experts_per_token // config.num_experts
@@ -571,8 +594,12 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     heads x (head_dim + v_head_dim) x sequence length, its v heads being narrower). MFU divides by this. Experts
     count as the `experts_per_token` a token passes through (the active parameters)."""
     tensors = model_tensors(config)
-    matmul = sum(math.prod(s) for n, s in tensors.items() if len(s) == 2 and n != "embed.weight")
-    matmul += _experts(config, tensors)[1]
+    matmul = sum(
+        math.prod(s)
+        for n, s in tensors.items()
+        if n.endswith(".weight") and len(s) == 2 and n != "embed.weight" and not is_expert_tensor(n)
+    )
+    matmul += _experts(config, tensors)[1]  # the experts' biases too: few, and a token's own
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
     qk_v = config.head_dim + (config.v_head_dim or config.head_dim)

@@ -3,6 +3,8 @@
 Only config.json and safetensors files are read (a single `model.safetensors`, a sharded set with
 `model.safetensors.index.json`, or any `*.safetensors`); pickled `.bin` checkpoints are refused.
 The model card's front matter (README.md) gives the license the checkpoint carries on.
+MXFP4 tensors (gpt-oss's experts, `models/mxfp4.py`) are read as the one tensor they store,
+dequantized on read into the checkpoint's own float dtype; any other quantization is refused.
 One HF tensor is in memory at a time, so peak memory stays near the largest tensor, not the model.
 """
 
@@ -28,7 +30,7 @@ from megacore.background import Background
 from megacore.checkpoint import CheckpointWriter, shard_file
 from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
 from megacore.errors import UserError
-from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, tensor_maps
+from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, mxfp4, tensor_maps
 from megacore.models.families.hf_config import read_config_json
 from megacore.models.hf import left_out
 from megacore.progress import Progress
@@ -81,8 +83,22 @@ def read_license(model_dir: Path) -> License | None:
     return License(id=lic, name=fields["license_name"], link=fields["license_link"])
 
 
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file holding it."""
+@dataclass(frozen=True)
+class Packed:
+    """An MXFP4 tensor as the checkpoint stores it: its blocks and scales tensors, each in its file."""
+
+    blocks: str
+    scales: str
+    blocks_file: Path
+    scales_file: Path
+
+
+Where = dict[str, Path | Packed]  # HF tensor name -> what holds it
+
+
+def weight_files(model_dir: Path, *, mxfp4_pairs: bool = False) -> Where:
+    """HF tensor name -> safetensors file holding it; with `mxfp4_pairs` (`mxfp4.check_quantization`
+    said so), each `X_blocks` + `X_scales` pair is one tensor `X`."""
     index = model_dir / INDEX
     if index.is_file():
         try:
@@ -110,22 +126,73 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         for k in safetensors_header(f):
             if k != "__metadata__":
                 where.setdefault(k, f)
-    return where
+    if not mxfp4_pairs:
+        return where
+    packed: Where = {}
+    for name, (blocks, scales) in mxfp4.packed_names(where).items():
+        if name not in where:  # a plain X beside an X_blocks + X_scales is the one read
+            packed[name] = Packed(blocks, scales, where.pop(blocks), where.pop(scales))
+    return {**where, **packed}
 
 
-def check_hf_tensors(config: ModelConfig, where: dict[str, Path], model_dir: Path) -> None:
+def files_of(where: Where) -> list[Path]:
+    """The safetensors files `where` reads, each once."""
+    files = set()
+    for v in where.values():
+        files.update((v.blocks_file, v.scales_file) if isinstance(v, Packed) else (v,))
+    return sorted(files)
+
+
+def check_hf_tensors(config: ModelConfig, where: Where, model_dir: Path) -> None:
     """Every tensor the config implies is present with its shape (read from the safetensors headers
     only), so a bad input fails before anything is written."""
+    check_shapes(hf_shapes(config), where, model_dir)
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], where: Where, model_dir: Path) -> None:
+    """Each of `shapes`' tensors is in `where` with that shape (an MXFP4 one's dequantized shape)."""
     headers: dict[Path, dict] = {}
-    for name, shape in hf_shapes(config).items():
-        if name not in where:
-            raise UserError(f"tensor {name} is missing from the safetensors files", str(model_dir))
-        f = where[name]
+
+    def entry(name: str, f: Path) -> dict:
         if f not in headers:
             headers[f] = safetensors_header(f)
-        got = tuple(headers[f][name]["shape"])
+        return headers[f][name]
+
+    for name, shape in shapes.items():
+        held = where.get(name)
+        if held is None:
+            raise UserError(_missing(name, where), str(model_dir))
+        if isinstance(held, Packed):
+            f = held.blocks_file
+            got = _packed_shape(name, entry(held.blocks, f), entry(held.scales, held.scales_file), f)
+        else:
+            f = held
+            got = tuple(entry(name, f)["shape"])
         if got != shape:
             raise UserError(f"tensor {name}: shape {list(got)}, config.json implies {list(shape)}", str(f))
+
+
+def _missing(name: str, where: Where) -> str:
+    """Why tensor `name` is not in `where`, with what there is of an MXFP4 pair of that name."""
+    pair = [n for n in (name + mxfp4.BLOCKS, name + mxfp4.SCALES) if n in where]
+    if len(pair) == 2:
+        why = f" ({pair[0]} and {pair[1]} are MXFP4, but config.json has no quantization_config)"
+    else:
+        why = f" (only {pair[0]} of its MXFP4 pair is there)" if pair else ""
+    return f"tensor {name} is missing from the safetensors files{why}"
+
+
+def _packed_shape(name: str, blocks: dict, scales: dict, f: Path) -> tuple[int, ...]:
+    """The dequantized shape of MXFP4 tensor `name` from its blocks' and scales' header entries."""
+    if blocks["dtype"] != "U8" or scales["dtype"] != "U8":
+        raise UserError(
+            f"tensor {name}: MXFP4 blocks and scales are U8, got {blocks['dtype']} and {scales['dtype']}",
+            str(f),
+        )
+    try:
+        return mxfp4.dequantized_shape(tuple(blocks["shape"]), tuple(scales["shape"]))
+    except ValueError as e:
+        raise UserError(f"tensor {name}: {e}", str(f)) from None
 
 
 def recipe(model_dir: Path, files: list[Path], options: dict[str, Any]) -> str:
@@ -198,8 +265,9 @@ class _Source:
 
     model_dir: Path
     config: ModelConfig
-    where: dict[str, Path]  # HF tensor name -> its safetensors file
+    where: Where  # HF tensor name -> its safetensors file (or MXFP4 pair)
     dtype: str  # of the output
+    source_dtype: str  # the weights' own (float32 when no tensor is float), MXFP4 dequantized into it
     license: License | None
     recipe: str
 
@@ -209,16 +277,30 @@ def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Sour
     only config.json, the safetensors headers and the model card are read."""
     dtype = float_dtype(dtype) if dtype is not None else None  # either spelling: bf16 or bfloat16
     hf = read_hf_config(model_dir)
-    config = config_from_hf(hf, str(model_dir / "config.json"), pad_multiple=pad_multiple)
+    at = str(model_dir / "config.json")
+    config = config_from_hf(hf, at, pad_multiple=pad_multiple)
     check_maps(config)
-    where = weight_files(model_dir)
-    first = next(iter(where))
-    source_dtype = safetensors_header(where[first])[first]["dtype"]
-    source = {SAFETENSORS_CODES[name]: name for name in FLOAT_DTYPES}.get(source_dtype)
-    out_dtype = dtype or source or "float32"
+    where = weight_files(model_dir, mxfp4_pairs=mxfp4.check_quantization(hf, at))
+    source = source_dtype(where)
+    out_dtype = dtype or source
     card_license = read_license(model_dir)
-    rec = recipe(model_dir, list(where.values()), {"dtype": out_dtype, "pad_multiple": pad_multiple})
-    return _Source(model_dir, config, where, out_dtype, card_license, rec)
+    rec = recipe(model_dir, files_of(where), {"dtype": out_dtype, "pad_multiple": pad_multiple})
+    return _Source(model_dir, config, where, out_dtype, source, card_license, rec)
+
+
+def source_dtype(where: Where) -> str:
+    """The dtype of the first float tensor (MXFP4 ones and integer ones have none of their own);
+    float32 when there is none."""
+    floats = {SAFETENSORS_CODES[name]: name for name in FLOAT_DTYPES}
+    headers: dict[Path, dict] = {}
+    for name, f in where.items():
+        if isinstance(f, Packed):
+            continue
+        if f not in headers:
+            headers[f] = safetensors_header(f)
+        if (code := headers[f][name]["dtype"]) in floats:
+            return floats[code]
+    return "float32"
 
 
 def _write_checkpoint(
@@ -242,7 +324,9 @@ def _write_checkpoint(
         sw = cw.open_file(WEIGHTS, [(n, shapes[n], out_dtype, whole(shapes[n])) for n in order])
         # The next HF tensor is read on a helper thread while this one is written and hashed.
         tensors = Background.source(
-            import_tensors(config, _tensor_reader(src), str(model_dir)), depth=1, name="mega-convert-read"
+            import_tensors(config, tensor_reader(src.where, model_dir, src.source_dtype), str(model_dir)),
+            depth=1,
+            name="mega-convert-read",
         )
         try:
             with sw:
@@ -269,15 +353,25 @@ def _write_checkpoint(
     return tokenizer_files
 
 
-def _tensor_reader(src: _Source) -> Callable[[str], torch.Tensor]:
-    """An HF tensor by name, read from its file when asked."""
+def tensor_reader(where: Where, model_dir: Path, dtype: str) -> Callable[[str], torch.Tensor]:
+    """An HF tensor by name, read from its file when asked; an MXFP4 one dequantized into `dtype`."""
 
-    def get(name: str) -> torch.Tensor:
-        if name not in src.where:
-            raise UserError(f"tensor {name} is missing from the safetensors files", str(src.model_dir))
+    def read(name: str, f: Path) -> torch.Tensor:
         # Open per tensor: safetensors memory-maps the file, and pages of a mapping that stays open
         # count as resident, so a long-lived handle would grow RSS to the size of the model.
-        with safe_open(str(src.where[name]), framework="pt") as h:
+        with safe_open(str(f), framework="pt") as h:
             return h.get_tensor(name)
+
+    def get(name: str) -> torch.Tensor:
+        held = where.get(name)
+        if held is None:
+            raise UserError(_missing(name, where), str(model_dir))
+        if not isinstance(held, Packed):
+            return read(name, held)
+        blocks, scales = read(held.blocks, held.blocks_file), read(held.scales, held.scales_file)
+        try:
+            return mxfp4.dequantize(blocks, scales, TORCH_DTYPES[dtype])
+        except ValueError as e:
+            raise UserError(f"tensor {name}: {e}", str(held.blocks_file)) from None
 
     return get

@@ -3,6 +3,7 @@ on the same random tokens. Reports max / mean absolute logit error and the loss 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from megacore.artifacts import TORCH_DTYPES
 from megacore.artifacts.manifest import float_dtype
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
-from megacore.models import config_from_hf
+from megacore.models import config_from_hf, mxfp4
 from megacore.models.families import differences_from_hf
 
 # Defaults: the issue's bar (max abs error 1e-4 in fp32) and the seed document's mean-error bars.
@@ -37,7 +38,9 @@ def verify(
     tolerance fails on rounding alone); `passed` is False when max or mean error is above its
     tolerance."""
     model_dir = Path(model_dir)
-    hf_config = config_from_hf(read_hf_config(model_dir), str(model_dir / "config.json"))
+    hf_json, at = read_hf_config(model_dir), str(model_dir / "config.json")
+    hf_config = config_from_hf(hf_json, at)
+    pairs = mxfp4.check_quantization(hf_json, at)  # MXFP4 experts (gpt-oss) are read dequantized
     # Everything transformers would trip over is checked first, as one-line errors: the same
     # architecture (vocab padding aside), and safetensors weights of the shapes config.json implies.
     with CheckpointReader(Path(checkpoint)) as ckpt:
@@ -49,7 +52,7 @@ def verify(
                 f"the checkpoint's model config differs from {model_dir / 'config.json'} in {', '.join(diff)}",
                 str(checkpoint),
             )
-        check_hf_tensors(hf_config, weight_files(model_dir), model_dir)
+        check_hf_tensors(hf_config, weight_files(model_dir, mxfp4_pairs=pairs), model_dir)
         ours = ckpt.decoder(torch_dtype).eval()  # confirms the files' sums: no verdict on damaged ones
     hf = _load_transformers(model_dir, torch_dtype)
     ids = torch.randint(
@@ -102,10 +105,14 @@ def _errors(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, vocab
 
 
 def _load_transformers(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """The HF model in transformers (SDPA), without its progress bars and load reports on our output."""
+    """The HF model in transformers (SDPA, or its family's `hf_attention`), without its progress
+    bars and load reports on our output."""
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from megacore.models.families import hf_attention
+
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
+    impl = hf_attention(json.loads((model_dir / "config.json").read_text()).get("model_type"))
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=impl).eval()

@@ -37,7 +37,7 @@ from megacore.config import (
 )
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
-from megacore.parallel.layout import Dims, Parallelism, check_nf4, check_parallelism, check_tp
+from megacore.parallel.layout import Dims, Parallelism, check_parallelism, check_sharding, check_tp
 from megacore.tokenizer_files import first_difference, recorded_vocabulary
 
 
@@ -305,8 +305,12 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     _check_schedule(run, config, init is not None, where)
     lora = plan_lora(run, init, base, verify, where)
     dims, microbatches, stages = _check_layout(run, config, world_size, where)
-    if lora is not None and lora.lora.base_dtype == "nf4":
-        check_nf4(config, parallelism(run, microbatches, lora=lora.lora), dims, f"{where}: $.parallel")
+    check_sharding(
+        config,
+        parallelism(run, microbatches, lora=None if lora is None else lora.lora),
+        dims,
+        f"{where}: $.parallel",
+    )
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
     out = resolve_ref(base, run.out)

@@ -15,7 +15,9 @@ Packed documents (`segments` [B, S], a document id per token) see only their own
 block-causal mask for SDPA, a variable-length kernel (one ragged batch, no mask) on a GPU.
 `suffix_attention` is the same for queries that are the last positions of their keys (a late chunk
 of a row under context parallel): causal aligned to the bottom right, with the same kernels and no
-mask on a GPU.
+mask on a GPU. With attention sinks (gpt-oss: `sinks`, a logit per q head) both take
+`models.sinks.sink_attention` under the same masks, on any device; no FlashAttention kernel here
+has a sink.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megacore.models.sinks import sink_attention
 
 Impl = Literal["auto", "sdpa", "flash"]
 
@@ -138,6 +142,7 @@ def suffix_attention(
     q_segments: torch.Tensor | None = None,
     k_segments: torch.Tensor | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`causal_attention` for queries q [B, Sq, Hq, D] that are the last Sq positions of the keys
     k/v [B, Sk, Hkv, D] (a late chunk of a row under context parallel): causal aligned to the bottom
@@ -149,6 +154,10 @@ def suffix_attention(
     sq, sk = q.shape[1], k.shape[1]
     windowed = window is not None and sk > window
     window_size = (window - 1, 0) if windowed else (-1, -1)
+    if sinks is not None:
+        _no_flash_sinks(impl)
+        mask = _suffix_mask(sq, sk, window if windowed else None, q_segments, k_segments, q.device)
+        return sink_attention(q, k, v, sinks, mask, scale)
     if impl == "flash":
         _require_half_gpu(q)
     on_gpu = impl == "flash" or (impl == "auto" and _half_on_gpu(q))
@@ -171,15 +180,28 @@ def suffix_attention(
         from torch.nn.attention.bias import causal_lower_right
 
         return _sdpa(q, k, v, causal_lower_right(sq, sk), scale)
-    qi = torch.arange(sk - sq, sk, device=q.device)[:, None]
-    kj = torch.arange(sk, device=q.device)[None, :]
+    mask = _suffix_mask(sq, sk, window if windowed else None, q_segments, k_segments, q.device)
+    return _sdpa(q, k, v, mask, scale)
+
+
+def _suffix_mask(
+    sq: int, sk: int, window: int | None, q_segments, k_segments, device: torch.device
+) -> torch.Tensor:
+    """Boolean [B or 1, 1, Sq, Sk]: causal aligned to the bottom right [, window] [, documents]."""
+    qi = torch.arange(sk - sq, sk, device=device)[:, None]
+    kj = torch.arange(sk, device=device)[None, :]
     mask = kj <= qi
-    if windowed:
+    if window is not None:
         mask &= kj > qi - window
     mask = mask[None, None]
     if q_segments is not None:
         mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])[:, None]
-    return _sdpa(q, k, v, mask, scale)
+    return mask
+
+
+def _no_flash_sinks(impl: Impl) -> None:
+    if impl == "flash":  # mega-train refuses it before any worker starts (`run_plan.start_checks`)
+        raise RuntimeError("attention 'flash' has no kernel with attention sinks; use sdpa or auto")
 
 
 def _sdpa(q, k, v, mask, scale: float | None) -> torch.Tensor:
@@ -246,13 +268,19 @@ def causal_attention(
     impl: Impl = "auto",
     segments: torch.Tensor | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T · scale + causal [+ window] [+ documents]) v for q [B,S,Hq,D], k/v [B,S,Hkv,D];
     returns [B,S,Hq,D]. `segments` [B, S]: each token's document id (packed documents). `scale`:
-    None for 1 / sqrt(D) (every kernel's default; Gemma's is query_pre_attn_scalar ** -0.5)."""
+    None for 1 / sqrt(D) (every kernel's default; Gemma's is query_pre_attn_scalar ** -0.5).
+    `sinks` [Hq]: each head's sink logit in the softmax's denominator (`models.sinks`)."""
     seq_len = q.shape[1]
     windowed = window is not None and seq_len > window
     window_size = (window - 1, 0) if windowed else (-1, -1)
+    if sinks is not None:
+        _no_flash_sinks(impl)
+        rows = q.new_zeros(1, seq_len, dtype=torch.long) if segments is None else segments
+        return sink_attention(q, k, v, sinks, document_mask(rows, window if windowed else None), scale)
     if impl == "flash" or (impl == "auto" and flash_usable(q)):
         return _flash(q, k, v, window_size, segments, scale)
     if segments is not None and impl == "auto" and _half_on_gpu(q) and _torch_varlen() is not None:

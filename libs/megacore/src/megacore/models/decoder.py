@@ -42,7 +42,7 @@ from megacore.config import (
 from megacore.models.attention import Impl, causal_attention, document_ids
 from megacore.models.lora import delta, has_adapter
 from megacore.models.loss import fused_linear_cross_entropy
-from megacore.models.moe import MoE
+from megacore.models.moe import GLU, MoE
 from megacore.models.rope import apply_rope, latent_attention_scale, rope_tables
 
 
@@ -151,10 +151,23 @@ def make_norm(config: ModelConfig, fast: FastPaths, head_dim: int | None = None)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
 
 
+class Sinks(nn.Module):
+    """Attention sinks (gpt-oss): one learned logit per q head in the softmax's denominator
+    (`models.sinks`). A module so tensor parallel can hand it this rank's heads' part, as it hands
+    a projection its shard; calling it gives the logits."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
 class Attention(nn.Module):
     """Causal self-attention of layer `layer`: its window (`attention_window`: Gemma 3's local
-    layers slide, its global ones do not), its RoPE tables (`local_rope`: the caller passes them)
-    and the score scale (head_dim ** -0.5, or `attn_scalar` ** -0.5)."""
+    layers slide, its global ones do not), its RoPE tables (`local_rope`: the caller passes them),
+    the score scale (head_dim ** -0.5, or `attn_scalar` ** -0.5) and its sinks (`attn_sinks`)."""
 
     # The attention core; context parallel (`megacore.parallel.cp`) sets its own.
     kernel = staticmethod(causal_attention)
@@ -184,6 +197,7 @@ class Attention(nn.Module):
         # acting per head, it needs no change when a tensor-parallel shard holds only some heads.
         self.q_norm = make_norm(config, fast, hd) if config.qk_norm else None
         self.k_norm = make_norm(config, fast, hd) if config.qk_norm else None
+        self.sinks = Sinks(config.num_heads) if config.attn_sinks else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
@@ -195,7 +209,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # before RoPE, as Qwen 3 and Gemma 3 normalise
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        args = (q, k, v, self.window, self.impl, segments, self.scale)
+        sinks = None if self.sinks is None else self.sinks()
+        args = (q, k, v, self.window, self.impl, segments, self.scale, sinks)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
             out = checkpoint(self.kernel, *args, use_reentrant=False)
         else:
@@ -270,8 +285,8 @@ class LatentAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU or GeGLU (gate, up, down; `GATED_ACTIVATIONS`) or GELU (up, down, as Falcon), `ffn`
-    wide (None: the config's ffn_hidden_size)."""
+    """SwiGLU, GeGLU or clamped SwiGLU (gate, up, down; `GATED_ACTIVATIONS`, `moe.GLU`) or GELU
+    (up, down, as Falcon), `ffn` wide (None: the config's ffn_hidden_size)."""
 
     def __init__(self, config: ModelConfig, fast: FastPaths = FastPaths(), ffn: int | None = None) -> None:
         super().__init__()
@@ -282,14 +297,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, ffn, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)
-        # GeGLU with GELU's tanh approximation: transformers' gelu_pytorch_tanh (Gemma).
-        self.tanh_gelu = config.activation == "geglu_tanh"
+        self.glu = GLU.of(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
             gate, up = project(x, self.gate_proj, self.up_proj, fused=self.fused)
-            act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
-            return self.down_proj(act * up)
+            return self.down_proj(self.glu(gate, up))
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
@@ -454,14 +467,14 @@ def initial_value(
     name: str, shape: tuple[int, ...], config: ModelConfig, std: float = 0.02, seed: int = 0
 ) -> torch.Tensor:
     """The fresh fp32 value of parameter `name` (a contract name): normal(0, std) matrices and
-    embeddings, zero biases, unit norm scales (weights of 0 for rmsnorm_plus1's 1 + weight), zero
+    embeddings, zero biases and sinks, unit norm scales (weights of 0 for rmsnorm_plus1's 1 + weight), zero
     padded-vocab rows; a LoRA adapter as PEFT starts one: B zero, A Kaiming-uniform (a = sqrt(5):
     uniform within 1 / sqrt(in)). Drawn from a generator seeded by `seed` and the name, so every
     layout (each rank slicing what it holds) gets the same model."""
-    if name.endswith(LORA_B):
+    if name.endswith((LORA_B, ".bias", ".sinks.weight")):  # biases: experts' are [experts, out]
         return torch.zeros(shape)
     if len(shape) == 1:
-        zero = name.endswith((".bias", "router_bias")) or config.norm == "rmsnorm_plus1"
+        zero = name.endswith("router_bias") or config.norm == "rmsnorm_plus1"
         return torch.zeros(shape) if zero else torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(LORA_A):

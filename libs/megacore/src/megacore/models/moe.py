@@ -9,7 +9,8 @@ each expert runs its SwiGLU as one matmul per projection over a contiguous block
 (`grouped_swiglu`: `torch._grouped_mm` on a GPU in bf16, a loop over the experts elsewhere); each
 output is scaled by its routing weight and added back to its token. A shared expert (Qwen 2 MoE) is
 a dense MLP every token goes through, its output scaled by sigmoid(`shared_expert_gate`) and added
-to the routed experts' (transformers' order of the sum).
+to the routed experts' (transformers' order of the sum). gpt-oss's experts: a router with a bias,
+biases on every expert's projections and the clamped SwiGLU (`GLU`).
 
 The router's losses are not returned through the model's output (a pipeline stage sends hidden
 states only): each MoE layer attaches its load-balancing loss (`load_balancing_loss`, Mixtral's,
@@ -21,6 +22,8 @@ config's coefficients and the step's scaling. Each layer also keeps the statisti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,51 +31,92 @@ from torch import nn
 from megacore.config import ModelConfig
 
 
-class GroupedLinear(nn.Module):
-    """`num_experts` linears without bias, their weights stacked: [experts, out, in]."""
+@dataclass(frozen=True)
+class GLU:
+    """A gated MLP's activation of (gate, up): silu(gate) · up (swiglu), gelu_tanh(gate) · up
+    (geglu_tanh: transformers' gelu_pytorch_tanh, Gemma), or gpt-oss's clamped SwiGLU: gate
+    clamped to at most `limit`, up to ±`limit`, (up + 1) · gate · sigmoid(`alpha` · gate)."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
+    kind: str = "swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> GLU:
+        return cls(config.activation, config.swiglu_alpha, config.swiglu_limit)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "clamped_swiglu":  # transformers' GptOssExperts order of operations
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        if self.kind == "geglu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
+        return F.silu(gate) * up
+
+
+class GroupedLinear(nn.Module):
+    """`num_experts` linears, their weights stacked: [experts, out, in], biases [experts, out]."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
 
 
 class Experts(nn.Module):
-    """The experts of one layer: SwiGLU, each its own gate, up and down projections."""
+    """The experts of one layer: gated MLPs (`GLU`), each its own gate, up and down projections."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        e, hidden, ffn = config.num_experts, config.hidden_size, config.ffn_hidden_size
-        self.gate_proj = GroupedLinear(e, hidden, ffn)
-        self.up_proj = GroupedLinear(e, hidden, ffn)
-        self.down_proj = GroupedLinear(e, ffn, hidden)
+        e, hidden, ffn, bias = config.num_experts, config.hidden_size, config.ffn_hidden_size, config.mlp_bias
+        self.gate_proj = GroupedLinear(e, hidden, ffn, bias)
+        self.up_proj = GroupedLinear(e, hidden, ffn, bias)
+        self.down_proj = GroupedLinear(e, ffn, hidden, bias)
+        self.glu = GLU.of(config)
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         """Rows [N, hidden] grouped by expert, `counts` [experts] rows each -> [N, hidden].
-        `weights` (gate, up, down), when given, replace the module's own: under expert parallel
-        (`megacore.parallel.ep`) the rows are those sent to this rank's experts and the weights
-        its local shards, which ep hands in as tp hands a linear its shard."""
-        if not weights:
-            weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return grouped_swiglu(rows, counts, *weights)
+        `params` (gate, up, down weights and gate, up, down biases, None where absent), when given,
+        replace the module's own: under expert parallel (`megacore.parallel.ep`) the rows are those
+        sent to this rank's experts and the parameters its local shards, which ep hands in as tp
+        hands a linear its shard (the down bias after the sum over tp: None here)."""
+        if not params:
+            projs = (self.gate_proj, self.up_proj, self.down_proj)
+            params = (*(p.weight for p in projs), *(p.bias for p in projs))
+        return grouped_swiglu(rows, counts, *params, act=self.glu)
 
 
 def grouped_swiglu(
-    x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    act: GLU = GLU(),
 ) -> torch.Tensor:
-    """SwiGLU of each expert over its block of rows: x [N, hidden] sorted by expert, `counts` [E]
-    rows per expert, weights [E, out, in] -> [N, hidden]."""
+    """The gated MLP of each expert over its block of rows: x [N, hidden] sorted by expert,
+    `counts` [E] rows per expert, weights [E, out, in], biases [E, out] -> [N, hidden]."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = counts.cumsum(0).to(torch.int32)
-        g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets)
-        u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offsets)
+
+        def mm(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            out = torch._grouped_mm(rows, w.transpose(-2, -1), offs=offsets)
+            return out if b is None else out + b.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+        return mm(act(mm(x, gate, gate_bias), mm(x, up, up_bias)), down, down_bias)
     # unbind, not gate[e]: autograd stacks the experts' weight gradients once per projection,
     # where indexing would allocate (and zero) a whole stacked gradient per expert.
-    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
+    ws = [t.unbind(0) for t in (gate, up, down)]
+    bs = [(None,) * gate.shape[0] if b is None else b.unbind(0) for b in (gate_bias, up_bias, down_bias)]
     # Experts without rows too: an empty product keeps the output a function of x, so backward
     # always reaches what made x (under ep an all-to-all whose peers wait for it).
     outs = [
-        F.linear(F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e]), downs[e])
+        F.linear(
+            act(F.linear(rows, ws[0][e], bs[0][e]), F.linear(rows, ws[1][e], bs[1][e])), ws[2][e], bs[2][e]
+        )
         for e, rows in enumerate(x.split(counts.tolist()))
     ]
     return torch.cat(outs)
@@ -177,7 +221,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize = config.experts_per_token, config.renormalize_top_k
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.mlp_bias)
         # DeepSeek V3: sigmoid scores, the balancing bias (no gradient: the engine moves it towards
         # even loads, `router_bias_update`), groups of experts, scaled weights.
         self.sigmoid, self.scaling = config.router_scoring == "sigmoid", config.routed_scaling

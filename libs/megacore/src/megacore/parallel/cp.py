@@ -113,6 +113,7 @@ class ContextParallelAttention:
         impl: Impl = "auto",
         segments: torch.Tensor | None = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cp, n = self.cp, q.shape[1] // 2
         k, v = gather_sequence(k, self.group, cp), gather_sequence(v, self.group, cp)
@@ -122,10 +123,12 @@ class ContextParallelAttention:
             end, own = (chunk + 1) * n, slice(half * n, (half + 1) * n)
             seg = None if segments is None else segments[:, own]
             if chunk == 0:  # the first chunk is a sequence of its own: today's kernels
-                outs.append(causal_attention(q[:, own], k[:, :n], v[:, :n], window, impl, seg, scale))
+                outs.append(causal_attention(q[:, own], k[:, :n], v[:, :n], window, impl, seg, scale, sinks))
                 continue
             kseg = None if segments is None else keys_segments[:, :end]
-            outs.append(suffix_attention(q[:, own], k[:, :end], v[:, :end], window, impl, seg, kseg, scale))
+            outs.append(
+                suffix_attention(q[:, own], k[:, :end], v[:, :end], window, impl, seg, kseg, scale, sinks)
+            )
         return torch.cat(outs, dim=1)
 
 

@@ -61,7 +61,9 @@ def apply_dp(
         replicate(model, mesh=data_mesh, mp_policy=mp)
         return
     # With pipelining the parameters are needed again for backward after other microbatches.
-    kw = {"mp_policy": mp, "reshard_after_forward": par.spec.pp == 1, "shard_placement_fn": _fsdp_placement}
+    names = {id(p): n for n, p in model.named_parameters()}  # stage names are contract names
+    placement = partial(_fsdp_placement, names)
+    kw = {"mp_policy": mp, "reshard_after_forward": par.spec.pp == 1, "shard_placement_fn": placement}
     for unit in _units(model, dims):
         module = model.get_submodule(unit)
         if unit.endswith(".experts"):
@@ -77,9 +79,9 @@ def apply_dp(
     fully_shard(model, mesh=data_mesh, **kw)
 
 
-def _fsdp_placement(param: nn.Parameter) -> Shard:
+def _fsdp_placement(names: dict[int, str], param: nn.Parameter) -> Shard:
     tp_dims = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard) and p.dim > 0]
-    return Shard(fsdp_dim(param.shape, tp_dims[0] if tp_dims else None))
+    return Shard(fsdp_dim(names[id(param)], param.shape, tp_dims[0] if tp_dims else None))
 
 
 class ComputeCopies:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
 from megacore.config import ModelConfig
 from megacore.models.moe import Experts, GroupedLinear
@@ -93,21 +93,34 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, config: ModelConfig) -> None:
     tp = mesh["tp"] if "tp" in names else None
 
     def shard(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        if isinstance(module, GroupedLinear):
-            dim = place(f"layers.0.mlp.experts.{name}.weight", config, 1).tp_dim
-            placements = [Shard(0) if n == "ep" else Shard(dim) for n in names]
-            module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, placements))
+        if not isinstance(module, GroupedLinear):
+            return
+        for kind in ("weight", "bias"):
+            if (param := getattr(module, kind)) is None:
+                continue
+            dim = place(f"layers.0.mlp.experts.{name}.{kind}", config, 1).tp_dim
+            placements = [
+                Shard(0) if n == "ep" else Replicate() if dim is None else Shard(dim) for n in names
+            ]
+            setattr(module, kind, nn.Parameter(distribute_tensor(param, mesh, placements)))
 
     def inputs(module: Experts, args: tuple, mesh: DeviceMesh) -> tuple:
         rows, counts = _dispatch(module, args, ep) if ep is not None else args
         rows = _SumGradOverGroup.apply(rows, tp.get_group()) if tp is not None else rows
         # The experts this rank holds: its local shards (after FSDP2 has gathered them: its
-        # pre-forward hook runs first), handed to `Experts.forward` with the rows.
-        local = tuple(p.weight.to_local() for p in (module.gate_proj, module.up_proj, module.down_proj))
-        return rows, counts, *local
+        # pre-forward hook runs first), handed to `Experts.forward` with the rows; the down bias
+        # joins after the sum over tp (`outputs`), once.
+        projs = (module.gate_proj, module.up_proj, module.down_proj)
+        biases = [None if p.bias is None else p.bias.to_local() for p in projs[:2]]
+        module._ep_counts = counts
+        return rows, counts, *(p.weight.to_local() for p in projs), *biases, None
 
     def outputs(module: Experts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         out = _SumOverGroup.apply(out, tp.get_group()) if tp is not None else out
+        counts, bias = module._ep_counts, module.down_proj.bias
+        del module._ep_counts
+        if bias is not None:  # this rank's experts' down biases, each over its rows
+            out = out + bias.to_local().repeat_interleave(counts, dim=0, output_size=out.shape[0])
         return _combine(module, out) if ep is not None else out
 
     for module in model.modules():

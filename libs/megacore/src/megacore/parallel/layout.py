@@ -40,22 +40,25 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # stacked [experts, out, in] projections likewise on their ffn dim (1 for gate/up, 2 for down; the
 # experts dim is expert parallel's), its router replicated, a shared expert as a dense MLP and its
 # gate replicated; latent attention's per-head expansions (q_b_proj, kv_b_proj, or q_proj) like q,
-# its latent projections and norms replicated; the rest replicated,
+# its latent projections and norms replicated; attention sinks (one per q head) like q; a router's
+# bias replicated, the experts' biases [experts, out] split like their weights' rows (gate/up on
+# their ffn dim 1, down's replicated over tp); the rest replicated,
 # the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads), and
 # the sandwich norms on the attention's and the MLP's outputs (Gemma: hidden-wide, like the others).
 _COLWISE = {
     "attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
     "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "attn.q_b_proj", "attn.kv_b_proj",
+    "attn.sinks",
 }  # fmt: skip
 _ROWWISE = {"attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj"}
 _KV = {"attn.k_proj", "attn.v_proj"}
 _LAYER_REPLICATED = re.compile(
     r"^(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.(weight|bias)$"
     r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
-    r"|^mlp\.(router|shared_expert_gate)\.weight$|^mlp\.router_bias$"
+    r"|^mlp\.(router|shared_expert_gate)\.weight$|^mlp\.router_bias$|^mlp\.router\.bias$"
     r"|^attn\.(q_a_proj|q_a_norm|kv_a_proj|kv_a_norm)\.weight$"
 )
-_EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.weight$")
+_EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.(weight|bias)$")
 
 
 def optim_state_name(kind: str, param: str) -> str:
@@ -111,6 +114,8 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     if _LAYER_REPLICATED.match(rest):
         return TensorPlace(layer, "layer", None)
     if e := _EXPERTS.match(rest):
+        if e.group(2) == "bias":  # [experts, out]: the out dim as the weight's rows
+            return TensorPlace(layer, "layer", None if e.group(1) == "down" else 1)
         return TensorPlace(layer, "layer", 2 if e.group(1) == "down" else 1)
     if module in _COLWISE and kind in ("weight", "bias"):
         if module in _KV and kv_replicated(config, tp):
@@ -134,8 +139,8 @@ def _adapter_place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
 
 
 def is_experts(name: str) -> bool:
-    """Whether a checkpoint tensor is a mixture of experts' stacked experts (dim 0: the experts,
-    expert parallel's split)."""
+    """Whether a checkpoint tensor is a mixture of experts' stacked experts' weight or bias (dim 0:
+    the experts, expert parallel's split)."""
     m = _LAYER.match(split_optim_name(name)[1])
     return m is not None and _EXPERTS.match(m.group(2)) is not None
 
@@ -434,15 +439,41 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     return layers
 
 
-def fsdp_dim(shape: Sequence[int], tp_dim: int | None = None) -> int:
-    """The dim FSDP2 shards a parameter of `shape` on: 0, but a stacked experts tensor's rows or
-    columns: its dim 0, the experts (Mixtral's 8), is smaller than many dp sizes and would leave
+def fsdp_dim(name: str, shape: Sequence[int], tp_dim: int | None = None) -> int:
+    """The dim FSDP2 shards parameter `name` of `shape` on: 0, but a stacked experts tensor's rows
+    or columns: its dim 0, the experts (Mixtral's 8), is smaller than many dp sizes and would leave
     ranks empty (and is expert parallel's); its other dims split evenly. Dim 1, or 2 where tp
     splits dim 1 (`tp_dim`, when tp > 1): two splits of one dim would interleave (FSDP2's strided
-    shards), which a checkpoint's boxes cannot say."""
-    if len(shape) != 3:
+    shards), which a checkpoint's boxes cannot say. An experts' bias [experts, out] split by tp on
+    its dim 1 has dim 0 left (`check_sharding` keeps that to layouts it divides evenly)."""
+    if not is_experts(name):
         return 0
+    if len(shape) == 2:
+        return 0 if tp_dim == 1 else 1
     return 2 if tp_dim == 1 else 1
+
+
+def check_sharding(config: ModelConfig, par: Parallelism, dims: Dims, where: str = "$.parallel") -> None:
+    """The checks that need the whole mesh's sizes: QLoRA's (`check_nf4`), and experts' biases
+    split by tp (gpt-oss), whose FSDP2 shards then take the experts dim (`fsdp_dim`): not split by
+    ep as well, and evenly over the replicas."""
+    if nf4_base(par):
+        check_nf4(config, par, dims, where)
+    biased = config.num_experts is not None and config.mlp_bias
+    if not (biased and dims.tp > 1 and fsdp_wrapped(par, dims)):
+        return
+    edp = dims.replicas // dims.ep
+    if dims.ep > 1 and edp > 1:
+        raise UserError(
+            "experts with biases under tp x ep train with dp = ep (their biases' one free dim is ep's)",
+            f"{where}.ep",
+        )
+    if dims.ep == 1 and config.num_experts % dims.replicas:
+        raise UserError(
+            f"experts' biases under tp are sharded over dp x cp {dims.replicas} by expert, which "
+            f"must divide the {config.num_experts} experts",
+            where,
+        )
 
 
 # --- how the engine builds and wraps a stage (engine.py applies them; the planner counts them) ----

@@ -13,6 +13,7 @@ Fewer kv heads than tp (multi-query Falcon 7B, or GQA with tp a multiple of the 
 replicated, each rank keeps the kv head its query heads use, and the k/v output gradients are summed
 over tp so the replicated weights get the full gradient. Per-head q/k norms (qk_norm) act on each
 rank's own heads with a replicated weight whose gradient DTensor sums over tp (`HeadNorm`).
+Attention sinks, a logit per q head, are split like q's heads (`HeadSinks`).
 
 A stage's boundaries are always plain tensors: hidden states in and out ([B, S/tp, H] with sequence
 parallel, [B, S, H] without) and the local vocab shard of the logits, so pipeline stages send plain
@@ -41,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from megacore.config import ModelConfig
-from megacore.models.decoder import LatentAttention
+from megacore.models.decoder import LatentAttention, Sinks
 from megacore.models.moe import GroupedLinear, MoE
 from megacore.parallel.layout import place
 
@@ -135,6 +136,20 @@ class HeadNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
+class HeadSinks(ParallelStyle):
+    """Attention sinks (`decoder.Sinks`, a logit per q head) split on the heads like q: the module
+    gives this rank's heads' logits as a plain tensor, whose gradient is this shard's own."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            mod.weight = nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)]))
+
+        def outputs(mod, out, mesh):
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, partition, output_fn=outputs)
+
+
 def _linear_styles(module: nn.Module, float8: bool) -> tuple[type, type]:
     """(colwise, rowwise) styles for `module`: torchao's for a Float8Linear, else torch's."""
     if float8:
@@ -175,6 +190,8 @@ def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool,
         if ".mlp.shared_expert." in name:  # inside the MoE, which takes and gives whole plain rows
             return rowwise(output_layouts=Replicate(), use_local_output=True)
         return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
+    if isinstance(module, Sinks):
+        return HeadSinks()
     if isinstance(module, GroupedLinear) or name.endswith(("mlp.router", "mlp.shared_expert_gate")):
         return None  # experts: split by `ep.apply_ep` (over tp too); the router and gate replicated
     if name.endswith(LATENT):

@@ -19,7 +19,15 @@ What is counted (tests/train/test_planner.py measures a step on CPU):
   saves what the fused RMSNorm does; where it runs as plain ops (on a sequence shard, a q/k norm
   at tp > 1) its fp32 input and fp32 normalised input. A sliding window shorter than the sequence
   adds the S x S mask SDPA saves (not with flash-attn), on the layers that slide
-  (`attention_window`). selective: without the attention kernel's output and log-sum-exp (its
+  (`attention_window`). Latent attention (DeepSeek V3, `kv_lora_rank`) instead of q/k/v: kv_a_proj's
+  output (latent + rope wide, whole on every tp rank: its norm's input is a view of it), q_a_proj's
+  (q_lora_rank), their norms' fp32 statistics and outputs (under tp plain nn.RMSNorm, with an fp32
+  normalised input besides, and in a 2-byte dtype an fp32 copy of the input for it), q and k of
+  heads x head_dim, v padded to head_dim, the kernel's head_dim-wide output, o_proj's input of
+  heads x v_head_dim. Attention sinks (gpt-oss) on a GPU: the fp32 scores' softmax, the
+  probabilities, copies of q, k and v and a boolean mask, S x S per head, not SDPA's tensors
+  (`_sink_attention`; context parallel's chunks are sized as without sinks). The MLP's tensors
+  ffn wide by the activation (`MLP_SAVES`: gpt-oss's clamped SwiGLU 7). selective: without the attention kernel's output and log-sum-exp (its
   kernels keep no S x S matrix to drop). full: the block's input only, plus one layer's recompute at
   the peak of the backward.
 - context parallel (cp > 1): all of the above for the rank's T tokens; attention adds the whole
@@ -29,8 +37,8 @@ What is counted (tests/train/test_planner.py measures a step on CPU):
   chunk without a window materialises one too: not counted; on a GPU none).
   Selective recompute drops both (the cp kernel reruns whole, its all-gather included).
 - per stage: token ids (first), the RoPE tables (twice with Gemma 3's local ones; cos and sin
-  [S, hd], under cp per row: [micro, S / cp, hd], as cp gives positions), the final norm and the
-  loss (last: the fused loss saves the hidden-state and weight gradients; vocab-parallel logits
+  [S, hd], latent attention's its rope dims wide; under cp per row: [micro, S / cp, hd], as cp
+  gives positions), the final norm and the loss (last: the fused loss saves the hidden-state and weight gradients; vocab-parallel logits
   keep their fp32 log-softmax, and a pipeline's last stage keeps its logits too), a pipeline
   stage's output (kept until its backward).
 - in flight (`in_flight`): microbatch-chunks a pipeline rank holds at its peak, from the schedules'
@@ -53,6 +61,7 @@ from megacore.config import (
     attention_window,
     local_rope,
     mlp_width,
+    rope_dim,
     sparse_layer,
 )
 from megacore.parallel.layout import Parallelism, check_parallelism, fast_paths, fused_loss, kv_replicated
@@ -107,14 +116,33 @@ def _cp_attention(
     return gathered + max(sum(n * end * c for end in pair if end > window) for pair in ends)
 
 
+# Tensors ffn wide a gated MLP saves per token (gate and up, then the activation's): SwiGLU and
+# GeGLU the activated gate and the product; gpt-oss's clamped SwiGLU the clamped gate, its sigmoid,
+# their product, up + 1 and the product (measured with saved_tensors_hooks). GELU: up and gelu(up).
+MLP_SAVES = {"swiglu": 4, "geglu_tanh": 4, "clamped_swiglu": 7, "gelu": 2}
+
+
 def _moe_activations(config: ModelConfig, tokens: int, c: int, tp: int) -> int:
     """What a mixture-of-experts MLP saves (models/moe.py): each routed (token, expert) row's input,
-    gate, up, silu and product (tp-local: each expert's ffn is split over tp), and its output
-    before the routing weight; the router's logits and fp32 probabilities, and the int64 indices
-    and fp32 weights of the top-k choices."""
+    its gated MLP's tensors (`MLP_SAVES`, tp-local: each expert's ffn is split over tp), and its
+    output before the routing weight; the router's logits and fp32 probabilities, and the int64
+    indices and fp32 weights of the top-k choices."""
     routed, experts = tokens * config.experts_per_token, config.num_experts
     h, f = config.hidden_size, config.ffn_hidden_size // tp
-    return routed * (4 * f + 2 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
+    glu = MLP_SAVES[config.activation] * f
+    return routed * (glu + 2 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
+
+
+def _sink_attention(config: ModelConfig, par: Parallelism, micro: int, local: int, heads: int) -> int:
+    """What attention with sinks (gpt-oss, `models.sinks`) saves on a GPU, where no fused kernel has
+    a sink: the fp32 scores' softmax with the sink column [micro, heads, S, S + 1], the probabilities
+    in the compute dtype (in fp32 a view of it), q and k in fp32 and v (the GQA-repeated heads),
+    copied by the matmuls, and the S x S boolean mask. Its output, a matmul's, is not saved; nor
+    are rotated q and k, or the q/k/v projection's output (on a CPU the sink kernel saves SDPA's
+    tensors instead, and an additive mask: less)."""
+    c, hd, tokens = COMPUTE_BYTES[par.precision], config.head_dim, micro * local
+    scores = micro * heads * local * (local + 1) * 4 + (micro * heads * local * local * c if c < 4 else 0)
+    return scores + tokens * heads * hd * (8 + c) + local * local
 
 
 def _norm_activations(config: ModelConfig, par: Parallelism, tokens: int, heads: int, kv: int) -> int:
@@ -142,6 +170,52 @@ def _norm_activations(config: ModelConfig, par: Parallelism, tokens: int, heads:
     return norms
 
 
+def _latent_norm(par: Parallelism, tokens: int, width: int, stored: int) -> int:
+    """What one of latent attention's RMSNorms (`width` wide) saves, with the output its expansion
+    reads: its input, a view keeping the projection output's whole `stored` width alive, and the fp32
+    rstd; under tp (plain nn.RMSNorm) an fp32 normalised input besides, and in a 2-byte dtype the
+    input's fp32 copy in the view's place (measured with saved_tensors_hooks)."""
+    c = COMPUTE_BYTES[par.precision]
+    out = tokens * 4 + tokens * width * c
+    if fast_paths(par)["head_norms"]:
+        return out + tokens * stored * c
+    return out + (tokens * stored * c if c == 4 else tokens * width * 4) + tokens * width * 4
+
+
+def _latent_attention(config: ModelConfig, par: Parallelism, tokens: int, heads: int) -> int:
+    """What latent attention (`LatentAttention`) saves before its kernel: the latent norms' inputs,
+    statistics and outputs (kv_a_proj's latent + rope output, q_a_proj's q_lora_rank one), and the
+    kernel's q, k and v, each tp-local heads x head_dim (v padded to it; a v as wide as q's heads is
+    instead a view keeping kv_b_proj's whole nope + v output)."""
+    c, hd, v, rope = COMPUTE_BYTES[par.precision], config.head_dim, config.v_head_dim, config.qk_rope_head_dim
+    latent, q_lora = config.kv_lora_rank, config.q_lora_rank
+    total = _latent_norm(par, tokens, latent, latent + rope)
+    if q_lora is not None:
+        total += _latent_norm(par, tokens, q_lora, q_lora)
+    v_kept = heads * hd if v < hd else heads * (hd - rope + v)
+    return total + tokens * (2 * heads * hd + v_kept) * c
+
+
+def _attention(
+    config: ModelConfig, par: Parallelism, tokens: int, heads: int, kv: int
+) -> tuple[int, int, int, int]:
+    """What attention saves before its kernel, o_proj's input, at tp 1 the fused q/k/v matmul's
+    concatenated weights, and the kernel's output: o_proj's input is a copy of it, but for latent
+    attention's v as wide as q's heads (its q, a cat, lays the output out [b, s, heads, d], and the
+    reshape is a view of it: counted once, as o_proj's input); a narrower v is sliced out of it."""
+    c, tp, h, hd = COMPUTE_BYTES[par.precision], par.spec.tp, config.hidden_size, config.head_dim
+    q = heads * hd
+    if config.kv_lora_rank is not None:  # latent attention: no fused projections
+        v = config.v_head_dim
+        out = tokens * q * c if v < hd else 0
+        return _latent_attention(config, par, tokens, heads), tokens * heads * v * c, 0, out
+    if fast_paths(par)["projections"]:  # fused q/k/v: v is a view of the projection output, alive whole
+        return tokens * (2 * q + 3 * kv) * c, tokens * q * c, (q + 2 * kv) * h * c, tokens * q * c
+    # kv heads replicated: this rank's head is a view of the whole v projection output
+    v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
+    return tokens * (q + kv + v) * c, tokens * q * c, 0, tokens * q * c
+
+
 def layer_activations(
     config: ModelConfig,
     par: Parallelism,
@@ -156,32 +230,29 @@ def layer_activations(
     tp, c, cp = par.spec.tp, COMPUTE_BYTES[par.precision], par.spec.cp
     local = seq // cp  # the rank's tokens of each row: context parallel's part
     tokens, sp = micro * local, sequence_shards(par)
-    h, hd = config.hidden_size, config.head_dim
+    h = config.hidden_size
     residual = math.ceil(tokens / sp) * h * c  # a hidden state on the residual stream
     if mode == "full":
         return residual
     heads, sparse = config.num_heads // tp, sparse_layer(config, layer)
-    q, f = heads * hd, mlp_width(config, layer) // tp
+    f = mlp_width(config, layer) // tp
     shared = (config.shared_expert_size or 0) // tp if sparse else 0  # a dense MLP beside the experts
     kv = kv_width(config, tp)
-    fast = fast_paths(par)
-    if fast["projections"]:  # fused q/k/v: v is a view of the projection output, which stays alive whole
-        qkv = tokens * (2 * q + 3 * kv) * c
-        gate_up = f if config.activation in GATED_ACTIVATIONS and not sparse else shared  # fused
-        weights = (q + 2 * kv) * h * c + 2 * gate_up * h * c
-    else:  # kv heads replicated: this rank's head is a view of the whole v projection output
-        v = config.num_kv_heads * hd if kv_replicated(config, tp) else kv
-        qkv = tokens * (q + kv + v) * c
-        weights = 0
+    qkv, o_proj_in, weights, out = _attention(config, par, tokens, heads, kv)
+    if fast_paths(par)["projections"]:  # fused gate/up: their concatenated weights
+        gate_up = f if config.activation in GATED_ACTIVATIONS and not sparse else shared
+        weights += 2 * gate_up * h * c
     norms = _norm_activations(config, par, tokens, heads, kv)
-    o_proj_in = tokens * q * c
-    kernel = tokens * q * c + micro * heads * local * 4  # the kernel's output and log-sum-exp
+    kernel = out + micro * heads * local * 4  # the kernel's output and log-sum-exp
     window = attention_window(config, layer)
+    if config.attn_sinks:  # its saves (copies of q, k, v) instead of the kernel's and q, k, v, which
+        # selective recompute keeps as the rerun's inputs
+        kernel = _sink_attention(config, par, micro, local, heads) - qkv
     if cp > 1:  # selective recompute reruns the cp kernel whole, its gather included
         kernel += _cp_attention(config, par, micro, seq, kv, layer, attention)
-    elif window is not None and seq > window and attention != "flash":
+    elif window is not None and seq > window and attention != "flash" and not config.attn_sinks:
         kernel += seq * seq * c  # SDPA's additive mask
-    mlp = (4 if config.activation in GATED_ACTIVATIONS else 2) * tokens * f * c
+    mlp = MLP_SAVES[config.activation] * tokens * f * c
     if sparse:  # the routed experts, and a shared one's SwiGLU and sigmoid gate
         mlp = _moe_activations(config, tokens, c, tp) + 4 * tokens * shared * c + 2 * tokens * c
     total = norms + qkv + o_proj_in + mlp + weights
@@ -225,8 +296,8 @@ def _stage_activations(
         for i, n in _layer_kinds(config, layers[stage]).items()
     )
     tables = len({local_rope(config, i) for i in _layer_kinds(config, layers[stage])}) or 1  # Gemma 3
-    # The RoPE tables (cos and sin): [S, 1, hd]; under cp per row, [b, S / cp, 1, hd] (positions given)
-    total += tables * 2 * (tokens if cp > 1 else seq) * config.head_dim * c
+    # The RoPE tables (cos and sin): [S, 1, rotated dims]; under cp per row, [b, S / cp, 1, ...]
+    total += tables * 2 * (tokens if cp > 1 else seq) * rope_dim(config) * c
     if first:
         total += tokens * 8  # token ids, for the embedding's backward
     else:

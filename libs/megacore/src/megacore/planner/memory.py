@@ -11,7 +11,8 @@ State (exact: tests/train/test_planner.py sums a live run's tensors on every ran
   last ones shorter or empty: what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows;
   the largest rank (replica 0), which decides whether a layout fits, holds exactly that.
 - grads: fp32, the same shapes, except the vocab-parallel embedding's under tp without FSDP2:
-  DTensor's backward leaves the whole table's gradient on every tp rank.
+  DTensor's backward leaves the whole table's gradient on every tp rank; DeepSeek V3's balancing
+  bias has none (nor AdamW state: held as LoRA's frozen base is, `_kind`).
 - optimizer: AdamW's exp_avg and exp_avg_sq (fp32, the parameters' shapes) and its step counter,
   a 4-byte tensor per parameter. copies: bf16/fp16 compute copies of every parameter
   (`engine.ComputeCopies`), held with mixed precision when dp x cp is 1, except under the
@@ -130,7 +131,11 @@ def rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> Tensors
 
 def _kind(name: str, par: Parallelism) -> str:
     """How a parameter is held: "trained" (fp32 master, gradient, AdamW moments), or LoRA's frozen
-    base, "frozen" (its weights alone) or "nf4" (QLoRA's projections, `config.nf4_bytes`)."""
+    base, "frozen" (its weights alone) or "nf4" (QLoRA's projections, `config.nf4_bytes`). DeepSeek
+    V3's balancing bias is frozen too: a parameter without a gradient, which the engine moves and no
+    optimizer holds (`ComputeCopies` keeps it in the compute dtype alone, as LoRA's base)."""
+    if name.endswith(".mlp.router_bias"):
+        return "frozen"
     if par.lora is None or is_adapter_tensor(name):
         return "trained"
     return "nf4" if par.lora.base_dtype == "nf4" and is_block_projection(name) else "frozen"
@@ -151,7 +156,7 @@ def _shard_groups(config: ModelConfig, par: Parallelism, tensors: Tensors) -> Co
     return Counter(
         (
             shape,
-            fsdp_dim(shape, place(name, config, tp).tp_dim if tp > 1 else None),
+            fsdp_dim(name, shape, place(name, config, tp).tp_dim if tp > 1 else None),
             is_experts(name),
             _kind(name, par),
         )

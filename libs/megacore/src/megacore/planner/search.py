@@ -20,7 +20,7 @@ import msgspec
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.parallel.layout import RECOMPUTE, Dims, Parallelism, check_nf4, check_parallelism, nf4_base
+from megacore.parallel.layout import RECOMPUTE, Dims, Parallelism, check_parallelism, check_sharding
 from megacore.planner.memory import ALLOWANCE, TensorCache, fixed_bytes, peak_bytes, tensor_cache
 from megacore.planner.throughput import GPUS_PER_NODE, relative_throughput
 
@@ -96,8 +96,7 @@ class Search:
             m = dims.microbatches(self.global_batch, self.micro, "global batch")
             par = candidate_parallelism(self.base, dims, m, "none")
             check_parallelism(self.config, par)
-            if nf4_base(par):  # the layouts QLoRA covers
-                check_nf4(self.config, par, dims)
+            check_sharding(self.config, par, dims)
         except UserError as e:
             return Candidate(dims, "-", 0, 0, 0.0, False, str(e))
         fixed = fixed_bytes(self.config, par, dims.dp, self.tensors(par))

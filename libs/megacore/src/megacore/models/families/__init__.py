@@ -16,7 +16,17 @@ import msgspec
 
 from megacore.config import TOKEN_ID_FIELDS, ModelConfig, config_differences, pad_vocab
 from megacore.errors import UserError
-from megacore.models.families import deepseek_v3, falcon, gemma3, llama, mistral, mixtral, qwen2, qwen3
+from megacore.models.families import (
+    deepseek_v3,
+    falcon,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+)
 from megacore.models.families.hf_config import max_positions_to_hf
 from megacore.models.families.tensor_map import TensorMap
 
@@ -29,6 +39,7 @@ FAMILIES: dict[str, ModuleType] = {
     "gemma3": gemma3,
     "mixtral": mixtral,
     "deepseek_v3": deepseek_v3,
+    "gpt_oss": gpt_oss,
 }
 
 # The ModelConfig fields every family's config.json writes: the family (its model_type), the sizes,
@@ -58,6 +69,15 @@ SHARED_FIELDS = (*WRITTEN_BY_ALL, *NOT_CARRIED)
 
 def family_of(config: ModelConfig) -> ModuleType:
     return FAMILIES[config.family]
+
+
+def hf_attention(model_type: object) -> str:
+    """The attn_implementation transformers runs a family's model with here: SDPA, or a family's
+    own (`HF_ATTENTION`: gpt-oss's sinks have no SDPA path, only eager)."""
+    for fam in FAMILIES.values():
+        if model_type in fam.MODEL_TYPES:
+            return getattr(fam, "HF_ATTENTION", "sdpa")
+    return "sdpa"
 
 
 def family_for_model_type(model_type: object, where: str) -> ModuleType:
@@ -150,4 +170,5 @@ __all__ = [
     "differences_from_hf",
     "family_for_model_type",
     "family_of",
+    "hf_attention",
 ]
