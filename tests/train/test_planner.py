@@ -239,6 +239,24 @@ MLA = {
 }  # fmt: skip
 
 
+def saved_bytes(forward: Callable[[], object], skip: tuple) -> int:
+    """The bytes of the storages a forward hands autograd (saved tensor hooks), each once, those
+    of `skip` (weights, inputs, RoPE tables) left out."""
+    import torch
+
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skipped:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())
+
+
 def latent_norm_bytes(tokens: int, width: int, stored: int, c: int, plain: bool) -> int:
     """A latent RMSNorm over `width` dims of a projection output `stored` wide: its input (a view,
     which keeps the whole output), fp32 rstd and its output (the expansion's input). Plain
@@ -286,18 +304,9 @@ def test_latent_attention_saves_what_the_closed_form_counts(
     attn = LatentAttention(config, impl="sdpa", fast=FastPaths(head_norms=not plain)).to(dtype)
     x = torch.randn(micro, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     cos, sin = rope_tables(config, seq, "cpu", dtype)
-    skip = {t.untyped_storage().data_ptr() for t in (*attn.parameters(), x, cos, sin)}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        attn(x, cos, sin)
+    saved = saved_bytes(lambda: attn(x, cos, sin), (*attn.parameters(), x, cos, sin))
     c = 4 if precision == "fp32" else 2
-    assert sum(saved.values()) == latent_attention_bytes(shape, config.num_heads, micro, seq, c, plain)
+    assert saved == latent_attention_bytes(shape, config.num_heads, micro, seq, c, plain)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 64])
@@ -382,17 +391,8 @@ def test_sink_attention_and_clamped_swiglu_layers_are_sized_by_what_they_save(
     block = Block(config, layer, "sdpa").to(dtype)
     x = torch.randn(micro, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     cos, sin = rope_tables(config, seq, "cpu", dtype)
-    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, cos, sin)
-    assert sum(saved.values()) == sink_layer_bytes(micro, seq, c, "none")
+    saved = saved_bytes(lambda: block(x, cos, sin), (*block.parameters(), cos, sin))
+    assert saved == sink_layer_bytes(micro, seq, c, "none")
     for recompute in ("none", "selective"):
         par = Parallelism(ParallelSpec(), precision, 1, False, recompute)
         got = planner.layer_activations(config, par, micro, seq, layer=layer)

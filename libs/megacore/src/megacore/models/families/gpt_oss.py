@@ -22,7 +22,7 @@ from typing import Any
 
 from megacore.config import ModelConfig
 from megacore.errors import UserError
-from megacore.models.families import gemma3
+from megacore.models.families import gemma3, llama
 from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
 from megacore.models.families.tensor_map import TensorMap, linear, rename
 
@@ -42,22 +42,14 @@ DEFAULT_ROPE = {
     "beta_slow": 1.0,
     "truncate": False,
     "original_max_position_embeddings": 4096,
-    "rope_theta": 150000.0,
 }
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     """ModelConfig from a gpt-oss config.json (defaults as transformers' GptOssConfig)."""
-    if not any(k in hf for k in ("rope_parameters", "rope_scaling")):
-        hf = {
-            **hf,
-            "rope_parameters": {
-                **DEFAULT_ROPE,
-                **({"rope_theta": hf["rope_theta"]} if "rope_theta" in hf else {}),
-            },
-        }
-    elif "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {}):
-        hf = {**hf, "rope_theta": DEFAULT_ROPE["rope_theta"]}
+    hf = {"rope_theta": 150000.0, **hf}  # rope_parameters' own theta, where it has one, wins
+    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+        hf["rope_parameters"] = DEFAULT_ROPE
     c = HFConfig(hf, where)
     if not c.bool("attention_bias", True):
         raise UserError("$.attention_bias: false is not supported (gpt-oss has q/k/v/o biases)", where)
@@ -147,28 +139,23 @@ def _transpose(ts):
     return (ts[0].transpose(1, 2).contiguous(),)
 
 
-def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    maps = [rename("model.embed_tokens.weight", "embed.weight")]
-    for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        maps.append(rename(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight"))
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", True)
-        maps.append(rename(f"{hf}.self_attn.sinks", f"{ours}.attn.sinks.weight"))
-        maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
-        linear(maps, f"{hf}.mlp.router", f"{ours}.mlp.router", True)
-        e, x = f"{hf}.mlp.experts", f"{ours}.mlp.experts"
-        maps.append(
-            TensorMap(
-                (f"{e}.gate_up_proj", f"{e}.gate_up_proj_bias"),
-                (f"{x}.gate_proj.weight", f"{x}.up_proj.weight", f"{x}.gate_proj.bias", f"{x}.up_proj.bias"),
-                _split_gate_up,
-                _fuse_gate_up,
-            )
+def _experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
+    """A layer's router with its bias and its experts, fused and transposed in HF's layout."""
+    maps: list[TensorMap] = []
+    linear(maps, f"{hf}.mlp.router", f"{ours}.mlp.router", True)
+    e, x = f"{hf}.mlp.experts", f"{ours}.mlp.experts"
+    maps.append(
+        TensorMap(
+            (f"{e}.gate_up_proj", f"{e}.gate_up_proj_bias"),
+            (f"{x}.gate_proj.weight", f"{x}.up_proj.weight", f"{x}.gate_proj.bias", f"{x}.up_proj.bias"),
+            _split_gate_up,
+            _fuse_gate_up,
         )
-        maps.append(TensorMap((f"{e}.down_proj",), (f"{x}.down_proj.weight",), _transpose, _transpose))
-        maps.append(rename(f"{e}.down_proj_bias", f"{x}.down_proj.bias"))
-    maps.append(rename("model.norm.weight", "norm.weight"))
-    if not config.tie_embeddings:
-        maps.append(rename("lm_head.weight", "lm_head.weight"))
+    )
+    maps.append(TensorMap((f"{e}.down_proj",), (f"{x}.down_proj.weight",), _transpose, _transpose))
+    maps.append(rename(f"{e}.down_proj_bias", f"{x}.down_proj.bias"))
     return maps
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    return llama.tensor_maps(config, experts=_experts)

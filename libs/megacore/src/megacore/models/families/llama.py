@@ -9,6 +9,7 @@ share its config.json keys but the bias switches (`lineage_fields`, `lineage_to_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megacore.config import ModelConfig, sparse_layer
@@ -127,7 +128,11 @@ def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
     return maps
 
 
-def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+def tensor_maps(
+    config: ModelConfig, experts: Callable[[ModelConfig, str, str], list[TensorMap]] = moe_experts
+) -> list[TensorMap]:
+    """Llama's names, the switches' tensors (biases, q/k norms, sinks) where they are on; a sparse
+    layer's router and experts from `experts` (gpt-oss stores them otherwise)."""
     maps = [rename("model.embed_tokens.weight", "embed.weight")]
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
@@ -138,9 +143,11 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         if config.qk_norm:  # Qwen 3, which keeps Llama's names otherwise
             maps.append(rename(f"{hf}.self_attn.q_norm.weight", f"{ours}.attn.q_norm.weight"))
             maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
+        if config.attn_sinks:  # gpt-oss's
+            maps.append(rename(f"{hf}.self_attn.sinks", f"{ours}.attn.sinks.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
         if sparse_layer(config, i):
-            maps.extend(moe_experts(config, hf, ours))
+            maps.extend(experts(config, hf, ours))
             continue
         for p in MLP_NAMES:
             linear(maps, f"{hf}.mlp.{p}", f"{ours}.mlp.{p}", config.mlp_bias)
