@@ -1,13 +1,16 @@
 """The families of issue #35 against transformers' own models: a training step (forward + backward +
-fused AdamW) of megacore's Decoder as a small DeepSeek V3 against transformers'
-DeepseekV3ForCausalLM (same config, weights, batch, dtype, loss and optimizer), one process, 2
-threads, steps interleaved one by one so that load from other processes hits both alike; tokens/s
-are each side's fastest step, ratios the median over rounds of the two sides' times in the same
-round. transformers as its users run it: its default attention (SDPA) and experts implementation.
+fused AdamW) of megacore's Decoder as a small DeepSeek V3 and a small gpt-oss against transformers'
+DeepseekV3ForCausalLM and GptOssForCausalLM (same config, weights, batch, dtype, loss and optimizer),
+one process, 2 threads, steps interleaved one by one so that load from other processes hits both
+alike; tokens/s are each side's fastest step, ratios the median over rounds of the two sides' times
+in the same round. transformers as its users run it: its default attention (SDPA; eager for gpt-oss,
+whose sinks have no SDPA path there) and experts implementation.
 
-Full size: hidden 512, 4 layers (the first dense), 8 heads of latent attention (q rank 256, kv rank
-128, 64 + 32 rotated dims, v 64), 16 experts of ffn 512 in 4 groups (the best 2 chosen), top-4 and
-one shared expert, vocab 32000, batch 4 x 512, fp32 and bf16.
+Full size, DeepSeek V3: hidden 512, 4 layers (the first dense), 8 heads of latent attention (q rank
+256, kv rank 128, 64 + 32 rotated dims, v 64), 16 experts of ffn 512 in 4 groups (the best 2
+chosen), top-4 and one shared expert. gpt-oss: hidden 512, 4 layers alternating a 128-token sliding
+window and full attention, 8 heads of 64 (2 kv heads) with sinks and biases, 16 experts of ffn 512
+top-4 with biases and the clamped SwiGLU, YaRN. Both: vocab 32000, batch 4 x 512, fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -38,19 +41,43 @@ def _deepseek(quick: bool) -> dict:
             "first_k_dense_replace": 1, "max_position_embeddings": 1024}  # fmt: skip
 
 
-def _models(quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, object]:
-    """(ours, transformers' DeepSeek V3 with the same weights), and the HF config."""
+def _gpt_oss(quick: bool) -> dict:
+    if quick:
+        sizes = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32,
+                 "vocab_size": 2000, "intermediate_size": 64, "sliding_window": 32}  # fmt: skip
+    else:
+        sizes = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64,
+                 "vocab_size": 32000, "intermediate_size": 512, "sliding_window": 128}  # fmt: skip
+    return {**sizes, "num_key_value_heads": 2, "num_local_experts": 16, "num_experts_per_tok": 4,
+            "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+            "layer_types": ["sliding_attention", "full_attention"] * (sizes["num_hidden_layers"] // 2)}  # fmt: skip
+
+
+# name: (transformers' config and model classes, the config's sizes, the note's shape)
+FAMILIES = {
+    "DeepSeek V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _deepseek,
+                    "hidden 512, 4 layers, 16 experts top-4"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", _gpt_oss,
+                "hidden 512, 4 layers (sliding 128 / full), 16 experts top-4"),
+}  # fmt: skip
+
+
+def _models(family: str, quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """(ours, transformers' model of `family` with the same weights), and the HF config."""
+    import transformers
     from safetensors.torch import load_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from megacore.models import Decoder, config_from_hf, hf_state_dict_to_ours
 
+    config_cls, model_cls, sizes, _ = FAMILIES[family]
     torch.manual_seed(0)
-    hf_config = DeepseekV3Config(**_deepseek(quick))
-    peer = DeepseekV3ForCausalLM(hf_config)
-    with torch.no_grad():  # a router that routes (transformers starts it at zero: every tie)
+    hf_config = getattr(transformers, config_cls)(**sizes(quick))
+    peer = getattr(transformers, model_cls)(hf_config)
+    with torch.no_grad():  # routers that route (transformers starts DeepSeek's at zero: every tie)
         for name, p in peer.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 0.02)
     with tempfile.TemporaryDirectory() as tmp:  # the checkpoint names (per-expert projections)
         peer.save_pretrained(tmp)
@@ -65,26 +92,23 @@ def run(quick: bool) -> list[Row]:
     torch.set_num_threads(THREADS)
     batch, seq = (2, 128) if quick else (4, 512)
     rows = []
-    note = (
-        "quick: tiny"
-        if quick
-        else f"DeepSeek V3 shape: hidden 512, 4 layers, 16 experts top-4, {batch}x{seq}"
-    )
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        ours, peer, hf_config = _models(quick, dtype)
-        ids = torch.randint(
-            0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
-        )
-        steppers = {"ours": stepper(ours, False, ids), "peer": stepper(peer, True, ids)}
-        times = paired_rounds(steppers, 2 if quick else 7)
-        tps = {k: batch * seq / min(v) for k, v in times.items()}
-        paired = statistics.median(t / o for t, o in zip(times["peer"], times["ours"], strict=True))
-        rows.append(
-            Row("families", f"train step tokens/s {name} vs transformers' DeepSeek V3", f"{tps['ours']:.0f}",
-                f"{tps['peer']:.0f}", paired, ">= 1.5x",
-                f"{note}, {THREADS} threads; ratio: median of {len(times['ours'])} paired rounds")
-        )  # fmt: skip
-        del steppers, ours, peer
+    for family, (*_, shape) in FAMILIES.items():
+        note = "quick: tiny" if quick else f"{family} shape: {shape}, {batch}x{seq}"
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            ours, peer, hf_config = _models(family, quick, dtype)
+            ids = torch.randint(
+                0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
+            )
+            steppers = {"ours": stepper(ours, False, ids), "peer": stepper(peer, True, ids)}
+            times = paired_rounds(steppers, 2 if quick else 7)
+            tps = {k: batch * seq / min(v) for k, v in times.items()}
+            paired = statistics.median(t / o for t, o in zip(times["peer"], times["ours"], strict=True))
+            rows.append(
+                Row("families", f"train step tokens/s {name} vs transformers' {family}", f"{tps['ours']:.0f}",
+                    f"{tps['peer']:.0f}", paired, ">= 1.5x",
+                    f"{note}, {THREADS} threads; ratio: median of {len(times['ours'])} paired rounds")
+            )  # fmt: skip
+            del steppers, ours, peer
     return rows
 
 

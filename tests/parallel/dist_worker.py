@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 from torchao.quantization import to_nf4
 
 from megacore.artifacts.manifest import Adapter, BaseModel, ParallelSpec, TrainingState
@@ -337,6 +338,28 @@ def eval_checks(pm: ParallelModel, inputs: dict, want: torch.Tensor, label: str,
     return ["eval-logits"]
 
 
+def cp_gather_checks(pm: ParallelModel, inputs: dict, label: str) -> list[str]:
+    """What each layer's attention gathers over the cp ranks, per token: latent attention the normed
+    latent and the rotated k every head shares (kv_lora_rank + qk_rope_head_dim values), not the k
+    and v expanded from them; standard attention k and v of the rank's kv heads (one where tp
+    replicates them)."""
+    cfg, tp, cp = pm.config, pm.par.spec.tp, pm.par.spec.cp
+    if cfg.kv_lora_rank is not None:
+        want = [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
+    else:
+        want = [(max(1, cfg.num_kv_heads // tp), cfg.head_dim)] * 2
+    layers = sum(len(part.layers) for part in pm.parts)
+    # The profiler's record of each all-gather's input: those of activations are [B, S / cp, ...]
+    # (not FSDP2's flat parameter shards, nor packed rows' document ids [B, S / cp]).
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        pm.evaluate(**inputs)
+    shapes = [e.input_shapes[1] for e in prof.events() if e.name == "c10d::_allgather_base_"]
+    shapes = [tuple(shape) for shape in shapes if len(shape) >= 3]
+    assert [shape[2:] for shape in shapes] == want * layers * pm.par.microbatches, (label, shapes)
+    assert {shape[1] for shape in shapes} == {SEQ // cp}, (label, shapes)
+    return ["cp-gathers"]
+
+
 def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     cfg = FAMILIES[sc["family"]]
     spec = ParallelSpec(
@@ -416,6 +439,8 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
     # scenario on CPU); with tp (autograd kept on: `evaluate`) they are checked.
     if not (par.compile and spec.tp == 1):
         checks += eval_checks(pm, mine(rows), ref["logits"][rows], label, tol)
+    if spec.cp > 1:
+        checks += cp_gather_checks(pm, mine(rows), label)
     if "save" in sc:
         adapter = None
         if par.lora is not None:  # the adapters and their moments only

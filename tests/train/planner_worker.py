@@ -64,10 +64,14 @@ def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> planner.State:
 
 
 def saved_bytes(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> int:
-    """The bytes of the tensors autograd saves in a step (their storages, each once: views share)."""
+    """The bytes of the tensors autograd saves in a step (their storages, each once: views share),
+    but parameters and views of them (FSDP2's unsharded ones: state, which the planner counts
+    apart, and freed after the forward)."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
+            return t
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
         return t

@@ -50,6 +50,14 @@ CP_MEASURED = {
     "config": {"vocab_size": 1000, "padded_vocab_size": 1024, "hidden_size": 256, "num_heads": 8,
                "num_kv_heads": 4, "ffn_hidden_size": 688, "max_seq_len": 512, "sliding_window": 64},
 }  # fmt: skip
+# Latent attention (DeepSeek V3's, q LoRA, v narrower than q and k) at cp 2: the normed latent and
+# the rotated k gathered, the whole rows' k and v expanded from them on each rank.
+MLA_CP_MEASURED = {
+    **CP_MEASURED,
+    "config": {"family": "deepseek_v3", "vocab_size": 1000, "padded_vocab_size": 1024, "hidden_size": 256,
+               "num_heads": 8, "num_kv_heads": 8, "head_dim": 48, "q_lora_rank": 96, "kv_lora_rank": 64,
+               "qk_rope_head_dim": 16, "v_head_dim": 32, "ffn_hidden_size": 688, "max_seq_len": 512},
+}  # fmt: skip
 
 
 # QLoRA's projections hold whole NF4 scaler blocks, two or more (FSDP2's dp 2 shards too).
@@ -61,8 +69,9 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
     """tp2, pp2, dp2 (FSDP2, an uneven ffn), fp32/bf16/fp16; the bf16 compute copies without dp;
     the zero-bubble schedule's FSDP2 fallback; replicate; the vocab-parallel embedding's whole
     gradient under tp without FSDP2; tied embeddings under tp and under pp (the last stage's copy);
-    cp 2 (FSDP2 over cp alone, no compute copies), whose step the worker also measures: its
-    activations against the tensors autograd saves, with buffers against the step's peak. LoRA
+    cp 2 (FSDP2 over cp alone, no compute copies), whose step the worker also measures, and latent
+    attention's at cp 2: its activations against the tensors autograd saves, with buffers against
+    the step's peak. LoRA
     at dp 2, pp 2 in bf16 and tp 2; QLoRA at dp 2 and pp 2 in bf16 (NF4 tensors counted by their
     inner tensors' bytes)."""
     launch(
@@ -83,6 +92,7 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
             {"precision": "fp16"},
             {"dp_mode": "replicate", "precision": "bf16"},
             CP_MEASURED,
+            MLA_CP_MEASURED,
             # LoRA: the frozen base's weights alone (in bf16 alone under compute copies), the
             # adapters' gradients, moments and copies; QLoRA: its projections' NF4 bytes.
             {"lora": True},

@@ -250,6 +250,10 @@ BAD_CASES = [
     (lambda r: r["batch"].update(global_batch_size=9), ["$.batch.global_batch_size: 9 is not a multiple"]),
     (lambda r: r["eval"].update(every=5) or r["data"].update(split=[1, 0]), ["$.eval.every"]),
     (lambda r: r.update(attention="flash", precision="fp32"), ["$.attention: 'flash'", "precision is fp32"]),
+    (
+        lambda r: r.update(attention="flash", precision="bf16") or r["model"]["config"].update(attn_sinks=True),
+        ["$.attention: 'flash': the model has attention sinks", "use auto or sdpa"],
+    ),
 ]  # fmt: skip
 
 

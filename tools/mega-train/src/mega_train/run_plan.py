@@ -475,6 +475,12 @@ def _check_schedule(run: RunManifest, config: ModelConfig, from_init: bool, wher
             "$.attention: 'flash' (FlashAttention kernels) runs in bf16 or fp16, and $.precision is fp32",
             where,
         )
+    if run.attention == "flash" and config.attn_sinks:
+        raise UserError(
+            "$.attention: 'flash': the model has attention sinks (gpt-oss) and no FlashAttention "
+            "kernel here has a sink (nor its backward); use auto or sdpa",
+            where,
+        )
     if opt.min_lr > opt.lr:
         raise UserError(f"$.optimizer.min_lr: {opt.min_lr} is above lr {opt.lr}", where)
     if opt.warmup_steps > run.train_steps:

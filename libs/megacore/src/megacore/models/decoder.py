@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -227,9 +227,14 @@ class LatentAttention(nn.Module):
     expanded from one normed latent (`kv_b_proj`), and a rotated part every head shares appended to
     each head's k. q's and k's heads are head_dim wide (the rotated `qk_rope_head_dim` last), v's
     `v_head_dim`. A tensor-parallel shard holds some heads of q_proj / q_b_proj, kv_b_proj and o_proj;
-    the latent projections and norms are whole on every rank (the heads need all of them)."""
+    the latent projections and norms are whole on every rank (the heads need all of them).
+
+    Context parallel (`megacore.parallel.cp`) sets `kernel` to one that takes the whole row's k and
+    v, and `whole_row` to the gather of the normed latent and the rotated k: those travel (latent +
+    rope wide a token), and each rank expands the whole row's k and v from them."""
 
     kernel = staticmethod(causal_attention)
+    whole_row: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -268,9 +273,14 @@ class LatentAttention(nn.Module):
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([self.latent, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_norm(latent)
         k_rope = self.shared_rope(apply_rope(k_rope.view(b, s, 1, self.rope), cos, sin))
+        if self.whole_row is not None:  # context parallel: the whole row's, in one gather
+            whole = self.whole_row(torch.cat([latent, k_rope.view(b, s, self.rope)], dim=-1))
+            latent, k_rope = whole.split([self.latent, self.rope], dim=-1)
+            k_rope = k_rope.unsqueeze(2)
+        kv = self.kv_b_proj(latent).view(b, latent.shape[1], -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         # v's heads padded with zeros to q's width: SDPA's fused kernels take only equal widths

@@ -5,7 +5,10 @@ holds chunks r and 2cp - 1 - r (one early, one late), so every rank does the sam
 Every token-wise part of the model (embedding, norms, MLP, the loss) runs on the rank's own
 tokens unchanged; attention needs every earlier key, so its keys and values are all-gathered over
 cp (only the kv heads travel: GQA's fewer heads mean less traffic), as Llama 3 was trained, and
-their gradients are reduce-scattered back. RoPE takes each token's global position; packed
+their gradients are reduce-scattered back. Latent attention (DeepSeek V3) gathers what its k and v
+are expanded from instead, the normed latent and the rotated k every head shares (576 values a
+token at DeepSeek V3's size, against 128 heads x (192 + 128) of k and v), and each rank expands the
+whole row's k and v itself. RoPE takes each token's global position; packed
 documents' ids (segments) are those of the whole row, computed before the split.
 
 Parameters are replicated over cp like over dp (the engine shards them with FSDP2 over dp x cp,
@@ -22,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megacore.models.attention import Impl, causal_attention, suffix_attention
+from megacore.models.decoder import LatentAttention
 
 # torch 2.13 renamed the collectives into a tensor (the old names warn); 2.11 (GPU machines) has the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -104,6 +108,10 @@ class ContextParallelAttention:
             self._segments = (segments, unshard_sequence(_gather(segments, self.group), self.cp))
         return self._segments[1]
 
+    def whole_row(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole row [B, S, ...] of `t`, of which this rank holds its tokens (differentiable)."""
+        return gather_sequence(t, self.group, self.cp)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -115,8 +123,22 @@ class ContextParallelAttention:
         scale: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        k, v = self.whole_row(k), self.whole_row(v)
+        return self.attend(q, k, v, window, impl, segments, scale, sinks)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        impl: Impl = "auto",
+        segments: torch.Tensor | None = None,
+        scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's queries against the whole row's keys and values k/v [B, S, heads, D]."""
         cp, n = self.cp, q.shape[1] // 2
-        k, v = gather_sequence(k, self.group, cp), gather_sequence(v, self.group, cp)
         keys_segments = None if segments is None else self._keys_segments(segments)
         outs = []
         for half, chunk in enumerate((self.rank, 2 * cp - 1 - self.rank)):
@@ -139,7 +161,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     kernel = ContextParallelAttention(cp_mesh.get_group(), cp, rank)
     model.sequence_shards = cp
     for block in model.layers.values():
-        block.attn.kernel = kernel
+        if isinstance(block.attn, LatentAttention):  # the latent travels, not the expanded k and v
+            block.attn.kernel, block.attn.whole_row = kernel.attend, kernel.whole_row
+        else:
+            block.attn.kernel = kernel
 
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # A row without packed documents: its tokens' places in the whole row. A DTensor input (a

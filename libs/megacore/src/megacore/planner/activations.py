@@ -35,7 +35,9 @@ What is counted (tests/train/test_planner.py measures a step on CPU):
   with a window shorter than a chunk's keys (not with flash-attn), that chunk's mask against the
   keys up to its end (S/2cp x end), on the fullest rank, instead of the S x S one (on a CPU a late
   chunk without a window materialises one too: not counted; on a GPU none).
-  Selective recompute drops both (the cp kernel reruns whole, its all-gather included).
+  Selective recompute drops both (the cp kernel reruns whole, its all-gather included). Latent
+  attention gathers its normed latent and rotated k instead and expands the whole rows' k and v
+  from them: those and its k and v are counted over the whole rows (S x micro), q over the rank's.
 - per stage: token ids (first), the RoPE tables (twice with Gemma 3's local ones; cos and sin
   [S, hd], latent attention's its rope dims wide; under cp per row: [micro, S / cp, hd], as cp
   gives positions), the final norm and the loss (last: the fused loss saves the hidden-state and weight gradients; vocab-parallel logits
@@ -108,7 +110,8 @@ def _cp_attention(
     (none with flash-attn). Rank r's chunks r and 2cp-1-r end at (r+1)·n and (2cp-r)·n; the fullest
     rank counts."""
     cp, c = par.spec.cp, COMPUTE_BYTES[par.precision]
-    gathered = 2 * micro * seq * kv * c
+    # Latent attention's whole k and v are the kernel's inputs (`_latent_attention`), not its gather's.
+    gathered = 2 * micro * seq * kv * c if config.kv_lora_rank is None else 0
     window, n = attention_window(config, layer), seq // (2 * cp)
     if window is None or attention == "flash":
         return gathered
@@ -182,22 +185,27 @@ def _latent_norm(par: Parallelism, tokens: int, width: int, stored: int) -> int:
     return out + (tokens * stored * c if c == 4 else tokens * width * 4) + tokens * width * 4
 
 
-def _latent_attention(config: ModelConfig, par: Parallelism, tokens: int, heads: int) -> int:
+def _latent_attention(config: ModelConfig, par: Parallelism, tokens: int, heads: int, keys: int) -> int:
     """What latent attention (`LatentAttention`) saves before its kernel: the latent norms' inputs,
     statistics and outputs (kv_a_proj's latent + rope output, q_a_proj's q_lora_rank one), and the
     kernel's q, k and v, each tp-local heads x head_dim (v padded to it; a v as wide as q's heads is
-    instead a view keeping kv_b_proj's whole nope + v output)."""
+    instead a view keeping kv_b_proj's whole nope + v output). k and v span `keys` tokens: the
+    rank's own, or under cp the whole rows', expanded from the gathered normed latent and rotated k
+    (latent + rope wide, kept whole by kv_b_proj's input, a view of it) in place of the rank's own
+    normed latent."""
     c, hd, v, rope = COMPUTE_BYTES[par.precision], config.head_dim, config.v_head_dim, config.qk_rope_head_dim
     latent, q_lora = config.kv_lora_rank, config.q_lora_rank
     total = _latent_norm(par, tokens, latent, latent + rope)
+    if keys != tokens:
+        total += (keys * (latent + rope) - tokens * latent) * c
     if q_lora is not None:
         total += _latent_norm(par, tokens, q_lora, q_lora)
     v_kept = heads * hd if v < hd else heads * (hd - rope + v)
-    return total + tokens * (2 * heads * hd + v_kept) * c
+    return total + (tokens * heads * hd + keys * (heads * hd + v_kept)) * c
 
 
 def _attention(
-    config: ModelConfig, par: Parallelism, tokens: int, heads: int, kv: int
+    config: ModelConfig, par: Parallelism, tokens: int, heads: int, kv: int, keys: int
 ) -> tuple[int, int, int, int]:
     """What attention saves before its kernel, o_proj's input, at tp 1 the fused q/k/v matmul's
     concatenated weights, and the kernel's output: o_proj's input is a copy of it, but for latent
@@ -208,7 +216,7 @@ def _attention(
     if config.kv_lora_rank is not None:  # latent attention: no fused projections
         v = config.v_head_dim
         out = tokens * q * c if v < hd else 0
-        return _latent_attention(config, par, tokens, heads), tokens * heads * v * c, 0, out
+        return _latent_attention(config, par, tokens, heads, keys), tokens * heads * v * c, 0, out
     if fast_paths(par)["projections"]:  # fused q/k/v: v is a view of the projection output, alive whole
         return tokens * (2 * q + 3 * kv) * c, tokens * q * c, (q + 2 * kv) * h * c, tokens * q * c
     # kv heads replicated: this rank's head is a view of the whole v projection output
@@ -238,7 +246,9 @@ def layer_activations(
     f = mlp_width(config, layer) // tp
     shared = (config.shared_expert_size or 0) // tp if sparse else 0  # a dense MLP beside the experts
     kv = kv_width(config, tp)
-    qkv, o_proj_in, weights, out = _attention(config, par, tokens, heads, kv)
+    qkv, o_proj_in, weights, out = _attention(
+        config, par, tokens, heads, kv, micro * seq if cp > 1 else tokens
+    )
     if fast_paths(par)["projections"]:  # fused gate/up: their concatenated weights
         gate_up = f if config.activation in GATED_ACTIVATIONS and not sparse else shared
         weights += 2 * gate_up * h * c
