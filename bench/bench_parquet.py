@@ -13,12 +13,19 @@ ROUNDS rounds of each once, the order alternated (bench_tokenize's `paired_round
 median over rounds of jsonl / Parquet (time: > 1 means Parquet is faster) and Parquet / jsonl
 (peak RSS: < 1 means Parquet needs less). Checked (the run exits 1 otherwise): the two artifacts'
 shards are byte-identical (.bin and .idx).
+
+Hugging Face datasets (`run_datasets`, group `datasets`): the same rows as a `save_to_disk` Dataset
+(written by `datasets` itself, two Arrow files in record batches of 1000 rows; read with pyarrow
+alone) and as a dataset repository's directory (the Parquet file as data/train-00000-of-00001.parquet
+and a README.md declaring its config; streamed by `datasets`), each against the jsonl, measured the
+same way, DATASET_ROUNDS rounds; shards checked byte-identical to the jsonl run's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +39,11 @@ OUT = ROOT / "bench-out" / "parquet"
 ROW_GROUP = 1000  # rows per row group, as the `datasets` library writes a Hub dataset's files
 ROUNDS = 5
 QUICK_ROUNDS = 2
+DATASET_ROUNDS = 3  # three whole commands per round: fewer rounds than Parquet's
+CARD = (  # a dataset repository's README.md: one config, its train split in data/
+    "---\nconfigs:\n- config_name: default\n  default: true\n  data_files:\n"
+    "  - split: train\n    path: data/train-*.parquet\n---\n"
+)
 SUB_ENV = {"OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": str(WORKERS)}
 
 # The launcher: runs one command, prints its exit code, wall seconds, peak RSS (bytes), CPU seconds
@@ -126,6 +138,10 @@ def rounds_of(srcs: dict[str, Path], model: Path, engine: str, rounds: int):
 
 
 def run(quick: bool) -> list[Row]:
+    return [*run_parquet(quick), *run_datasets(quick)]
+
+
+def run_parquet(quick: bool) -> list[Row]:
     corpus = build_corpus((8 if quick else 200) << 20)
     srcs = {"jsonl": corpus, "parquet": to_parquet(corpus)}
     model = _tokenizer_model()
@@ -167,4 +183,94 @@ def run(quick: bool) -> list[Row]:
         Row("parquet", "shards = the jsonl run's", "byte-identical" if not differ else "differ",
             "jsonl .bin/.idx", None, "equal", ", ".join(differ) or ".bin and .idx equal",
             passed=not differ),
+    ]  # fmt: skip
+
+
+# --- Hugging Face datasets --------------------------------------------------------------------------
+
+
+def to_saved(parquet: Path) -> Path:
+    """The rows as a Dataset written by `datasets`' save_to_disk (two Arrow files), once."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    path = OUT / "saved"
+    if (path / "state.json").is_file():
+        return path
+    tmp = OUT / "saved.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.disable_progress_bars()
+    datasets.Dataset(datasets.table.InMemoryTable(pq.read_table(parquet))).save_to_disk(
+        str(tmp), num_shards=2
+    )
+    tmp.rename(path)
+    return path
+
+
+def to_repository(parquet: Path) -> Path:
+    """A dataset repository's directory: the Parquet file as its data and a card declaring it, once."""
+    path = OUT / "repository"
+    if (path / "README.md").is_file():
+        return path
+    tmp = OUT / "repository.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "data").mkdir(parents=True)
+    shutil.copyfile(parquet, tmp / "data" / "train-00000-of-00001.parquet")
+    (tmp / "README.md").write_text(CARD)
+    tmp.rename(path)
+    return path
+
+
+def run_datasets(quick: bool) -> list[Row]:
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return [
+            Row(
+                "datasets", "save_to_disk, repository vs jsonl", "-", "-", None, note="datasets not installed"
+            )
+        ]
+    corpus = build_corpus((8 if quick else 200) << 20)
+    parquet = to_parquet(corpus)
+    srcs = {"jsonl": corpus, "saved": to_saved(parquet), "repository": to_repository(parquet)}
+    model = _tokenizer_model()
+    rounds = QUICK_ROUNDS if quick else DATASET_ROUNDS
+    engine = command(corpus, model, OUT / "tokens-jsonl", "auto")[3]["engine"]
+    times, rss, cpu, docs = rounds_of(srcs, model, engine, rounds)
+    mb = corpus.stat().st_size / 1e6
+    print(f"bench_parquet: datasets: corpus {mb:.0f} MB as jsonl, {docs['jsonl']:,} documents, {WORKERS} "
+          f"workers, engine {engine}, 1 warm-up + {rounds} rounds of each", file=sys.stderr, flush=True)  # fmt: skip
+    rows = []
+    for kind in ("saved", "repository"):
+        rows += _dataset_rows(kind, times, rss, cpu, rounds, docs[kind] == docs["jsonl"])
+    return rows
+
+
+def _dataset_rows(kind: str, times: dict, rss: dict, cpu: dict, rounds: int, same_docs: bool) -> list[Row]:
+    """One kind of dataset against the jsonl: its figures printed, its rows."""
+    differ = same_shards(OUT / "tokens-jsonl", OUT / f"tokens-{kind}")
+    t_ratio, c_ratio = paired(times, "jsonl", kind), paired(cpu, "jsonl", kind)
+    m_ratio = statistics.median(p / j for p, j in zip(rss[kind], rss["jsonl"], strict=True))
+    peak, peak_jsonl = max(rss[kind]), max(rss["jsonl"])
+    what = {"saved": "save_to_disk (pyarrow)", "repository": "repository (datasets, streaming)"}[kind]
+    lines = [
+        *(f"{k}: best {min(times[k]):.2f}s, rounds {' '.join(f'{t:.2f}' for t in times[k])}" for k in (kind, "jsonl")),
+        f"{kind}: CPU (user+sys) best {min(cpu[kind]):.2f}s, rounds {' '.join(f'{t:.2f}' for t in cpu[kind])}",
+        *(f"{k}: peak RSS max {max(rss[k]) / 2**20:.0f} MiB, rounds {' '.join(f'{r / 2**20:.0f}' for r in rss[k])}"
+          for k in (kind, "jsonl")),
+        f"time jsonl/{kind}, median of paired rounds: {t_ratio:.2f}x; CPU {c_ratio:.2f}x",
+        f"peak RSS {kind}/jsonl, median of paired rounds: {m_ratio:.2f}x",
+        f"shards: {'byte-identical' if not differ else 'DIFFER: ' + ', '.join(differ)}",
+    ]  # fmt: skip
+    for line in lines:
+        print(f"bench_parquet: datasets: {line}", file=sys.stderr, flush=True)
+    ok = not differ and same_docs
+    return [
+        Row("datasets", f"{what}: time vs the same rows as jsonl", f"{min(times[kind]):.1f}s",
+            f"{min(times['jsonl']):.1f}s (jsonl)", t_ratio, "~1x",
+            f"median of {rounds} paired rounds; whole commands; CPU ratio {c_ratio:.2f}x"),
+        Row("datasets", f"{what}: peak RSS vs jsonl", f"{peak / 2**20:.0f} MiB", f"{peak_jsonl / 2**20:.0f} MiB (jsonl)",
+            1 / m_ratio, "~1x (bounded, not the dataset)", "max over rounds; ratio jsonl/ours, median of rounds"),
+        Row("datasets", f"{what}: shards = the jsonl run's", "byte-identical" if ok else "differ", "jsonl .bin/.idx",
+            None, "equal", ", ".join(differ) or ".bin and .idx equal", passed=ok),
     ]  # fmt: skip

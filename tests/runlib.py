@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 from pathlib import Path
 
@@ -115,3 +116,41 @@ def assert_losses_close(got: list[float], want: list[float], rel: float = LOSS_R
     assert len(got) == len(want), (got, want)
     for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
         assert abs(a - b) <= rel * abs(b), (step, a, b)
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a `.wandb` file (W&B's LevelDB-style log: a 7-byte file header, then 32 KiB
+    blocks of chunks with a 7-byte header each: crc32c, length, type full/first/middle/last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    block, pos, buf, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+    return records
+
+
+def wandb_history(path: Path) -> tuple[str, dict[int, dict]]:
+    """The run id and the logged rows by step of an offline run's `.wandb` file."""
+    run_id, rows = "", {}
+    for r in wandb_records(path):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run_id = r.run.run_id
+            config = {item.key: json.loads(item.value_json) for item in r.run.config.update}
+            assert config["manifest"]["kind"] == "run" and config["parallel"]["dp"] == 1, config
+        elif kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            rows.setdefault(r.history.step.num, {}).update(items)
+    return run_id, rows

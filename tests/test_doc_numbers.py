@@ -219,6 +219,7 @@ CONTEXT_TEST = "tests/train/test_context.py"
 QLORA_TEST = "tests/train/test_qlora.py"
 EQUIVALENCE_WORKER = "tests/parallel/dist_worker.py"  # test_equivalence.py's bounds live there
 TOUR_TEST = "tests/test_readme_tour.py"
+HARNESS_TEST = "tests/train/test_harness.py"
 GPU_MEMORY = "80GB"  # what the pages' planner figures are planned for (test_planner's too)
 
 
@@ -691,6 +692,7 @@ CHECKED: list[Check] = [
     ),
     Check(TRAIN, "scaler blocks of {} values", lambda: _nf4()[2:]),
     Check(TRAIN, "the loss and every adapter gradient within {}", lambda: (literals(QLORA_TEST)["REL"],)),
+    Check(TRAIN, "accuracy exactly, log-likelihoods within {}, in", lambda: (literals(HARNESS_TEST)["TOL"],)),
     Check(TRAIN, "{} s by default), then torchrun exits", lambda: (shutdown_timeout(),)),
     Check(TRAIN, "leaves on a stop signal within {} s", _stuck_s),
     Check(TRAIN, "more than {}x its peers' median and at least {} ms above it", _straggler),

@@ -81,6 +81,7 @@ def test_every_kind_has_its_path_fields_typed():
         "files.path": "file",
         "tokenizer.files": "file",
         "inputs.path": "record",
+        "dataset.path": "record",
         "shards.prefix": "prefix",
         "shards.sidecars": "prefix",
     }
@@ -103,6 +104,7 @@ def test_every_kind_has_its_path_fields_typed():
         "data.sources.path": "ref",
         "checkpoint.dir": "ref",
         "lora.init": "ref",
+        "eval.task_paths": "ref",
     }
 
 

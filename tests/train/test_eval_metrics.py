@@ -5,9 +5,7 @@ continuing the same W&B run, the API key nowhere)."""
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from megacore.models import Decoder
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
-from runlib import metrics, ok, torchrun, train, write_run
+from runlib import metrics, ok, torchrun, train, wandb_history, write_run
 
 # A user metric module: the mean logit of the even targets, and the share of even targets. Their
 # counts differ between batches and ranks, so a mean of per-rank means would not be the value.
@@ -145,44 +143,6 @@ def test_bad_metric_path_exits_2_with_one_line(
     proc = train(run_json, env={"PYTHONPATH": str(tmp_path)})
     assert_one_line_error(proc, "$.eval.metrics[1]: ", *fragments)
     assert not (tmp_path / "run").exists()  # refused before anything is written
-
-
-def wandb_records(path: Path) -> list:
-    """The records of a `.wandb` file (W&B's LevelDB-style log: a 7-byte file header, then 32 KiB
-    blocks of chunks with a 7-byte header each: crc32c, length, type full/first/middle/last)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", path
-    block, pos, buf, records = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        buf = chunk if kind in (1, 2) else buf + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(buf)
-            records.append(record)
-    return records
-
-
-def wandb_history(path: Path) -> tuple[str, dict[int, dict]]:
-    """The run id and the logged rows by step of an offline run's `.wandb` file."""
-    run_id, rows = "", {}
-    for r in wandb_records(path):
-        kind = r.WhichOneof("record_type")
-        if kind == "run":
-            run_id = r.run.run_id
-            config = {item.key: json.loads(item.value_json) for item in r.run.config.update}
-            assert config["manifest"]["kind"] == "run" and config["parallel"]["dp"] == 1, config
-        elif kind == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            rows.setdefault(r.history.step.num, {}).update(items)
-    return run_id, rows
 
 
 def test_wandb_offline_run_is_continued_on_resume(tmp_path: Path, tokens: Path) -> None:

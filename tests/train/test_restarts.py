@@ -6,6 +6,7 @@ SIGTERM instead of ignoring it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -74,9 +75,10 @@ def test_a_worker_blocked_in_a_collective_exits_within_2_s_of_sigterm(tmp_path: 
         tmp_path, tokens, train_steps=100000, checkpoint={"every": 100000}, eval={"every": 0}
     )
     proc = start(run_json, tmp_path / "log.txt")
+    workers: tuple[int, ...] = ()
     try:
         wait_for_steps(run_json.parent / "run", proc, 3)
-        blocked, stopped = children(proc.pid)
+        workers = blocked, stopped = children(proc.pid)
         os.kill(stopped, signal.SIGSTOP)
         time.sleep(2)  # the other is now waiting for it in the step's collectives
         os.kill(blocked, signal.SIGTERM)
@@ -90,5 +92,8 @@ def test_a_worker_blocked_in_a_collective_exits_within_2_s_of_sigterm(tmp_path: 
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        for pid in workers:  # the stopped one is in no group of the launcher's: it stayed, stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert took < 2.5, took
     assert "SIGTERM while blocked outside Python" in (tmp_path / "log.txt").read_text()

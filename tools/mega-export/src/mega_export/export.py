@@ -38,7 +38,7 @@ from megacore.checkpoint import CheckpointReader
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models import config_to_hf, export_tensors, hf_shapes
-from megacore.models.hf_tokenizer import hf_tokenizer_files
+from megacore.models.hf_tokenizer import checkpoint_tokenizer_files
 from megacore.progress import Progress
 
 MAX_SHARD_BYTES = 5 << 30
@@ -61,19 +61,12 @@ def _shards(shapes: dict[str, tuple[int, ...]], elem: int, max_bytes: int) -> li
 
 def _write_tokenizer(ckpt: CheckpointReader, w: ArtifactWriter) -> None:
     """The checkpoint's tokenizer as Hugging Face files, into the export being staged by `w`."""
-    if ckpt.manifest.tokenizer is not None:  # trained here: the data's tokenizer
-        config = ckpt.config
-        try:
-            made = hf_tokenizer_files(
-                ckpt.root, ckpt.manifest.tokenizer, config.vocab_size, config.max_seq_len
-            )
-        except ValueError as e:  # an unconvertible .model, ids past the embedding rows
-            raise UserError(f"tokenizer: {e}", str(ckpt.path)) from None
-        for name, text in made.items():
-            w.path(name).write_text(text, encoding="utf-8")
-    else:  # converted from Hugging Face: its own files, as they were
-        for rel in ckpt.manifest.tokenizer_files:
-            w.path(Path(rel).name).write_bytes((ckpt.root / rel).read_bytes())
+    try:
+        made = checkpoint_tokenizer_files(ckpt.root, ckpt.manifest, ckpt.config)
+    except ValueError as e:  # an unconvertible .model, ids past the embedding rows
+        raise UserError(f"tokenizer: {e}", str(ckpt.path)) from None
+    for name, data in made.items():
+        w.path(name).write_bytes(data)
 
 
 def _write_weights(

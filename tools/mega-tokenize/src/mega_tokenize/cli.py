@@ -16,7 +16,9 @@ from megacore.progress import plural
 if TYPE_CHECKING:
     from mega_tokenize.pipeline import Result  # imported when run, so --help stays instant
 
-app = make_app("Text corpora (jsonl, .zst, .gz, Parquet) to Megatron-compatible token shards.")
+app = make_app(
+    "Text corpora (jsonl, .zst, .gz, Parquet, Hugging Face datasets) to Megatron-compatible token shards."
+)
 
 
 def _split(values: list[str]) -> list[str]:
@@ -30,6 +32,8 @@ def _split(values: list[str]) -> list[str]:
         "  mega-tokenize 'pile/*.jsonl.zst' out/pile-tokens --tokenizer tokenizer.model --workers 8\n\n"
         "  mega-tokenize chats.jsonl out/sft --tokenizer llama3/ --format chat --chat-template tokenizer\n\n"
         "  mega-tokenize my-dataset/ out/ds --tokenizer tokenizer.model --json-key content\n\n"
+        "  mega-tokenize hf://datasets/HuggingFaceTB/smoltalk out/sft --tokenizer qwen2.5/ --format chat "
+        "--subset all --split train\n\n"
         "  mega-tokenize chats.jsonl out/sft --tokenizer tokenizer.model --format chat "
         "--add-special-tokens '<|im_start|>,<|im_end|>'\n\n"
         "  mega-tokenize pairs.jsonl out/dpo --tokenizer qwen2.5/ --format preference --chat-template tokenizer"
@@ -39,7 +43,9 @@ def run(
     inputs: list[str] = typer.Argument(
         ...,
         metavar="INPUTS",
-        help="Input .jsonl / .jsonl.zst / .jsonl.gz / .parquet files, globs or directories.",
+        help="Input .jsonl / .jsonl.zst / .jsonl.gz / .parquet files, globs or directories; or one "
+        "Hugging Face dataset: hf://datasets/ORG/NAME[@REVISION], a save_to_disk directory, or a "
+        "dataset repository's directory (README.md declaring configs).",
     ),
     out: Path = typer.Argument(..., metavar="OUT", help="Output tokens artifact directory."),
     tokenizer: Path = typer.Option(
@@ -49,7 +55,7 @@ def run(
         [],
         "--json-key",
         "-k",
-        help="Key (Parquet: column) of the text in each line, or of the messages with --format chat; "
+        help="Key (Parquet, dataset: column) of the text in each line, or of the messages with --format chat; "
         "repeat for one output per key. Not with --format preference (prompt, chosen, rejected).",
         show_default="text; chat: messages",
     ),
@@ -69,6 +75,12 @@ def run(
         [],
         "--add-special-tokens",
         help="Tokens to add after the vocab (comma-separated or repeated); recorded.",
+    ),
+    subset: str | None = typer.Option(
+        None, "--subset", help="A Hugging Face dataset's subset (config).", show_default="its default"
+    ),
+    split: str | None = typer.Option(
+        None, "--split", help="A Hugging Face dataset's split.", show_default="train"
     ),
     engine: Literal["auto", "sentencepiece", "hf", "gigatoken"] = typer.Option(
         "auto", "--engine", help="Encoder; auto: the fastest that gives the reference's ids."
@@ -98,6 +110,8 @@ def run(
         append_eos=append_eos,
         prepend_bos=prepend_bos,
         add_special_tokens=_split(add_special_tokens),
+        subset=subset,
+        split=split,
         engine=engine,
         workers=workers,
         on_error=on_error,

@@ -1,5 +1,5 @@
-"""Input files: globs and directories expanded, `.jsonl`, `.jsonl.zst`, `.jsonl.gz` and `.parquet`
-streamed.
+"""Input files: globs and directories expanded, `.jsonl`, `.jsonl.zst`, `.jsonl.gz`, `.parquet`
+and `.arrow` streamed.
 
 Decompression streams in bounded chunks (a 50 GB input never has to fit in memory). Lines come out
 in batches with the 1-based line number of the first one, so every error can say `file:line`.
@@ -9,10 +9,12 @@ Parquet files (a Hub dataset's `data/train-00000-of-00002.parquet`) are read wit
 group at a time in record batches of about a megabyte, only the columns read: memory is at most
 about one row group of those columns (a dictionary-encoded column chunk's dictionary is decoded
 whole) plus the batches handed on, whatever the file's size. Their schemas are checked before
-anything is read (`check_parquet`, `preference_columns`): a file that is not Parquet, a missing
+anything is read (`check_columns`, `preference_columns`): a file that is not Parquet, a missing
 column or one of the wrong type is one line naming the file. Rows come out as `RowBatch`es of
 Python values (the same `str` the jsonl path decodes), so the same parsers, encoders and writers
-follow, and the shards are the ones the same rows as jsonl give.
+follow, and the shards are the ones the same rows as jsonl give. Arrow IPC stream files (those of
+a `save_to_disk` dataset, hf_datasets.py) are read the same way a record batch at a time, and so are
+the Arrow tables of a dataset `datasets` streams (`read_tables`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import glob
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +33,7 @@ SUFFIXES = (
 )  # fmt: skip
 _READ = 1 << 22  # 4 MiB of compressed or plain bytes per read
 PARQUET_MAGIC = b"PAR1"
-_PARQUET_READ = 1 << 20  # about this many bytes of the columns read per record batch
+_PARQUET_READ = 1 << 20  # about this many bytes of the columns read per record batch (or slice of one)
 _PARQUET_BUFFER = 1 << 20  # column chunks are read through a buffer this size, not whole
 
 
@@ -205,7 +207,7 @@ def read_lines(path: Path, batch_bytes: int | Callable[[int], int] = 8 << 20) ->
         f.close()
 
 
-# --- Parquet --------------------------------------------------------------------------------------
+# --- Parquet and Arrow ---------------------------------------------------------------------------
 
 
 def is_parquet(path: Path) -> bool:
@@ -219,18 +221,33 @@ def is_parquet(path: Path) -> bool:
         return False
 
 
+def is_arrow(path: Path) -> bool:
+    """An Arrow IPC stream file, as `datasets` writes them (`save_to_disk`'s data-0000N-of-0000M.arrow)."""
+    return path.name.endswith(".arrow")
+
+
+def is_columnar(path: Path) -> bool:
+    """Read as rows of columns (Parquet, Arrow), not as lines."""
+    return is_arrow(path) or is_parquet(path)
+
+
 @dataclass
 class RowBatch:
-    """Rows of one Parquet file: per column read, its values as Python objects (None for null)."""
+    """Rows of one columnar source: per column read, its values as Python objects (None for null)."""
 
-    path: Path
-    first_row: int  # 1-based number of the first row in its file
+    source: str  # the file, or a dataset's split (`repo (subset a, split train)`)
+    first_row: int  # 1-based number of the first row in its source
     columns: dict[str, list]
     nrows: int
     nbytes: int  # Arrow bytes of these columns
 
     def where(self, row: int) -> str:
-        return f"{self.path}: row {row}"
+        return f"{self.source}: row {row}"
+
+
+def _why(e: BaseException) -> str:
+    """An exception's message as one line."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _open_parquet(path: Path):
@@ -240,8 +257,30 @@ def _open_parquet(path: Path):
     try:
         return pq.ParquetFile(path, pre_buffer=False, buffer_size=_PARQUET_BUFFER)
     except (pa.ArrowException, OSError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"not a Parquet file, or a damaged one ({why})", str(path)) from None
+        raise UserError(f"not a Parquet file, or a damaged one ({_why(e)})", str(path)) from None
+
+
+def _open_arrow(path: Path):
+    """A reader of an Arrow IPC stream file, a record batch at a time (read, not memory-mapped: the
+    pages of a mapped file would count as the process's memory as they are read)."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.OSFile(str(path)))
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"not an Arrow stream file, or a damaged one ({_why(e)})", str(path)) from None
+
+
+def file_schema(path: Path):
+    """The Arrow schema of a Parquet or Arrow file, from its footer or first message only."""
+    if is_arrow(path):
+        reader = _open_arrow(path)
+        try:
+            return reader.schema
+        finally:
+            reader.close()
+    with _open_parquet(path) as pf:
+        return pf.schema_arrow
 
 
 def _is_text(t) -> bool:
@@ -262,47 +301,38 @@ def _is_messages(t) -> bool:
     return all(k in fields and _is_text(fields[k]) for k in ("role", "content"))
 
 
-def _schema(path: Path):
-    with _open_parquet(path) as pf:
-        return pf.schema_arrow
-
-
 def _names(schema) -> str:
     """The first column names of a schema, for a message."""
     return ", ".join(f'"{n}"' for n in schema.names[:12]) + (", ..." if len(schema.names) > 12 else "")
 
 
-def check_parquet(path: Path, columns: list[str], chat: bool) -> None:
-    """The file is Parquet and has `columns` of the right type: strings, or for `chat` a list of
-    {role, content} structs. Reads the footer only."""
-    schema = _schema(path)
+def check_columns(schema, columns: list[str], chat: bool, where: str) -> None:
+    """`schema` (of a file or a dataset, named by `where`) has `columns` of the right type: strings,
+    or for `chat` a list of {role, content} structs."""
     for c in columns:
         if c not in schema.names:
             what = "messages" if chat else "text"
             raise UserError(
-                f'no column "{c}" (it has {_names(schema)}; choose the {what} column with --json-key)',
-                str(path),
+                f'no column "{c}" (it has {_names(schema)}; choose the {what} column with --json-key)', where
             )
         t = schema.field(c).type
         if chat and not _is_messages(t):
             raise UserError(
-                f'column "{c}" is {t}, expected a list of {{role, content}} structs of strings', str(path)
+                f'column "{c}" is {t}, expected a list of {{role, content}} structs of strings', where
             )
         if not chat and not _is_text(t):
-            raise UserError(f'column "{c}" is {t}, expected strings', str(path))
+            raise UserError(f'column "{c}" is {t}, expected strings', where)
 
 
-def preference_columns(path: Path) -> list[str]:
-    """What a preference pair is read from in this Parquet file, checked: `chosen` and `rejected`,
-    and `prompt` where there is one (conversations may leave it out), all strings or all lists of
-    {role, content} structs. Reads the footer only."""
-    schema = _schema(path)
+def preference_columns(schema, where: str) -> list[str]:
+    """What a preference pair is read from in `schema` (of a file or a dataset), checked: `chosen`
+    and `rejected`, and `prompt` where there is one (conversations may leave it out), all strings or
+    all lists of {role, content} structs."""
     columns = [c for c in ("prompt", "chosen", "rejected") if c in schema.names]
     for c in ("chosen", "rejected"):
         if c not in columns:
             raise UserError(
-                f'no column "{c}" (it has {_names(schema)}; preference rows need chosen and rejected)',
-                str(path),
+                f'no column "{c}" (it has {_names(schema)}; preference rows need chosen and rejected)', where
             )
     types = {c: schema.field(c).type for c in columns}
     if all(_is_messages(t) for t in types.values()):
@@ -310,14 +340,12 @@ def preference_columns(path: Path) -> list[str]:
     if all(_is_text(t) for t in types.values()):
         if "prompt" not in columns:
             raise UserError(
-                f'no column "prompt" (it has {_names(schema)}; only conversations may leave it out)',
-                str(path),
+                f'no column "prompt" (it has {_names(schema)}; only conversations may leave it out)', where
             )
         return columns
     said = ", ".join(f'"{c}" is {t}' for c, t in types.items())
     raise UserError(
-        f"columns {said}: expected all strings, or all lists of {{role, content}} structs of strings",
-        str(path),
+        f"columns {said}: expected all strings, or all lists of {{role, content}} structs of strings", where
     )
 
 
@@ -331,32 +359,85 @@ def _column_bytes(rg, columns: list[str]) -> int:
     return total or rg.total_byte_size
 
 
+def _converted(batches: Iterable, columns: list[str]) -> Iterator[tuple[dict[str, list], int, int]]:
+    """Record batches (or tables) as Python lists per column, with their rows and Arrow bytes, in
+    slices of about _PARQUET_READ bytes: a record batch of a `save_to_disk` file or a table of
+    `datasets` can hold 1000 long documents (tens of megabytes), which would otherwise become one
+    batch of documents that large, several of them in flight at once."""
+    import pyarrow as pa
+
+    pool = pa.default_memory_pool()
+    for rb in batches:
+        per = max(1, int(rb.num_rows * _PARQUET_READ / max(1, rb.nbytes)))
+        for start in range(0, rb.num_rows, per):
+            part = rb.slice(start, per)
+            values, n, size = {c: part.column(c).to_pylist() for c in columns}, part.num_rows, part.nbytes
+            del part
+            yield values, n, size
+        del rb
+        # Arrow's allocator keeps freed pages for itself; handed back, the Python strings made next
+        # reuse them (measured: ~25 MB less peak RSS on 200 MB of Parquet, <1% more CPU).
+        pool.release_unused()
+
+
 def _record_batches(pf, path: Path, columns: list[str], sizes: list[int]) -> Iterator:
     """The file's record batches, a row group at a time, about _PARQUET_READ bytes each: per batch
     its columns as Python lists, its rows, its Arrow bytes, and its share of the footer's (encoded)
     size of the columns."""
     import pyarrow as pa
 
-    meta, pool = pf.metadata, pa.default_memory_pool()
+    meta = pf.metadata
     ratio = 1.0  # Arrow bytes per encoded byte so far (a dictionary can make it far above 1)
     for i in range(meta.num_row_groups):
         rows = meta.row_group(i).num_rows
         per_read = max(1, min(rows, int(rows * _PARQUET_READ / max(1.0, sizes[i] * ratio))))
         got = 0
+        batches = pf.iter_batches(per_read, row_groups=[i], columns=columns, use_threads=False)
         try:
-            for rb in pf.iter_batches(per_read, row_groups=[i], columns=columns, use_threads=False):
-                values = {c: rb.column(c).to_pylist() for c in columns}
-                n, size = rb.num_rows, rb.nbytes
-                del rb
-                # Arrow's allocator keeps freed pages for itself; handed back, the Python strings
-                # made next reuse them (measured: ~25 MB less peak RSS on 200 MB, <1% more CPU).
-                pool.release_unused()
+            for values, n, size in _converted(batches, columns):
                 got += size
                 yield values, n, size, sizes[i] * n / rows
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"row group {i} cannot be read ({why})", str(path)) from None
+            raise UserError(f"row group {i} cannot be read ({_why(e)})", str(path)) from None
         ratio = got / max(1, sizes[i])
+
+
+def gather_rows(
+    source: str, chunks: Iterable[tuple[dict[str, list], int, int, float]], columns: list[str],
+    next_size: Callable[[float, float], int],
+) -> Iterator[RowBatch]:  # fmt: skip
+    """Chunks of rows (values per column, rows, Arrow bytes, share of the source's encoded size)
+    gathered into RowBatches of about `next_size(encoded, read)` Arrow bytes each, given the
+    encoded share and the Arrow bytes of the batches handed on so far."""
+    encoded = read = 0.0
+    first, target = 1, next_size(encoded, read)
+    pending: dict[str, list] = {c: [] for c in columns}
+    nrows = nbytes = 0
+    share = 0.0
+    for values, n, size, part in chunks:
+        for c in columns:
+            pending[c] += values[c]
+        nrows, nbytes, share = nrows + n, nbytes + size, share + part
+        if nbytes >= target:
+            yield RowBatch(source, first, pending, nrows, nbytes)
+            encoded, read = encoded + share, read + nbytes
+            first, target = first + nrows, next_size(encoded, read)
+            pending, nrows, nbytes, share = {c: [] for c in columns}, 0, 0, 0.0
+    if nrows:
+        yield RowBatch(source, first, pending, nrows, nbytes)
+
+
+def _sizer(batch_bytes: int | Callable[[int], int], total: float) -> Callable[[float, float], int]:
+    """The next batch's size: a fixed one, or `batch_bytes` of the bytes left, estimated as for
+    compressed jsonl: the encoded bytes left (of `total`) times the expansion so far."""
+
+    def next_size(encoded: float, read: float) -> int:
+        if not callable(batch_bytes):
+            return batch_bytes
+        left = total - encoded
+        return batch_bytes(int(left * read / encoded) if encoded else int(left))
+
+    return next_size
 
 
 def read_parquet(
@@ -367,27 +448,44 @@ def read_parquet(
     with _open_parquet(path) as pf:
         meta = pf.metadata
         sizes = [_column_bytes(meta.row_group(i), columns) for i in range(meta.num_row_groups)]
-        encoded = read = 0.0  # of the batches handed on: their share of `sizes`, their Arrow bytes
+        chunks = _record_batches(pf, path, columns, sizes)
+        yield from gather_rows(str(path), chunks, columns, _sizer(batch_bytes, sum(sizes)))
 
-        def next_size() -> int:
-            if not callable(batch_bytes):
-                return batch_bytes
-            # As for compressed jsonl: the encoded bytes left times the expansion so far.
-            left = sum(sizes) - encoded
-            return batch_bytes(int(left * read / encoded) if encoded else int(left))
 
-        first, target = 1, next_size()
-        pending: dict[str, list] = {c: [] for c in columns}
-        nrows = nbytes = 0
-        share = 0.0
-        for values, n, size, part in _record_batches(pf, path, columns, sizes):
-            for c in columns:
-                pending[c] += values[c]
-            nrows, nbytes, share = nrows + n, nbytes + size, share + part
-            if nbytes >= target:
-                yield RowBatch(path, first, pending, nrows, nbytes)
-                encoded, read = encoded + share, read + nbytes
-                first, target = first + nrows, next_size()
-                pending, nrows, nbytes, share = {c: [] for c in columns}, 0, 0, 0.0
-        if nrows:
-            yield RowBatch(path, first, pending, nrows, nbytes)
+def _stream_batches(reader, path: Path, columns: list[str]) -> Iterator:
+    """An Arrow stream's record batches as chunks for `gather_rows` (its share: the batch's bytes)."""
+    import pyarrow as pa
+
+    try:
+        for values, n, size in _converted((rb.select(columns) for rb in reader), columns):
+            yield values, n, size, size
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"cannot be read ({_why(e)})", str(path)) from None
+
+
+def read_arrow(
+    path: Path, columns: list[str], batch_bytes: int | Callable[[int], int] = 8 << 20
+) -> Iterator[RowBatch]:
+    """Batches of rows of `columns` from one Arrow IPC stream file (a `save_to_disk` shard), a
+    record batch at a time, about `batch_bytes` each (as `read_parquet`)."""
+    reader = _open_arrow(path)
+    try:
+        chunks = _stream_batches(reader, path, columns)
+        yield from gather_rows(str(path), chunks, columns, _sizer(batch_bytes, path.stat().st_size))
+    finally:
+        reader.close()
+
+
+def read_tables(
+    source: str, tables: Iterable, columns: list[str], batch_bytes: int | Callable[[int], int]
+) -> Iterator[RowBatch]:
+    """Batches of rows of `columns` from Arrow tables of unknown number (a dataset streamed by
+    `datasets`), about `batch_bytes` each (a function: of bytes left, unknown, so as for a large
+    file)."""
+    chunks = ((*chunk, 0.0) for chunk in _converted(tables, columns))
+    yield from gather_rows(source, chunks, columns, _sizer(batch_bytes, float(1 << 62)))
+
+
+def read_rows(path: Path, columns: list[str], batch_bytes: int | Callable[[int], int]) -> Iterator[RowBatch]:
+    """A columnar file's rows (`is_columnar`), Arrow or Parquet."""
+    return (read_arrow if is_arrow(path) else read_parquet)(path, columns, batch_bytes)

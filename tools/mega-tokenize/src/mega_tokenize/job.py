@@ -3,7 +3,7 @@ parsed and wrapped, and the recipe that decides whether an existing output is re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -11,15 +11,25 @@ from typing import Literal
 import msgspec
 
 from mega_tokenize.chat import CHATML_END, CHATML_START, TemplateRenderer, render_chatml, with_ends
+from mega_tokenize.hf_datasets import DatasetSource, dataset_kind, open_dataset
 from mega_tokenize.inputs import (
     LineBatch,
     RowBatch,
-    check_parquet,
+    check_columns,
     expand_inputs,
-    is_parquet,
+    file_schema,
+    is_columnar,
     preference_columns,
 )
-from mega_tokenize.parsing import Parsed, RecordParser, Skips, TextParser, chat_documents
+from mega_tokenize.parsing import (
+    Parsed,
+    RecordParser,
+    Skips,
+    TextParser,
+    chat_documents,
+    parsed_batches,
+    stream_sizes,
+)
 from mega_tokenize.preference import PairRenderer
 from mega_tokenize.shards import safe_name
 from mega_tokenize.tokenizer import Tokenizer, load_tokenizer, set_threads
@@ -28,7 +38,7 @@ from megacore.artifacts.output import recipe_sha256
 from megacore.data.indexed import token_dtype
 from megacore.errors import UserError
 
-DEFAULT_KEYS = {"text": ["text"], "chat": ["messages"]}  # jsonl key / Parquet column read
+DEFAULT_KEYS = {"text": ["text"], "chat": ["messages"]}  # jsonl key / Parquet or dataset column read
 Format = Literal["text", "chat", "preference"]
 
 
@@ -49,6 +59,8 @@ class Options:
     force: bool = False
     batch_bytes: int = 16 << 20  # the largest batch; see parsing.batch_sizes
     progress: bool = True
+    subset: str | None = None  # of a Hugging Face dataset: its config (None: its default)
+    split: str | None = None  # of a Hugging Face dataset (None: train, or a saved Dataset's own)
 
 
 @dataclass
@@ -56,13 +68,15 @@ class Job:
     """A checked run: its inputs, tokenizer, output layout and recipe."""
 
     opts: Options
-    files: list[Path]
+    files: list[Path]  # read as files (a save_to_disk dataset's Arrow files among them)
+    dataset: DatasetSource | None  # the Hugging Face dataset the input is, if it is one
     tok: Tokenizer
     settings: dict
     inputs: list[mf.InputFile]
     recipe: str
     keys: list[str]  # one shard per key ("chat" for conversations, "preference" for pairs)
-    columns: dict[Path, list[str]]  # what is read of each Parquet file (the json keys as columns)
+    columns: dict[Path, list[str]]  # what is read of each Parquet or Arrow file (the json keys as columns)
+    stream_columns: list[str]  # what is read of a dataset streamed by `datasets`
     dtype: str
     bos: int | None
     eos: int | None
@@ -70,13 +84,22 @@ class Job:
     skips: Skips
     template: str | None
 
+    def parsed(self, parallel: int) -> Iterator[Parsed]:
+        """The input's batches, parsed, in order: its files, or the dataset `datasets` streams."""
+        opts = self.opts
+        if self.dataset is not None and self.dataset.stream is not None:
+            rows = self.dataset.rows(self.stream_columns, stream_sizes(opts.batch_bytes, parallel))
+            return map(self.parse, rows)
+        return parsed_batches(self.files, self.parse, self.skips, opts.batch_bytes, parallel, self.columns)
+
 
 def prepare(opts: Options) -> Job:
     """Every option check, the tokenizer, and the recipe that decides whether an output is reused."""
     opts = _checked(opts)
     set_threads(opts.workers)
-    files = expand_inputs(opts.inputs)
-    columns = {f: _parquet_columns(f, opts) for f in files if is_parquet(f)}
+    files, dataset = _sources(opts)
+    columns = {f: _columns(file_schema(f), str(f), opts) for f in files if is_columnar(f)}
+    stream_columns = _columns(dataset.schema, dataset.label, opts) if dataset and dataset.stream else []
     tok = load_tokenizer(opts.tokenizer, threads=opts.workers)
     if opts.add_special_tokens:
         tok.add_special_tokens(opts.add_special_tokens)
@@ -95,16 +118,23 @@ def prepare(opts: Options) -> Job:
     if opts.format != "text":
         bos = eos = None  # a document's BOS and EOS come with its segments (with_ends, PairRenderer)
     settings = _settings(opts, tok)
-    inputs = _inputs(files)
+    inputs = _inputs(dataset.files if dataset else files)
+    # A dataset's identity (path, revision, subset, split) is part of the recipe; file inputs'
+    # recipes stay as they were.
+    identity = {"dataset": msgspec.structs.asdict(dataset.record)} if dataset else {}
     return Job(
         opts=opts,
         files=files,
+        dataset=dataset,
         tok=tok,
         settings=settings,
         inputs=inputs,
-        recipe=recipe_sha256(settings=settings, inputs=[msgspec.structs.asdict(i) for i in inputs]),
+        recipe=recipe_sha256(
+            settings=settings, inputs=[msgspec.structs.asdict(i) for i in inputs], **identity
+        ),
         keys=keys,
         columns=columns,
+        stream_columns=stream_columns,
         dtype=token_dtype(tok.vocab_size),
         bos=bos,
         eos=eos,
@@ -134,11 +164,29 @@ def _checked(opts: Options) -> Options:
     return opts
 
 
-def _parquet_columns(path: Path, opts: Options) -> list[str]:
-    """The columns read of a Parquet file, its schema checked first."""
+def _sources(opts: Options) -> tuple[list[Path], DatasetSource | None]:
+    """The files read, and the Hugging Face dataset the input is (one, alone), if it is one."""
+    kinds = [dataset_kind(spec) for spec in opts.inputs]
+    if not any(kinds):
+        if opts.subset is not None or opts.split is not None:
+            raise UserError(
+                "chooses within a Hugging Face dataset (hf://datasets/ORG/NAME, a save_to_disk or a "
+                "dataset repository's directory); these inputs are files",
+                "--split" if opts.split is not None else "--subset",
+            )
+        return expand_inputs(opts.inputs), None
+    if len(opts.inputs) > 1:
+        spec = opts.inputs[next(i for i, k in enumerate(kinds) if k)]
+        raise UserError("a Hugging Face dataset is read alone: give it as the only input", spec)
+    dataset = open_dataset(opts.inputs[0], opts.subset, opts.split)
+    return (dataset.files if dataset.stream is None else []), dataset
+
+
+def _columns(schema, where: str, opts: Options) -> list[str]:
+    """The columns read of a Parquet or Arrow file, or a dataset, its schema checked first."""
     if opts.format == "preference":
-        return preference_columns(path)
-    check_parquet(path, opts.json_keys, chat=opts.format == "chat")
+        return preference_columns(schema, where)
+    check_columns(schema, opts.json_keys, opts.format == "chat", where)
     return opts.json_keys
 
 

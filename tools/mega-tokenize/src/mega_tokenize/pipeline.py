@@ -22,7 +22,6 @@ from mega_tokenize import __version__
 from mega_tokenize.chat import ROLE_CODES
 from mega_tokenize.encoding import Encoder, EngineChecks, EngineDisagrees, in_order
 from mega_tokenize.job import Job, Options, prepare
-from mega_tokenize.parsing import parsed_batches
 from mega_tokenize.preference import PREFERENCE_ROLES
 from mega_tokenize.shards import Shards
 from mega_tokenize.tokenizer import Engine, Tokenizer, candidate_engine
@@ -68,7 +67,8 @@ def _tokenize(opts: Options, log: Callable[[str], None]) -> Result:
         return Result(old, reused=True, seconds=time.perf_counter() - t0)
     # The output must not be (or be inside, or contain) an input: a directory of inputs is searched
     # recursively, and a tokens artifact inside it would become input of the next run.
-    policy_inputs = [*job.files, opts.tokenizer, *(Path(i) for i in opts.inputs if Path(i).is_dir())]
+    read = job.dataset.files if job.dataset else job.files  # a dataset's: its local files, streamed or not
+    policy_inputs = [*read, opts.tokenizer, *(Path(i) for i in opts.inputs if Path(i).is_dir())]
     with write_artifact(out, "tokens", inputs=policy_inputs, force=opts.force, recipe=job.recipe) as w:
         tok_files = _copy_tokenizer(job.tok, w)
         shards, engine, input_bytes = _encode_all(job, w, log)
@@ -104,10 +104,7 @@ def _encode_all(
     input_bytes = 0
     pool = checks = None
     # Engines run max(2, workers) batches at once (see Engine.concurrency).
-    batches = Background.source(
-        parsed_batches(job.files, job.parse, job.skips, opts.batch_bytes, max(2, opts.workers), job.columns),
-        name="mega-tokenize-reader",
-    )
+    batches = Background.source(job.parsed(max(2, opts.workers)), name="mega-tokenize-reader")
     try:
         engine = candidate_engine(job.tok, opts.engine, log)  # built while the reader parses the first batch
         pool = ThreadPoolExecutor(engine.concurrency, thread_name_prefix="mega-tokenize-encode")
@@ -163,6 +160,7 @@ def _manifest(job: Job, tok_files: list[str], shards: list[mf.Shard], engine: En
         json_keys=job.keys if opts.format == "text" else [],
         on_error=opts.on_error,
         inputs=job.inputs,
+        dataset=job.dataset.record if job.dataset else None,
         shards=shards,
         counts=mf.TokenCounts(
             documents=shards[0].documents,

@@ -3,8 +3,9 @@
 
 metrics.jsonl holds one JSON object per line with `step` and `kind`: `train` (loss, lr, grad_norm,
 tokens_per_s, tflops, mfu, skipped, nan_steps, loss_scale, memory_gb, step_time_s, compile_s: the
-seconds of the step torch.compile took, which tokens/s, TFLOP/s and MFU leave out) or `eval` (loss,
-ppl, accuracy and the user's `eval.metrics`: `evaluation.py`). A resumed run first drops the lines
+seconds of the step torch.compile took, which tokens/s, TFLOP/s and MFU leave out), `eval` (loss,
+ppl, accuracy and the user's `eval.metrics`: `evaluation.py`), `eval_task` (task, metric, value: an
+lm-eval score, `harness.py`) or `sample` (prompt, completion: `sampling.py`). A resumed run first drops the lines
 after the step it resumes from, so the file reads as one uninterrupted run.
 """
 

@@ -57,6 +57,7 @@ class RunPlan:
     checkpoints: Path  # where step-NNNNNNNN checkpoints and `latest` go
     fingerprint: dict[str, str]  # what a resumed run must share with the saved one, by field
     eval_metrics: list[Callable] = field(default_factory=list)  # $.eval.metrics, imported
+    task_paths: list[Path] = field(default_factory=list)  # $.eval.task_paths, resolved
     notes: list[str] = field(default_factory=list)  # said once by rank 0, in a run and a dry run alike
     lora: LoraPlan | None = None  # adapters on a frozen base (`lora_plan`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`, decided by `start_checks`)
@@ -313,6 +314,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     )
     # The user's metric modules are imported now, so a wrong path fails here and not at the first eval.
     metrics = [load_metric(p, f"$.eval.metrics[{i}]", where) for i, p in enumerate(run.eval.metrics)]
+    task_paths = _check_generation(run, sources, base, where)
     out = resolve_ref(base, run.out)
     checkpoints = resolve_ref(base, run.checkpoint.dir) if run.checkpoint.dir else out / "checkpoints"
     plan = RunPlan(
@@ -328,6 +330,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         checkpoints=checkpoints,
         fingerprint=fingerprint(run, init, sources, lora),
         eval_metrics=metrics,
+        task_paths=task_paths,
         notes=notes,
         lora=lora,
     )
@@ -487,12 +490,48 @@ def _check_schedule(run: RunManifest, config: ModelConfig, from_init: bool, wher
         raise UserError(
             f"$.optimizer.warmup_steps: {opt.warmup_steps} exceeds train_steps {run.train_steps}", where
         )
-    if run.eval.every and (len(run.data.split) < 2 or run.data.split[1] == 0):
+    if run.eval.every and not run.eval.tasks and not has_valid_split(run):
         raise UserError(
             f"$.eval.every: evaluation needs a valid split, and $.data.split {run.data.split} gives it "
             "no documents; set eval.every to 0 or give the valid split a fraction",
             where,
         )
+
+
+def _check_generation(
+    run: RunManifest, sources: list[tuple[Path, TokensManifest, float]], base: Path, where: str
+) -> list[Path]:
+    """`eval.samples` and `eval.tasks` can run (lm-eval installed, and knowing every task: it is
+    imported only then); returns `eval.task_paths` resolved."""
+    spec = run.eval
+    chat = sources[0][1].format == "chat"
+    for i, prompt in enumerate(spec.samples.prompts if spec.samples is not None else []):
+        if not isinstance(prompt, str) and not chat:
+            raise UserError(
+                f"$.eval.samples.prompts[{i}]: a conversation needs chat data's template, and "
+                f"$.data.sources[0] is {sources[0][1].format} data: give the prompt as text",
+                where,
+            )
+    paths = [resolve_ref(base, p) for p in spec.task_paths]
+    if paths and not spec.tasks:
+        raise UserError("$.eval.task_paths: no $.eval.tasks to run from them", where)
+    if spec.tasks and not spec.every:
+        raise UserError("$.eval.tasks run at the evaluations: set $.eval.every (steps)", where)
+    if spec.tasks:
+        try:
+            from mega_train.harness import check_tasks
+        except ImportError as e:
+            raise UserError(
+                f"$.eval.tasks: lm-evaluation-harness is not installed ({e}): pip install 'mega-train[eval]'",
+                where,
+            ) from None
+        check_tasks(spec.tasks, paths, where)
+    return paths
+
+
+def has_valid_split(run: RunManifest) -> bool:
+    """Whether `data.split` gives the valid split documents (held-out evaluation's)."""
+    return len(run.data.split) > 1 and run.data.split[1] > 0
 
 
 def _check_layout(

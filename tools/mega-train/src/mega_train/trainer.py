@@ -19,7 +19,8 @@
   steps' values read back at once, each step's record written to metrics.jsonl and W&B on rank 0,
   and the console line when due, with every rank's own work per step and the stragglers named
   (`stragglers.py`); `evaluate` every `eval.every` steps and after the last one
-  (`evaluation.py`); `save` writes an atomic checkpoint.
+  (`evaluation.py`), with lm-eval's `eval.tasks` (`eval_tasks`, `harness.py`); samples every
+  `eval.samples.every` steps (`sampling.py`); `save` writes an atomic checkpoint.
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).
 
@@ -65,7 +66,8 @@ from mega_train.metrics import (
     say,
     train_line,
 )
-from mega_train.run_plan import RUN_MARK, RunPlan
+from mega_train.run_plan import RUN_MARK, RunPlan, has_valid_split
+from mega_train.sampling import open_generation, sample_line, task_records
 from mega_train.saving import Saver
 from mega_train.schedule import LossScale, Schedule
 from mega_train.stragglers import OwnWork, straggler_line, stragglers
@@ -201,6 +203,7 @@ class Trainer:
         # Once, not per step: the device's peak is a name lookup in a table.
         self.flops = flops_per_token(self.plan.config, self.S)
         self.peak_flops = peak_tflops(self.peak, run.precision)
+        self.sampler, self.lm = open_generation(self.plan, self.pm)  # eval.samples, eval.tasks
 
     def on_rank0(self, work: Callable[[], T]) -> T:
         """Run `work` on rank 0 and hand every rank its result; a UserError it raises stops every
@@ -245,7 +248,8 @@ class Trainer:
         for turn in (0, 1):
             if (self.rank == 0) == (turn == 0):
                 self.train_data = build("train", run.train_steps * self.G)
-                self.valid_data = build("valid", run.eval.iters * self.G) if run.eval.every else None
+                held_out = run.eval.every and has_valid_split(run)  # lm-eval's tasks alone need none
+                self.valid_data = build("valid", run.eval.iters * self.G) if held_out else None
             dist.barrier()
         if self.rank == 0 and self.train_data.truncated:
             say(
@@ -561,6 +565,10 @@ class Trainer:
             return  # the saver says its own line
         if record["kind"] == "eval":
             say(eval_line(record))
+        elif record["kind"] == "eval_task":
+            say(f"step {record['step']} eval {record['task']} | {record['metric']} {record['value']:.4g}")
+        elif record["kind"] == "sample":
+            say(sample_line(record))
         elif record["step"] % self.run.logging.every == 0 or record["step"] == self.run.train_steps:
             say(train_line(record, self.run.train_steps))
 
@@ -596,8 +604,14 @@ class Trainer:
             saves = pos.step % run.checkpoint.every == 0 or pos.step == run.train_steps
             if stopping or evaluates or saves or pos.step % run.logging.every == 0:
                 self.flush()
-            if evaluates:
+            if evaluates and self.valid_data is not None:
                 self.report(self.eval_record(self.evaluate()))
+            if evaluates and self.lm is not None:
+                for record in task_records(self.lm, self.run.eval, self.plan.task_paths, pos.step):
+                    self.report(record)
+            if self.sampler is not None and self.sampler.due(pos.step, run.train_steps):
+                for record in self.sampler.records(pos.step):
+                    self.report(record)
             if stopping:
                 name = self.stop.name or "SIGTERM"
                 self.save_now()

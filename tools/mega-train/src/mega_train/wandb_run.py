@@ -2,13 +2,15 @@
 or `offline` (offline writes the run locally, no network; `wandb sync` uploads it later).
 
 The run's config is the plan and the manifest; each metrics.jsonl record is logged at its step as
-`train/<field>` or `eval/<field>`. The W&B run id is kept in `<out>/wandb-run-id`, so a resumed
+`train/<field>` or `eval/<field>`, lm-eval's scores as `eval_task/<task>/<metric>` and samples as
+the table `samples`. The W&B run id is kept in `<out>/wandb-run-id`, so a resumed
 run continues the same W&B run (a fresh start gets a new one); W&B's own files go to `<out>/wandb`.
 W&B reads its API key (WANDB_API_KEY or its netrc) itself: this module never touches it.
 """
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,6 +29,7 @@ class WandbLog:
 
     def __init__(self, run: Any) -> None:
         self.run = run
+        self.samples: list[list] = []  # every sample so far: W&B's table is logged whole each time
 
     @staticmethod
     def open(plan: RunPlan, resumed: bool) -> WandbLog | None:
@@ -59,8 +62,23 @@ class WandbLog:
         return WandbLog(run)
 
     def log(self, record: dict) -> None:
-        """A metrics.jsonl record at its step; fields without a value are left out."""
+        """A metrics.jsonl record at its step; fields without a value are left out. An lm-eval
+        score as `eval_task/<task>/<metric>`; samples as the table `samples` (step, prompt,
+        completion: a conversation's prompt as JSON)."""
         prefix = record["kind"]
+        if prefix == "eval_task":
+            self.run.log(
+                {f"eval_task/{record['task']}/{record['metric']}": record["value"]}, step=record["step"]
+            )
+            return
+        if prefix == "sample":
+            import wandb
+
+            prompt = record["prompt"] if isinstance(record["prompt"], str) else json.dumps(record["prompt"])
+            self.samples.append([record["step"], prompt, record["completion"]])
+            table = wandb.Table(columns=["step", "prompt", "completion"], data=self.samples)
+            self.run.log({"samples": table}, step=record["step"])
+            return
         values = {
             f"{prefix}/{k}": v
             for k, v in record.items()

@@ -154,6 +154,20 @@ class InputFile(Struct):
     mtime_ns: int
 
 
+class InputDataset(Struct):
+    """A Hugging Face dataset read as the input (its files, where local, are in `inputs`): `path` as
+    given (`hf://datasets/ORG/NAME`, or a directory), what it is (`hub`, `saved`: written by
+    `save_to_disk`, `repository`: a dataset repository's files with its README's configs), the
+    Hub commit it was read at (None: a local directory that is not a Hub snapshot), its subset (the
+    config) and split."""
+
+    path: Record
+    kind: Literal["hub", "saved", "repository"]
+    revision: str | None = None
+    subset: str | None = None
+    split: str | None = None
+
+
 class TokensManifest(Header, tag="tokens", kw_only=True):
     tokenizer: TokenizerInfo
     dtype: Literal["uint16", "int32"]
@@ -166,6 +180,7 @@ class TokensManifest(Header, tag="tokens", kw_only=True):
     json_keys: list[str] = []
     on_error: Literal["fail", "skip"] = "fail"
     inputs: list[InputFile] = []
+    dataset: InputDataset | None = None
     settings_sha256: str | None = None  # written before recipe_sha256 existed; read, no longer written
     shards: list[Shard] = []
     counts: TokenCounts = msgspec.field(default_factory=TokenCounts)
@@ -431,13 +446,37 @@ class NanSpec(Struct):
     max_steps: Positive = 1
 
 
+class ChatMessage(Struct):
+    """One turn of a chat prompt (`SamplesSpec`): the chat template's role and text."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1)]
+    content: str
+
+
+class SamplesSpec(Struct):
+    """Greedy completions of `prompts`, up to `max_new_tokens` each, every `every` steps and at the
+    end, from the live model (mega-train's README, Samples). A prompt is text, or a conversation
+    (`ChatMessage`s) rendered by the data's chat template with the assistant's turn opened; on chat
+    data a text prompt is one user turn."""
+
+    prompts: Annotated[list[str | list[ChatMessage]], msgspec.Meta(min_length=1)]
+    every: Positive
+    max_new_tokens: Positive = 64
+
+
 class EvalSpec(Struct):
     """Every `every` steps (0: never) and at the end: loss, perplexity, next-token accuracy and the
-    `metrics` (`module:function` import paths, mega-train's README) over `iters` valid batches."""
+    `metrics` (`module:function` import paths, mega-train's README) over `iters` valid batches, and
+    the lm-evaluation-harness `tasks` (names lm-eval knows, or defined by the YAMLs under
+    `task_paths`), `limit` documents of each when set; `samples`: greedy completions."""
 
     every: NonNegative = 0
     iters: Positive = 10
     metrics: list[str] = msgspec.field(default_factory=list)
+    tasks: list[Annotated[str, msgspec.Meta(min_length=1)]] = msgspec.field(default_factory=list)
+    task_paths: list[Ref] = msgspec.field(default_factory=list)
+    limit: Positive | None = None
+    samples: SamplesSpec | None = None
 
 
 class LoggingSpec(Struct):

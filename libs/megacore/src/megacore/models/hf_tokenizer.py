@@ -53,7 +53,8 @@ from megacore.tokenizer_files import (
 )
 
 if TYPE_CHECKING:
-    from megacore.artifacts.manifest import TokenizerInfo, TrainedTokenizer
+    from megacore.artifacts.manifest import CheckpointManifest, TokenizerInfo, TrainedTokenizer
+    from megacore.config import ModelConfig
 
 SPACE = "\u2581"  # sentencepiece's escaped space
 
@@ -265,6 +266,31 @@ def hf_tokenizer_files(
         "tokenizer_config.json": _pretty({k: v for k, v in config.items() if v is not None}),
         "generation_config.json": _pretty(generation),
     }
+
+
+def checkpoint_tokenizer_files(
+    root: Path, manifest: CheckpointManifest, config: ModelConfig
+) -> dict[str, bytes]:
+    """A checkpoint's tokenizer as Hugging Face files (name -> bytes), what mega-export writes: a
+    trained checkpoint's from its data's tokenizer (`hf_tokenizer_files`), a converted one's own
+    files as they were. ValueError: a `.model` no tokenizer.json encodes alike, ids past the rows."""
+    if manifest.tokenizer is not None:
+        made = hf_tokenizer_files(root, manifest.tokenizer, config.vocab_size, config.max_seq_len)
+        return {name: text.encode("utf-8") for name, text in made.items()}
+    return {Path(rel).name: (root / rel).read_bytes() for rel in manifest.tokenizer_files}
+
+
+def load_tokenizer(files: dict[str, bytes]):
+    """transformers' tokenizer of Hugging Face tokenizer `files` (name -> bytes), through a
+    directory: transformers 5 builds an empty tokenizer from some files given one by one."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def _source_tokenizer(root: Path, info: TokenizerInfo) -> tuple[dict, dict]:

@@ -101,3 +101,18 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float)
     """The base weight with its adapter folded in, W + scale · B A, computed in fp32 and returned
     in the weight's dtype."""
     return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+
+
+@contextmanager
+def adapter_dropout_off(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """The adapters' dropout off in `modules` (their linears in eval mode: `delta`) for a forward
+    that trains nothing (evaluation, generation); nothing else reads the mode (a compiled block
+    recompiles for it)."""
+    dropped = [m for part in modules for m in part.modules() if getattr(m, "lora_dropout", 0) and m.training]
+    for m in dropped:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m in dropped:
+            m.train(True)

@@ -38,12 +38,13 @@ clipping counts the shared gradient once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -62,7 +63,7 @@ from megacore.config import ModelConfig, is_block_projection, sparse_layer
 from megacore.data.packing import IGNORE
 from megacore.models import adapters, nf4
 from megacore.models.attention import document_ids
-from megacore.models.lora import add_lora, freeze_base
+from megacore.models.lora import adapter_dropout_off, add_lora, freeze_base
 from megacore.models.moe import MoE
 from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
 from megacore.parallel.dp import COMPUTE_DTYPES, ComputeCopies, apply_dp
@@ -450,7 +451,7 @@ class ParallelModel:
         # Compiled blocks over DTensors fail without autograd (torch 2.13: "'Tensor' object has no
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None
-        with torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
+        with adapter_dropout_off(self.parts), torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
             counted = self._counted(targets, positions)
             tokens, targets, inputs = self._local(tokens, targets, positions)
             self._batch_targets = targets
@@ -458,10 +459,26 @@ class ParallelModel:
                 chunks = _chunks(n, tokens, targets, inputs)
                 return self._mean([self._loss(x, y, kw, on_logits) for x, y, kw in chunks], counted)
             if self.par.spec.schedule == "zbv":
-                losses = self._forward_stages(tokens, targets, inputs, on_logits)
+                last = partial(self._microbatch_loss, on_logits=on_logits)
+                losses = self._forward_stages(_chunks(n, tokens, targets, inputs), last)
             else:
                 losses = self._scheduled(self.schedule.eval, tokens, targets, inputs, on_logits=on_logits)
             return self._mean(losses, counted) if self.has_last else None
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward only over rows `tokens` [b, s], the same on every rank (generation, scoring): their
+        logits [b, s, vocab_size] over the whole vocab in fp32 where `reports_logits`, else None.
+        One microbatch through the stages in turn (`_forward_stages`: any shape, every layout), the
+        rows padded on the right to the multiple of their length the layout splits (cp's chunks,
+        sequence parallel's shards), which changes no earlier position's logits; LoRA's dropout off."""
+        s, got = tokens.shape[1], []
+        tokens = F.pad(tokens, (0, -s % self.dims.seq_multiple(self.par.spec.sequence_parallel)))
+        self._refresh()
+        grad = self.par.compile and self.tp_mesh is not None  # as `evaluate`
+        with adapter_dropout_off(self.parts), torch.set_grad_enabled(grad):
+            chunk = self._local(tokens, torch.zeros_like(tokens), None)  # targets: `_report` gathers them too
+            self._forward_stages([chunk], lambda out, y: self._report(out, y, lambda lg, _: got.append(lg)))
+        return got[0][:, :s].float() if got else None
 
     def _local(
         self, tokens: torch.Tensor | None, targets: torch.Tensor | None, positions: torch.Tensor | None
@@ -515,21 +532,17 @@ class ParallelModel:
         return losses
 
     def _forward_stages(
-        self,
-        tokens: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        inputs: dict[str, torch.Tensor],
-        on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None,
-    ) -> list[torch.Tensor]:
-        """Forward only through the stages in order, one microbatch at a time, with plain send/recv
-        between pipeline ranks: torch's ZBV runtime cannot run without backward (torch 2.13 asserts
-        on the hand-over between a rank's two stages). Returns the last stage's losses."""
-        pp, n = self.mesh["pp"], self.par.microbatches
+        self, chunks: Iterable[tuple], last: Callable[[torch.Tensor, torch.Tensor], object]
+    ) -> list:
+        """Forward only through the stages in order, a microbatch (`_chunks`'s) at a time, plain
+        send/recv of any shape between pipeline ranks (torch's ZBV runtime needs a backward, its
+        schedules keep the shapes first seen); `last(output, targets)` of each, on the last stage."""
+        pp = self.mesh["pp"]
         group, me = pp.get_group(), pp.get_local_rank()
         owner = {s: r for r in range(pp.size()) for s in self.par.rank_stages(r)}
         parts = dict(zip(self.stage_ids, self.parts, strict=True))
         losses = []
-        for x, y, kw in _chunks(n, tokens, targets, inputs):
+        for x, y, kw in chunks:
             for s in sorted(parts):
                 if s > 0 and owner[s - 1] != me:  # the shape and dtype first: middle ranks hold no batch
                     meta = torch.zeros(4, dtype=torch.int64, device=self.device)
@@ -538,7 +551,7 @@ class ParallelModel:
                     dist.recv(x, group=group, group_src=owner[s - 1])
                 x = parts[s](x, **kw)
                 if s == self.num_stages - 1:
-                    losses.append(self._microbatch_loss(x, y, on_logits=on_logits))
+                    losses.append(last(x, y))
                 elif owner[s + 1] != me:
                     x = x.contiguous()
                     meta = torch.tensor([*x.shape, _DTYPES.index(x.dtype)], device=self.device)

@@ -1,0 +1,192 @@
+"""lm-evaluation-harness on our checkpoints (mega_train/harness.py): on tasks defined here (YAMLs over
+small JSON files: multiple choice, generation, rolling log-likelihood), the `mega` model through
+lm-eval's own command line equals lm-eval's `hf` model on the checkpoint's export (accuracy exactly,
+every log-likelihood within 1e-4, every generation), in one process and at tp 2; in a run the
+tasks are scored at every evaluation; bad tasks, bad model arguments and lm-eval missing are one
+line and exit 2 before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import BIN, assert_one_line_error, run_in_process
+from runlib import TINY_LLAMA, free_port, metrics, ok, train, write_run
+
+TOL = 1e-4  # log-likelihoods, ours against transformers' (fp32)
+LIMIT = 5  # documents of each task (each has more)
+TASKS = ["tiny_mc", "tiny_gen", "tiny_ppl"]
+WORDS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh"]
+YAML = {
+    "tiny_mc": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list: [{metric: acc}, {metric: acc_norm}]""",
+    "tiny_gen": """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs: {until: ["."], max_gen_toks: 8, do_sample: false}
+metric_list: [{metric: exact_match}]""",
+    "tiny_ppl": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list: [{metric: word_perplexity}, {metric: bits_per_byte}]""",
+}
+
+
+def write_tasks(root: Path) -> Path:
+    """The three tasks' YAMLs and documents under `root`."""
+    docs = {
+        "tiny_mc": [{"question": f"Which words come after the {w} one?",
+                     "choices": ["the cat", "a dog", "once upon", "there was"], "answer": i % 4}
+                    for i, w in enumerate(WORDS)],
+        "tiny_gen": [{"prompt": f"Once upon a time the {w}", "answer": "there"} for w in WORDS],
+        "tiny_ppl": [{"text": f"The {w} little girl lived in a village near the forest."} for w in WORDS],
+    }  # fmt: skip
+    root.mkdir(parents=True, exist_ok=True)
+    for task, rows in docs.items():
+        (root / f"{task}.json").write_text(json.dumps(rows))
+        head = f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / task}.json\n"
+        (root / f"{task}.yaml").write_text(head + "test_split: test\n" + YAML[task] + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tokens: Path) -> Path:
+    """12 steps of a tiny Llama drawn wide (its greedy tokens differ by position), lm-eval's tasks
+    scored in the run every 6 steps; its step-12 checkpoint exported."""
+    root = tmp_path_factory.mktemp("harness")
+    evals = {
+        "every": 6,
+        "iters": 2,
+        "tasks": TASKS,
+        "task_paths": [str(write_tasks(root / "tasks"))],
+        "limit": LIMIT,
+    }
+    run_json = write_run(root, tokens, model={"config": TINY_LLAMA, "init_std": 0.5}, eval=evals)
+    ok(train(run_json))
+    ok(run_in_process("mega-export", root / "run" / "checkpoints" / "step-00000012", root / "hf"))
+    return root
+
+
+def lm_eval(root: Path, out: str, model: str, model_args: str, nproc: int = 0) -> tuple[dict, dict]:
+    """lm-eval's command line (ours: `python -m mega_train.harness`, under torchrun with `nproc`);
+    its results and its samples by task."""
+    args = ["--model", model, "--model_args", model_args, "--tasks", ",".join(TASKS), "--include_path",
+            str(root / "tasks"), "--limit", str(LIMIT), "--batch_size", "1", "--output_path", str(root / out),
+            "--log_samples", "--device", "cpu"]  # fmt: skip
+    if model == "hf":
+        cmd = [str(BIN / "lm-eval"), *args]
+    elif nproc:
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+               "-m", "mega_train.harness", *args]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "mega_train.harness", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (results,) = (root / out).glob("*/results_*.json")
+    samples = {
+        task: sorted(
+            map(json.loads, next((root / out).glob(f"*/samples_{task}_*.jsonl")).open()),
+            key=lambda r: r["doc_id"],
+        )
+        for task in TASKS
+    }
+    return json.loads(results.read_text())["results"], samples
+
+
+def assert_same_scores(ours: tuple[dict, dict], theirs: tuple[dict, dict]) -> None:
+    """Accuracy and exact match equal; every log-likelihood within TOL; every generation equal."""
+    (got, got_samples), (want, want_samples) = ours, theirs
+    for metric in ("acc,none", "acc_norm,none"):
+        assert got["tiny_mc"][metric] == want["tiny_mc"][metric], metric
+    assert got["tiny_gen"]["exact_match,none"] == want["tiny_gen"]["exact_match,none"]
+    for task in ("tiny_mc", "tiny_ppl"):
+        assert len(got_samples[task]) == LIMIT
+        for a, b in zip(got_samples[task], want_samples[task], strict=True):
+            for (x,), (y,) in zip(a["resps"], b["resps"], strict=True):  # [logp, greedy] or logp
+                x, y = (float(v[0] if isinstance(v, list) else v) for v in (x, y))
+                assert abs(x - y) < TOL, (task, a["doc_id"], x, y)
+    gens = [
+        (a["resps"], b["resps"])
+        for a, b in zip(got_samples["tiny_gen"], want_samples["tiny_gen"], strict=True)
+    ]
+    assert all(a == b for a, b in gens), gens
+    assert len({a[0][0] for a, _ in gens}) > 1, gens  # generations that tell models apart
+
+
+@pytest.fixture(scope="module")
+def hf_scores(trained: Path) -> tuple[dict, dict]:
+    return lm_eval(trained, "out-hf", "hf", f"pretrained={trained / 'hf'},dtype=float32")
+
+
+def test_mega_model_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
+    ckpt = trained / "run" / "checkpoints" / "step-00000012"
+    assert_same_scores(lm_eval(trained, "out-mega", "mega", f"checkpoint={ckpt}"), hf_scores)
+
+
+@pytest.mark.dist
+def test_mega_model_at_tp2_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
+    ckpt = trained / "run" / "checkpoints" / "step-00000012"
+    assert_same_scores(lm_eval(trained, "out-tp2", "mega", f"checkpoint={ckpt},tp=2", nproc=2), hf_scores)
+
+
+def test_a_run_scores_the_tasks_at_every_evaluation(trained: Path, hf_scores) -> None:
+    """`eval_task` records at steps 6 and 12, the last equal to lm-eval's on the export."""
+    rows = metrics(trained / "run", "eval_task")
+    assert sorted({r["step"] for r in rows}) == [6, 12]
+    last = {(r["task"], r["metric"]): r["value"] for r in rows if r["step"] == 12}
+    want = hf_scores[0]
+    assert last["tiny_mc", "acc"] == want["tiny_mc"]["acc,none"]
+    assert last["tiny_gen", "exact_match"] == want["tiny_gen"]["exact_match,none"]
+    assert abs(last["tiny_ppl", "bits_per_byte"] - want["tiny_ppl"]["bits_per_byte,none"]) < 1e-6
+
+
+def test_an_unknown_task_exits_2_before_any_worker(tmp_path: Path, tokens: Path) -> None:
+    tasks = write_tasks(tmp_path / "tasks")
+    run_json = write_run(
+        tmp_path, tokens, eval={"every": 6, "tasks": ["tiny_mc", "tiny_nope"], "task_paths": [str(tasks)]}
+    )
+    proc = train(run_json, "--nproc-per-node", "2")
+    assert_one_line_error(proc, "$.eval.tasks[1]: lm-eval knows no task 'tiny_nope'")
+    assert not (tmp_path / "run").exists()
+
+
+def test_lm_eval_not_installed_exits_2(tmp_path: Path, tokens: Path) -> None:
+    """A Python where `import lm_eval` fails (its module entry None, as for a package not there)."""
+    run_json = write_run(tmp_path, tokens, eval={"every": 6, "tasks": ["tiny_mc"]})
+    code = (
+        "import sys; sys.modules['lm_eval'] = None; from megacore.cli import run; "
+        f"from mega_train.cli import app; sys.exit(run(app, 'mega-train', ['--manifest', {str(run_json)!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, "$.eval.tasks: lm-evaluation-harness is not installed", "mega-train[eval]")
+
+
+def test_bad_model_arguments_exit_2(trained: Path) -> None:
+    """Through lm-eval's command line: one line, exit 2; and each argument checked before a model
+    is built."""
+    from mega_train.harness import MegaLM
+    from megacore.errors import UserError
+
+    cmd = [sys.executable, "-m", "mega_train.harness", "--model", "mega", "--model_args", "tp=2", "--tasks",
+           "tiny_mc", "--include_path", str(trained / "tasks")]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "lm-eval (mega): error: --model_args: checkpoint=DIR is required (a mega checkpoint artifact)"
+    )
+    ckpt = trained / "run" / "checkpoints" / "step-00000012"
+    for args, said in ((",pp=x", "pp=x: expected a positive integer"), (",precision=fp64", "precision=fp64"),
+                       (",vocab=3", "unknown model argument 'vocab'")):  # fmt: skip
+        with pytest.raises(UserError, match=said):
+            MegaLM.create_from_arg_string(f"checkpoint={ckpt}{args}")

@@ -1,0 +1,73 @@
+"""A checkpoint as a model to run forward in any layout outside a run (lm-eval's `mega` model,
+`harness.py`): the mesh from `tp`, `pp`, `cp`, `ep` (dp the rest of the world, every replica
+computing alike), the weights loaded as a run loads its `init`, and the tokenizer mega-export
+would write beside them.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+from megacore.artifacts import open_artifact
+from megacore.artifacts.manifest import ParallelSpec
+from megacore.checkpoint import CheckpointReader
+from megacore.errors import UserError
+from megacore.models.hf_tokenizer import checkpoint_tokenizer_files, load_tokenizer
+from megacore.parallel.checkpoint_io import load_checkpoint
+from megacore.parallel.engine import ParallelModel
+from megacore.parallel.layout import Parallelism, check_parallelism
+from megacore.parallel.mesh import build_mesh, device_type
+
+LAYOUT = ("tp", "pp", "cp", "ep")
+CHOICES = {"precision": ("fp32", "bf16", "fp16"), "attention": ("auto", "sdpa", "flash")}
+
+
+def _settings(args: dict[str, str], where: str) -> tuple[ParallelSpec, str, str]:
+    """The layout, precision and attention kernel `args` name (lm-eval's `--model_args`)."""
+    unknown = sorted(set(args) - {"checkpoint", *LAYOUT, *CHOICES})
+    if unknown:
+        raise UserError(
+            f"unknown model argument {unknown[0]!r} (known: checkpoint, {', '.join([*LAYOUT, *CHOICES])})",
+            where,
+        )
+    sizes = {}
+    for name in LAYOUT:
+        value = args.get(name, "1")
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"{name}={value}: expected a positive integer", where)
+        sizes[name] = int(value)
+    picked = {"precision": "bf16" if device_type() == "cuda" else "fp32", "attention": "auto"}
+    for name, allowed in CHOICES.items():
+        picked[name] = args.get(name, picked[name])
+        if picked[name] not in allowed:
+            raise UserError(f"{name}={picked[name]}: expected one of {', '.join(allowed)}", where)
+    return ParallelSpec(**sizes), picked["precision"], picked["attention"]
+
+
+def open_checkpoint_model(args: dict[str, str]) -> tuple[ParallelModel, typing.Any]:
+    """(this rank's part of the checkpoint `args["checkpoint"]`'s model, loaded; its tokenizer)."""
+    where = "--model_args"
+    if "checkpoint" not in args:
+        raise UserError("checkpoint=DIR is required (a mega checkpoint artifact)", where)
+    path = Path(args["checkpoint"])
+    spec, precision, attention = _settings(args, where)
+    manifest = open_artifact(path, "checkpoint")
+    if manifest.adapter is not None:
+        raise UserError(
+            "a LoRA adapter checkpoint: evaluate the model with it merged (mega-export's default), "
+            "or the run's base with the adapter in a run's eval.tasks",
+            str(path),
+        )
+    par = Parallelism(spec, precision, attention=attention)
+    check_parallelism(manifest.config, par, f"{where}: tp/pp/cp/ep")
+    mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
+    device = "cuda" if device_type() == "cuda" else "cpu"
+    pm = ParallelModel(manifest.config, par, mesh, device)
+    load_checkpoint(path, pm)
+    with CheckpointReader(path) as ckpt:
+        try:
+            files = checkpoint_tokenizer_files(ckpt.root, ckpt.manifest, ckpt.config)
+        except ValueError as e:
+            raise UserError(f"tokenizer: {e}", str(path)) from None
+    return pm, load_tokenizer(files)
