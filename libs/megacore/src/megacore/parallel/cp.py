@@ -112,19 +112,9 @@ class ContextParallelAttention:
         """The whole row [B, S, ...] of `t`, of which this rank holds its tokens (differentiable)."""
         return gather_sequence(t, self.group, self.cp)
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int | None = None,
-        impl: Impl = "auto",
-        segments: torch.Tensor | None = None,
-        scale: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        k, v = self.whole_row(k), self.whole_row(v)
-        return self.attend(q, k, v, window, impl, segments, scale, sinks)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest) -> torch.Tensor:
+        """`attend` after gathering the whole row's k and v (`rest`: `attend`'s other arguments)."""
+        return self.attend(q, self.whole_row(k), self.whole_row(v), *rest)
 
     def attend(
         self,
