@@ -129,13 +129,13 @@ def hf_scores(trained: Path) -> tuple[dict, dict]:
 
 def test_mega_model_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
-    assert_same_scores(lm_eval(trained, "out-mega", "mega", f"checkpoint={ckpt}"), hf_scores)
+    assert_same_scores(lm_eval(trained, "out-mega", "mega", f"pretrained={ckpt}"), hf_scores)
 
 
 @pytest.mark.dist
 def test_mega_model_at_tp2_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
-    assert_same_scores(lm_eval(trained, "out-tp2", "mega", f"checkpoint={ckpt},tp=2", nproc=2), hf_scores)
+    assert_same_scores(lm_eval(trained, "out-tp2", "mega", f"pretrained={ckpt},tp=2", nproc=2), hf_scores)
 
 
 def test_a_run_scores_the_tasks_at_every_evaluation(trained: Path, hf_scores) -> None:
@@ -183,10 +183,10 @@ def test_bad_model_arguments_exit_2(trained: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        "lm-eval (mega): error: --model_args: checkpoint=DIR is required (a mega checkpoint artifact)"
+        "lm-eval (mega): error: --model_args: pretrained=DIR is required (a mega checkpoint artifact)"
     )
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
     for args, said in ((",pp=x", "pp=x: expected a positive integer"), (",precision=fp64", "precision=fp64"),
                        (",vocab=3", "unknown model argument 'vocab'")):  # fmt: skip
         with pytest.raises(UserError, match=said):
-            MegaLM.create_from_arg_string(f"checkpoint={ckpt}{args}")
+            MegaLM.create_from_arg_string(f"pretrained={ckpt}{args}")

@@ -25,12 +25,10 @@ CHOICES = {"precision": ("fp32", "bf16", "fp16"), "attention": ("auto", "sdpa", 
 
 def _settings(args: dict[str, str], where: str) -> tuple[ParallelSpec, str, str]:
     """The layout, precision and attention kernel `args` name (lm-eval's `--model_args`)."""
-    unknown = sorted(set(args) - {"checkpoint", *LAYOUT, *CHOICES})
+    known = ["pretrained", *LAYOUT, *CHOICES]
+    unknown = sorted(set(args) - set(known))
     if unknown:
-        raise UserError(
-            f"unknown model argument {unknown[0]!r} (known: checkpoint, {', '.join([*LAYOUT, *CHOICES])})",
-            where,
-        )
+        raise UserError(f"unknown model argument {unknown[0]!r} (known: {', '.join(known)})", where)
     sizes = {}
     for name in LAYOUT:
         value = args.get(name, "1")
@@ -46,11 +44,12 @@ def _settings(args: dict[str, str], where: str) -> tuple[ParallelSpec, str, str]
 
 
 def open_checkpoint_model(args: dict[str, str]) -> tuple[ParallelModel, typing.Any]:
-    """(this rank's part of the checkpoint `args["checkpoint"]`'s model, loaded; its tokenizer)."""
+    """(this rank's part of the model of the checkpoint `args["pretrained"]` (lm-eval's name for
+    what to evaluate, which also names its results' folder), loaded; its tokenizer)."""
     where = "--model_args"
-    if "checkpoint" not in args:
-        raise UserError("checkpoint=DIR is required (a mega checkpoint artifact)", where)
-    path = Path(args["checkpoint"])
+    if "pretrained" not in args:
+        raise UserError("pretrained=DIR is required (a mega checkpoint artifact)", where)
+    path = Path(args["pretrained"])
     spec, precision, attention = _settings(args, where)
     manifest = open_artifact(path, "checkpoint")
     if manifest.adapter is not None:

@@ -5,7 +5,7 @@ used two ways:
 - in a run, `"eval": {"tasks": [...], "task_paths": [...], "limit": N, "every": M}`: the live model
   at every evaluation (`run_tasks`), each score an `eval_task` record;
 - on any checkpoint after a run, with lm-eval's own command line and this model registered as
-  `mega` (`main`): `python -m mega_train.harness --model mega --model_args checkpoint=DIR,tp=2
+  `mega` (`main`): `python -m mega_train.harness --model mega --model_args pretrained=DIR,tp=2
   --tasks ...`, under torchrun for a layout of several processes.
 
 Every rank runs the same evaluation (lm-eval sees one process, rank 0 of 1: the layout splits the
@@ -67,7 +67,7 @@ class MegaLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> MegaLM:
-        """From lm-eval's `--model_args` `checkpoint=DIR[,tp=N,pp=N,cp=N,ep=N,precision=fp32|bf16,
+        """From lm-eval's `--model_args` `pretrained=DIR[,tp=N,pp=N,cp=N,ep=N,precision=fp32|bf16,
         attention=auto|sdpa|flash]`; `--batch_size` (a number) rows per forward."""
         from mega_train.checkpoint_model import open_checkpoint_model
 
