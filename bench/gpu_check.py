@@ -8,7 +8,8 @@ timeout or the budget's end, whichever comes first.
 - cuda_tests: pytest on tests/models/test_cuda.py, the tests skipped without CUDA (the decoder's
   logits against transformers for 7 families, a bf16 step against fp32, the fused loss, packed
   documents, the FlashAttention kernels against SDPA, context parallel's late chunk, the grouped
-  matmul against the loop); counts, time and failed tests from its junit XML.
+  matmul against the loop) and gpt-oss's sink attention against its formula (test_gpt_oss.py);
+  counts, time and failed tests from its junit XML.
 - fp8: the engine (`ParallelModel`, one process) learns one fixed batch for 12 steps from the same
   weights in bf16 and in fp8 (tensorwise; torchao's Float8Linear, checked not emulated): every loss
   finite, bf16's falling, fp8's within 2% of bf16's at every step. Needs torchao and compute

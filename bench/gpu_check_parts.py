@@ -31,7 +31,11 @@ if TYPE_CHECKING:  # the parent (gpu_check.py) imports no torch; the parts impor
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_ENV, SECONDS_ENV = "GPU_CHECK_RESULT", "GPU_CHECK_SECONDS"
-CUDA_TESTS = ("tests/models/test_cuda.py",)  # every test that needs CUDA (grep tests for `cuda`)
+# Every test that needs CUDA (grep tests for `cuda`): gpt-oss's sink attention on the GPU's path too.
+CUDA_TESTS = (
+    "tests/models/test_cuda.py",
+    "tests/models/test_gpt_oss.py::test_sink_kernel_forward_and_backward_equal_the_formula",
+)
 # The fp8 part: a Llama whose block linears all run float8 (dims multiples of 16), one fixed batch
 # learnt for STEPS steps from the same weights in bf16 and in fp8.
 FP8_MODEL = dict(

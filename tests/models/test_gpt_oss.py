@@ -92,21 +92,31 @@ CASES_KERNEL = {
 }
 
 
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("path", ["kernel", "math"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES_KERNEL))
-def test_sink_kernel_forward_and_backward_equal_the_formula(case: str, dtype: torch.dtype, path: str) -> None:
+def test_sink_kernel_forward_and_backward_equal_the_formula(
+    case: str, dtype: torch.dtype, path: str, device: str
+) -> None:
     """The CPU kernel (FlashAttention for CPU and the sinks' rescale, a hand-written backward) and
-    the math path other devices take, each against `_reference`: output and the gradients of q, k,
-    v and the sinks; fp32 within 2e-5, bf16 within bf16's rounding of the inputs' scale."""
+    the math path other devices take (on the CPU too), each against `_reference` on the CPU in
+    fp64: output and the gradients of q, k, v and the sinks; fp32 within 2e-5, bf16
+    within bf16's rounding of the inputs' scale. On a GPU, where one is: its path, both calls."""
     sq, sk, window, docs = CASES_KERNEL[case]
-    q, k, v, sinks = _inputs(2, sq, sk, 4, 2, 16, dtype)
+    q, k, v, sinks = (t.detach().to(device).requires_grad_() for t in _inputs(2, sq, sk, 4, 2, 16, dtype))
     scale = 0.3
     k_docs = q_docs = None
     if docs:
         k_docs = torch.tensor([[0] * 5 + [1] * (sk - 5), [0] * (sk - 3) + [1] * 3])
         q_docs = k_docs[:, sk - sq :]
-    visible = _visible(sq, sk, window, q_docs, k_docs)
+    visible = _visible(sq, sk, window, q_docs, k_docs).to(device)
+    k_docs, q_docs = (None if t is None else t.to(device) for t in (k_docs, q_docs))
     if path == "math":  # what a GPU runs, here on the CPU
         out = _math_sink_attention(q, k, v, sinks, visible, scale)
     elif sq == sk:
@@ -116,7 +126,7 @@ def test_sink_kernel_forward_and_backward_equal_the_formula(case: str, dtype: to
     ref = _reference(q, k, v, sinks, visible, scale)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     assert (out.double() - ref).abs().max() < tol
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     got = torch.autograd.grad(out, (q, k, v, sinks), grad)
     want = torch.autograd.grad(ref, (q, k, v, sinks), grad.double())
     for name, a, b in zip(["q", "k", "v", "sinks"], got, want, strict=True):
