@@ -77,9 +77,11 @@ def trained(tmp_path_factory, tokens: Path) -> Path:
 
 def lm_eval(root: Path, out: str, model: str, model_args: str, nproc: int = 0) -> tuple[dict, dict]:
     """lm-eval's command line (ours: `python -m mega_train.harness`, under torchrun with `nproc`);
-    its results and its samples by task."""
+    its results and its samples by task. Ours runs 4 requests a forward (rows of several lengths,
+    right-padded), the hf model one (its batched generation counts left padding into its limit)."""
+    batch = "1" if model == "hf" else "4"
     args = ["--model", model, "--model_args", model_args, "--tasks", ",".join(TASKS), "--include_path",
-            str(root / "tasks"), "--limit", str(LIMIT), "--batch_size", "1", "--output_path", str(root / out),
+            str(root / "tasks"), "--limit", str(LIMIT), "--batch_size", batch, "--output_path", str(root / out),
             "--log_samples", "--device", "cpu"]  # fmt: skip
     if model == "hf":
         cmd = [str(BIN / "lm-eval"), *args]

@@ -133,26 +133,41 @@ class MegaLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        eos = self.tokenizer.decode(self.eot_token_id)
-        for context, gen_kwargs in (req.args for req in requests):
-            kwargs = normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
-            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
-                raise UserError("lm-eval asked for sampled generation; the mega model generates greedily")
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            new = kwargs.pop("max_gen_toks")
-            ids = self.tok_encode(context, left_truncate_len=self.max_length - new)
-
-            def done(_: int, got: list[int], until=until) -> bool:
-                text = self.tokenizer.decode(got)
-                return any(term and term in text for term in until)
-
-            got = self.generator.greedy([ids], new, {self.eot_token_id}, done)[0]
-            out.append(
-                postprocess_generated_text(self.tokenizer.decode(got, skip_special_tokens=True), until, None)
-            )
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), out[-1])
+        """Greedy completions, `batch_size` requests with the same generation arguments at a time."""
+        args = [req.args for req in requests]
+        groups: dict[str, list[int]] = {}
+        for i, (_, gen_kwargs) in enumerate(args):
+            groups.setdefault(repr(sorted(gen_kwargs.items())), []).append(i)
+        out = [""] * len(args)
+        for rows in groups.values():
+            for start in range(0, len(rows), self.batch_size):
+                batch = rows[start : start + self.batch_size]
+                for i, text in zip(
+                    batch, self._generate([args[i][0] for i in batch], args[batch[0]][1]), strict=True
+                ):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", args[i], text)
         return out
+
+    def _generate(self, contexts: list[str], gen_kwargs: dict) -> list[str]:
+        """The `hf` model's greedy generation of `contexts` under one request's arguments: at most
+        `max_gen_toks` new ids, each completion cut at the first stop sequence it holds."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
+        if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
+            raise UserError("lm-eval asked for sampled generation; the mega model generates greedily")
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tokenizer.decode(self.eot_token_id))
+        new = kwargs.pop("max_gen_toks")
+        ids = [self.tok_encode(c, left_truncate_len=self.max_length - new) for c in contexts]
+
+        def done(_: int, got: list[int]) -> bool:
+            text = self.tokenizer.decode(got)
+            return any(term and term in text for term in until)
+
+        got = self.generator.greedy(ids, new, {self.eot_token_id}, done)
+        return [
+            postprocess_generated_text(self.tokenizer.decode(g, skip_special_tokens=True), until, None)
+            for g in got
+        ]
 
 
 @functools.cache

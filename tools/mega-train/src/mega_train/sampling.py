@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from megacore.artifacts.manifest import EvalSpec, SamplesSpec
-from megacore.models.hf_tokenizer import hf_tokenizer_files, load_tokenizer
+from megacore.models.hf_tokenizer import load_tokenizer, trained_tokenizer_files
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.generate import Generator
 
@@ -76,9 +76,7 @@ def open_generation(plan: RunPlan, pm: ParallelModel) -> tuple[Sampler | None, M
     spec, config = plan.run.eval, plan.config
     if spec.samples is None and not spec.tasks:
         return None, None
-    root, trained = plan.tokenizer
-    made = hf_tokenizer_files(root, trained, config.vocab_size, config.max_seq_len)
-    files = {name: text.encode("utf-8") for name, text in made.items()}
+    files = trained_tokenizer_files(*plan.tokenizer, config)
     tokenizer, generator = load_tokenizer(files), Generator(pm)
     sampler, lm = None, None
     if spec.samples is not None:

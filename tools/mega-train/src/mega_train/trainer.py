@@ -19,7 +19,7 @@
   steps' values read back at once, each step's record written to metrics.jsonl and W&B on rank 0,
   and the console line when due, with every rank's own work per step and the stragglers named
   (`stragglers.py`); `evaluate` every `eval.every` steps and after the last one
-  (`evaluation.py`), with lm-eval's `eval.tasks` (`eval_tasks`, `harness.py`); samples every
+  (`evaluation.py`), with lm-eval's `eval.tasks` (`sampling.task_records`, `harness.py`); samples every
   `eval.samples.every` steps (`sampling.py`); `save` writes an atomic checkpoint.
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).

@@ -275,9 +275,14 @@ def checkpoint_tokenizer_files(
     trained checkpoint's from its data's tokenizer (`hf_tokenizer_files`), a converted one's own
     files as they were. ValueError: a `.model` no tokenizer.json encodes alike, ids past the rows."""
     if manifest.tokenizer is not None:
-        made = hf_tokenizer_files(root, manifest.tokenizer, config.vocab_size, config.max_seq_len)
-        return {name: text.encode("utf-8") for name, text in made.items()}
+        return trained_tokenizer_files(root, manifest.tokenizer, config)
     return {Path(rel).name: (root / rel).read_bytes() for rel in manifest.tokenizer_files}
+
+
+def trained_tokenizer_files(root: Path, tokenizer: TrainedTokenizer, config: ModelConfig) -> dict[str, bytes]:
+    """`hf_tokenizer_files` for a model of `config` (its rows, its context), as bytes."""
+    made = hf_tokenizer_files(root, tokenizer, config.vocab_size, config.max_seq_len)
+    return {name: text.encode("utf-8") for name, text in made.items()}
 
 
 def load_tokenizer(files: dict[str, bytes]):
