@@ -247,7 +247,7 @@ def layers() -> list[tuple[str, ...]]:
 def test_layer_table_parses(layers):
     # A parse that found nothing would make every import "in no layer" or, worse, pass vacuously.
     names = [n for layer in layers for n in layer]
-    assert layers[0] == ("errors", "config", "env") and layers[-1] == (TOOLS,)
+    assert layers[0] == ("errors", "config", "env", "signals") and layers[-1] == (TOOLS,)
     assert len(names) == len(set(names))
     assert {"artifacts", "tokenizer_files", "data", "models", "checkpoint", "parallel", "planner"} <= set(
         names

@@ -17,6 +17,11 @@ would close it) is cancelled at interpreter exit: left running, a thread inside 
 Python finalizes aborts the process ("terminate called without an active exception", exit 134)
 instead of its exit code.
 
+Every wait of the caller on a helper thread (a queue, a join, a thread's start, a future) holds
+the tools' stop signals (`megacore.signals.signals_held`): Ctrl-C is raised when the wait ends, never
+inside `threading`'s lock handling, where it can leave both threads waiting forever. Waits with
+no bound (the next item of a source, a future's result) poll, so a stop ends them at once.
+
 `Jobs`: independent calls on a few threads, each answered by a future; calls of one `lane` run one
 after another (several files hashed at once while the caller reads them, each file's pieces in
 turn: artifacts/tensors.py's `TensorReader`).
@@ -26,17 +31,19 @@ from __future__ import annotations
 
 import atexit
 import queue
-import signal
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
+
+from megacore.signals import signals_held
 
 T = TypeVar("T")
 
 _END = object()
+POLL_S = 0.1  # how often a wait with no bound lets a stop signal through
 _LIVE: weakref.WeakSet[Background] = weakref.WeakSet()  # started and not yet joined
 
 
@@ -64,16 +71,11 @@ class Background:
 
     def _start(self, target: Callable[[], None]) -> Background:
         self._thread = threading.Thread(target=target, name=self._name, daemon=True)
-        # SIGINT/SIGTERM wait until the thread is registered for the exit hook: a handler raising
-        # inside `start()` would leave it running unregistered (CI: mega-convert -6 on Ctrl-C).
-        # The thread inherits the mask, which is harmless: Python runs handlers in the main thread.
-        held = {signal.SIGINT, signal.SIGTERM}
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-        try:
+        # Held until the thread is registered for the exit hook too: a stop raised inside `start()`
+        # would leave it running unregistered (CI: mega-convert -6 on Ctrl-C).
+        with signals_held():
             self._thread.start()
             _LIVE.add(self)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return self
 
     # --- sink ------------------------------------------------------------------------------------
@@ -96,7 +98,8 @@ class Background:
     def put(self, item: object) -> None:
         if self._error is not None:
             raise self._error
-        self._q.put(item)
+        with signals_held():  # bounded: the thread frees a place once it has handled one item
+            self._q.put(item)
 
     def offer(self, item: object) -> bool:
         """`put` unless the queue is full (then drop the item and return False): for work that only
@@ -104,7 +107,8 @@ class Background:
         if self._error is not None:
             raise self._error
         try:
-            self._q.put_nowait(item)
+            with signals_held():
+                self._q.put_nowait(item)
         except queue.Full:
             return False
         return True
@@ -137,10 +141,18 @@ class Background:
         return self._start(work)
 
     def __iter__(self) -> Iterator[Any]:
-        while (item := self._q.get()) is not _END:
+        while (item := self._next()) is not _END:
             if isinstance(item, _Failed):
                 raise item.error
             yield item
+
+    def _next(self) -> object:
+        while True:
+            with signals_held():
+                try:
+                    return self._q.get(timeout=POLL_S)
+                except queue.Empty:
+                    pass
 
     # --- both ------------------------------------------------------------------------------------
 
@@ -152,10 +164,11 @@ class Background:
         if self._kind == "source":
             self.cancel()
             return
-        self._q.put(_END)
-        self._thread.join()
-        self._thread = None
-        _LIVE.discard(self)
+        with signals_held():  # bounded: the queued items (`depth`) are all that is left to handle
+            self._q.put(_END)
+            self._thread.join()
+            self._thread = None
+            _LIVE.discard(self)
         if self._error is not None:
             raise self._error
 
@@ -163,12 +176,13 @@ class Background:
         """Stop the thread without waiting for queued work (after a failure elsewhere)."""
         if self._thread is None:
             return
-        self._stop.set()
-        if self._kind == "sink":
-            self._q.put(_END)  # the sink drains without working once stopped
-        self._thread.join()
-        self._thread = None
-        _LIVE.discard(self)
+        with signals_held():  # bounded: the item in hand, at most
+            self._stop.set()
+            if self._kind == "sink":
+                self._q.put(_END)  # the sink drains without working once stopped
+            self._thread.join()
+            self._thread = None
+            _LIVE.discard(self)
 
 
 class Jobs:
@@ -190,6 +204,10 @@ class Jobs:
         self._lanes: dict[Hashable, deque[tuple[Future, Callable[..., Any], tuple]]] = {}
 
     def submit(self, fn: Callable[..., T], *args: Any, lane: Hashable | None = None) -> Future[T]:
+        with signals_held():  # the pool may start a thread
+            return self._submit(fn, *args, lane=lane)
+
+    def _submit(self, fn: Callable[..., T], *args: Any, lane: Hashable | None) -> Future[T]:
         if lane is None:
             return self._pool.submit(fn, *args)
         future: Future[T] = Future()
@@ -220,9 +238,19 @@ class Jobs:
     def cancel(self) -> None:
         """Drop the calls not started, tell the running ones to stop (`stop`), and return at once:
         a thread still in a call ends when the call next checks `stop`."""
-        self.stop.set()
-        with self._lock:
-            for calls in self._lanes.values():
-                for future, _, _ in calls:
-                    future.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with signals_held():
+            self.stop.set()
+            with self._lock:
+                for calls in self._lanes.values():
+                    for future, _, _ in calls:
+                        future.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def result(future: Future[T]) -> T:
+    """`future.result()`, waited for with stop signals held between polls (see the module's doc)."""
+    while not future.done():
+        with signals_held():
+            wait([future], timeout=POLL_S)
+    with signals_held():
+        return future.result()

@@ -21,6 +21,7 @@ from typer.exceptions import TyperException
 
 from megacore import env
 from megacore.errors import Silent, UserError
+from megacore.signals import ARMED, RECEIVED, Stopped, raise_stopped, reset
 
 Verify = Literal["sha256", "size", "none"]
 
@@ -95,46 +96,6 @@ def error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
-class Stopped(BaseException):
-    """SIGINT or SIGTERM, raised in the main thread so the tool unwinds (and cleans up) as on any
-    failure. Not a KeyboardInterrupt: typer would turn that into a silent exit 130."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-# The signal received, if any: a library whose C code runs the handler may report the exception as
-# its own (torch: "could not determine the shape of object type ..."), so the exit still says it.
-_RECEIVED: list[int] = []
-
-
-# Whether the handler raises: only while the command runs. Once `run` handles how the command ended,
-# a signal (torchrun SIGTERMs every worker when one exits) is recorded, not raised, or it would
-# escape the handling as a traceback and exit 1.
-_ARMED = [False]
-
-# Stop signals a Python handler has run for (this module's, or a tool's own that calls
-# `mark_handled`): a watcher thread compares them with the signals received (mega_train.lifecycle).
-_HANDLED = [0]
-
-
-def mark_handled() -> None:
-    """A Python-level handler ran for a stop signal (the main thread is not stuck in C code)."""
-    _HANDLED[0] += 1
-
-
-def handled_signals() -> int:
-    return _HANDLED[0]
-
-
-def _raise_stopped(signum: int, frame: object) -> None:
-    _RECEIVED.append(signum)
-    mark_handled()
-    if _ARMED[0]:
-        raise Stopped(signum)
-
-
 def _stopped(prog: str, signum: int, quiet: bool = False) -> int:
     if not quiet:
         error(prog, "interrupted" if signum == signal.SIGINT else "terminated")
@@ -176,21 +137,21 @@ def run(
     debug = debug or env.flag("MEGA_DEBUG")
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
     previous = {}
-    _RECEIVED.clear()
+    reset()  # the signals of an earlier run in this process forgotten
     if argv is None:  # a console-script run owns the process and its signals
-        previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
         _quiet_foreign_logs()
-    _ARMED[0] = True
+    ARMED[0] = True
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
-        _ARMED[0] = False
+        ARMED[0] = False
         return int(result) if isinstance(result, int) else 0
     except BaseException as e:
         # First, before any call (where Python runs a pending handler): disarm.
-        _ARMED[0] = False
+        ARMED[0] = False
         return _exit_code(e, prog, debug, quiet_stop)
     finally:
-        _ARMED[0] = False
+        ARMED[0] = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -214,8 +175,8 @@ def _exit_code(e: BaseException, prog: str, debug: bool, quiet_stop: bool) -> in
         return _stopped(prog, e.signum, quiet_stop)
     if not isinstance(e, Exception):  # SystemExit, KeyboardInterrupt: as Python would
         raise e
-    if _RECEIVED and not isinstance(e, Silent):  # the stop, reported by a library as another error
-        return _stopped(prog, _RECEIVED[0], quiet_stop)
+    if RECEIVED and not isinstance(e, Silent):  # the stop, reported by a library as another error
+        return _stopped(prog, RECEIVED[0], quiet_stop)
     if debug:
         traceback.print_exception(e)
     if isinstance(e, UserError):

@@ -12,6 +12,8 @@ import numpy as np
 
 from mega_tokenize.parsing import Parsed
 from mega_tokenize.tokenizer import Engine, Tokenizer, verify_engine
+from megacore.background import result
+from megacore.signals import signals_held
 
 if TYPE_CHECKING:
     from mega_tokenize.job import Job
@@ -40,16 +42,18 @@ class EngineChecks:
         """Each batch once its sample is queued for the check."""
         for i, parsed in enumerate(batches):
             first = i == 0
-            self.pending.append(
-                self.pool.submit(verify_engine, self.tok, self.engine, _sample(parsed, first), probes=first)
-            )
+            sample = _sample(parsed, first)
+            with signals_held():  # see megacore.background: the pool may start its thread
+                self.pending.append(
+                    self.pool.submit(verify_engine, self.tok, self.engine, sample, probes=first)
+                )
             self.passed(wait=False)  # stop early on a disagreement
             yield parsed
 
     def passed(self, wait: bool) -> None:
         """Raise `EngineDisagrees` for the first finished check (with `wait`: any) that disagrees."""
         while self.pending and (wait or self.pending[0].done()):
-            if problem := self.pending.popleft().result():
+            if problem := result(self.pending.popleft()):
                 raise EngineDisagrees(problem, self.tok.reference().name)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
@@ -130,10 +134,11 @@ def in_order(
     waits, so no encoding thread idles while the caller writes."""
     pending: deque[tuple[Parsed, Future]] = deque()
     for parsed in batches:
-        pending.append((parsed, pool.submit(encode, parsed)))
+        with signals_held():  # see megacore.background: the pool may start a thread
+            pending.append((parsed, pool.submit(encode, parsed)))
         if len(pending) > ahead:
             done, fut = pending.popleft()
-            yield done, fut.result()
+            yield done, result(fut)
     while pending:
         done, fut = pending.popleft()
-        yield done, fut.result()
+        yield done, result(fut)

@@ -39,8 +39,8 @@ from pathlib import Path
 
 from megacore import env
 from megacore.artifacts.output import pid_alive
-from megacore.cli import handled_signals, mark_handled
 from megacore.errors import UserError
+from megacore.signals import handled_signals, mark_handled
 
 LOCK_FILE = ".lock"
 SECOND_SIGINT_S = 1.0

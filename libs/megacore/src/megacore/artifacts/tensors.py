@@ -34,7 +34,7 @@ from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Piece, TensorE
 from megacore.artifacts.pieces import SAFETENSORS_CODES, Box, intersect, numel, safetensors_layout, whole
 from megacore.artifacts.reader import check_file, check_sha256, confined_path, read_manifest_bytes
 from megacore.artifacts.writer import sha256_file
-from megacore.background import Background, Jobs
+from megacore.background import Background, Jobs, result
 from megacore.errors import DamagedFile, UserError
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -157,7 +157,7 @@ class TensorReader:
                 break
             future, piece = self._pending[job]
             try:
-                check_sha256(self._listed[job[0]][1], future.result(), self._at(job[0]), piece)
+                check_sha256(self._listed[job[0]][1], result(future), self._at(job[0]), piece)
             except DamagedFile as e:
                 self._damage = e
             else:
