@@ -129,6 +129,7 @@ def hf_scores(trained: Path) -> tuple[dict, dict]:
     return lm_eval(trained, "out-hf", "hf", f"pretrained={trained / 'hf'},dtype=float32")
 
 
+@pytest.mark.slow  # make test runs the one-process model on a LoRA adapter against its export
 def test_mega_model_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
     assert_same_scores(lm_eval(trained, "out-mega", "mega", f"pretrained={ckpt}"), hf_scores)
@@ -138,6 +139,32 @@ def test_mega_model_equals_the_hf_model_on_the_export(trained: Path, hf_scores) 
 def test_mega_model_at_tp2_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
     assert_same_scores(lm_eval(trained, "out-tp2", "mega", f"pretrained={ckpt},tp=2", nproc=2), hf_scores)
+
+
+def test_mega_model_on_a_lora_adapter_equals_the_hf_model_on_its_merged_export(
+    trained: Path, hf_scores, tokens: Path, tmp_path: Path
+) -> None:
+    """An adapter trained 4 steps on the step-12 checkpoint, scored on its base (`base=` a copy of
+    it, as when the base moved) with its adapters applied as in training, equals lm-eval's `hf`
+    model on mega-export's merge of it, and differs from the base's scores."""
+    import shutil
+
+    base = trained / "run" / "checkpoints" / "step-00000012"
+    lora = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}
+    run_json = write_run(tmp_path, tokens, init=base, lora=lora, train_steps=4, optimizer={"lr": 3e-2},
+                         checkpoint={"every": 4}, eval={"every": 0})  # fmt: skip
+    ok(train(run_json))
+    adapter = tmp_path / "run" / "checkpoints" / "step-00000004"
+    ok(run_in_process("mega-export", adapter, tmp_path / "merged"))
+    moved = shutil.copytree(base, tmp_path / "moved-base")
+    write_tasks(tmp_path / "tasks")
+    theirs = lm_eval(tmp_path, "out-hf", "hf", f"pretrained={tmp_path / 'merged'},dtype=float32")
+    assert_same_scores(lm_eval(tmp_path, "out-mega", "mega", f"pretrained={adapter},base={moved}"), theirs)
+    ppl = (
+        [s["resps"][0][0] for s in theirs[1]["tiny_ppl"]],
+        [s["resps"][0][0] for s in hf_scores[1]["tiny_ppl"]],
+    )
+    assert max(abs(float(a) - float(b)) for a, b in zip(*ppl, strict=True)) > 100 * TOL  # the adapter counts
 
 
 def test_a_run_scores_the_tasks_at_every_evaluation(trained: Path, hf_scores) -> None:
@@ -189,6 +216,7 @@ def test_bad_model_arguments_exit_2(trained: Path) -> None:
     )
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
     for args, said in ((",pp=x", "pp=x: expected a positive integer"), (",precision=fp64", "precision=fp64"),
-                       (",vocab=3", "unknown model argument 'vocab'")):  # fmt: skip
+                       (",vocab=3", "unknown model argument 'vocab'"),
+                       (",base=/nowhere", "is not a LoRA adapter; it has no base")):  # fmt: skip
         with pytest.raises(UserError, match=said):
             MegaLM.create_from_arg_string(f"pretrained={ckpt}{args}")

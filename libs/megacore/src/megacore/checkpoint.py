@@ -48,7 +48,8 @@ from megacore.artifacts import (
     piece_entry,
 )
 from megacore.artifacts.manifest import Adapter, Layout, License, Parent, TrainedTokenizer, TrainingState
-from megacore.artifacts.reader import Verify, artifact_root, check_model_tensors
+from megacore.artifacts.reader import Verify, artifact_root, check_model_tensors, read_manifest_bytes
+from megacore.artifacts.writer import sha256_bytes
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models import Decoder
@@ -237,3 +238,17 @@ class CheckpointReader:
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         self._reader.__exit__(exc_type, *rest)
+
+
+def adapter_base(adapter: Path, info: Adapter, given: Path | None, option: str) -> Path:
+    """A LoRA adapter checkpoint's base: `given` (the tool's `option`, for a base that moved since
+    training) or where the adapter says, checked to be the one it names (its manifest's sha256)."""
+    path = Path(given) if given is not None else Path(info.base.path)
+    where = option if given is not None else str(adapter)
+    if not (path / MANIFEST_NAME).is_file():
+        raise UserError(
+            f"the adapter's base checkpoint {path} is not there; give where it is now with {option}", where
+        )
+    if sha256_bytes(read_manifest_bytes(path)[1]) != info.base.manifest_sha256:
+        raise UserError(f"{path} is not the adapter's base checkpoint (its manifest differs)", where)
+    return path

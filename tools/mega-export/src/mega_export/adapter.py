@@ -18,9 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from megacore.artifacts import TORCH_DTYPES, ArtifactWriter
-from megacore.artifacts.reader import read_manifest_bytes
-from megacore.artifacts.writer import sha256_bytes
-from megacore.checkpoint import CheckpointReader
+from megacore.checkpoint import CheckpointReader, adapter_base
 from megacore.config import LORA_A, LORA_B, OPTIM_PREFIX, LoRA
 from megacore.errors import UserError
 from megacore.models.adapters import peft_names
@@ -56,7 +54,7 @@ def open_weights(ckpt: CheckpointReader, adapter: bool, base: Path | None, stack
         if base is not None:
             raise UserError(f"{ckpt.path} is not a LoRA adapter; it has no base", "--base")
         return Weights(_reader(ckpt), ckpt.confirm)
-    path = base_path(ckpt, base)
+    path = adapter_base(ckpt.path, info, base, "--base")
     if adapter:
         return Weights(_reader(ckpt), ckpt.confirm, path)
     base_ckpt = stack.enter_context(CheckpointReader(path))
@@ -75,21 +73,6 @@ def open_weights(ckpt: CheckpointReader, adapter: bool, base: Path | None, stack
         base_ckpt.confirm()
 
     return Weights(get, confirm, path)
-
-
-def base_path(ckpt: CheckpointReader, given: Path | None) -> Path:
-    """The adapter's base checkpoint: `given` (--base) or where the adapter says, with the
-    manifest sha256 it names."""
-    info = ckpt.manifest.adapter
-    path = Path(given) if given is not None else Path(info.base.path)
-    where = "--base" if given is not None else str(ckpt.path)
-    if not (path / "manifest.json").is_file():
-        raise UserError(
-            f"the adapter's base checkpoint {path} is not there; give where it is now with --base", where
-        )
-    if sha256_bytes(read_manifest_bytes(path)[1]) != info.base.manifest_sha256:
-        raise UserError(f"{path} is not the adapter's base checkpoint (its manifest differs)", where)
-    return path
 
 
 def write_peft(ckpt: CheckpointReader, w: ArtifactWriter, dtype: str) -> tuple[list[str], int]:

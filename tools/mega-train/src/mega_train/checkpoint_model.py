@@ -1,7 +1,8 @@
 """A checkpoint as a model to run forward in any layout outside a run (lm-eval's `mega` model,
 `harness.py`): the mesh from `tp`, `pp`, `cp`, `ep` (dp the rest of the world, every replica
 computing alike), the weights loaded as a run loads its `init`, and the tokenizer mega-export
-would write beside them.
+would write beside them. A LoRA adapter checkpoint runs on its base (`base=` where it moved since
+training), its adapters applied beside the frozen linears as in training, dropout off.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import typing
 from pathlib import Path
 
 from megacore.artifacts import open_artifact
-from megacore.artifacts.manifest import ParallelSpec
-from megacore.checkpoint import CheckpointReader
+from megacore.artifacts.manifest import CheckpointManifest, ParallelSpec
+from megacore.checkpoint import CheckpointReader, adapter_base
+from megacore.config import LoRA, is_adapter_tensor
 from megacore.errors import UserError
+from megacore.models.adapters import check_rank
 from megacore.models.hf_tokenizer import checkpoint_tokenizer_files, load_tokenizer
 from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
@@ -25,7 +28,7 @@ CHOICES = {"precision": ("fp32", "bf16", "fp16"), "attention": ("auto", "sdpa", 
 
 def _settings(args: dict[str, str], where: str) -> tuple[ParallelSpec, str, str]:
     """The layout, precision and attention kernel `args` name (lm-eval's `--model_args`)."""
-    known = ["pretrained", *LAYOUT, *CHOICES]
+    known = ["pretrained", "base", *LAYOUT, *CHOICES]
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise UserError(f"unknown model argument {unknown[0]!r} (known: {', '.join(known)})", where)
@@ -52,21 +55,36 @@ def open_checkpoint_model(args: dict[str, str]) -> tuple[ParallelModel, typing.A
     path = Path(args["pretrained"])
     spec, precision, attention = _settings(args, where)
     manifest = open_artifact(path, "checkpoint")
-    if manifest.adapter is not None:
-        raise UserError(
-            "a LoRA adapter checkpoint: evaluate the model with it merged (mega-export's default), "
-            "or the run's base with the adapter in a run's eval.tasks",
-            str(path),
-        )
-    par = Parallelism(spec, precision, attention=attention)
+    base, lora = _adapter(path, manifest, args.get("base"), where)
+    par = Parallelism(spec, precision, attention=attention, lora=lora)
     check_parallelism(manifest.config, par, f"{where}: tp/pp/cp/ep")
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     device = "cuda" if device_type() == "cuda" else "cpu"
     pm = ParallelModel(manifest.config, par, mesh, device)
-    load_checkpoint(path, pm)
+    if base is not None:  # the frozen base from its checkpoint, the adapters from theirs
+        load_checkpoint(base, pm, only=lambda name: not is_adapter_tensor(name))
+        load_checkpoint(path, pm, only=is_adapter_tensor)
+    else:
+        load_checkpoint(path, pm)
     with CheckpointReader(path) as ckpt:
         try:
             files = checkpoint_tokenizer_files(ckpt.root, ckpt.manifest, ckpt.config)
         except ValueError as e:
             raise UserError(f"tokenizer: {e}", str(path)) from None
     return pm, load_tokenizer(files)
+
+
+def _adapter(
+    path: Path, manifest: CheckpointManifest, given: str | None, where: str
+) -> tuple[Path | None, LoRA | None]:
+    """A LoRA adapter checkpoint's base and adapters' settings (dropout off: evaluation); (None,
+    None) for a whole model, which takes no `base=`."""
+    info = manifest.adapter
+    if info is None:
+        if given is not None:
+            raise UserError(f"base={given}: {path} is not a LoRA adapter; it has no base", where)
+        return None, None
+    base = adapter_base(path, info, None if given is None else Path(given), "base=")
+    lora = LoRA(info.rank, info.alpha, tuple(info.targets), rslora=info.rslora)
+    check_rank(manifest.config, lora, str(path))
+    return base, lora

@@ -67,7 +67,7 @@ class MegaLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> MegaLM:
-        """From lm-eval's `--model_args` `pretrained=DIR[,tp=N,pp=N,cp=N,ep=N,precision=fp32|bf16,
+        """From lm-eval's `--model_args` `pretrained=DIR[,base=DIR,tp=N,pp=N,cp=N,ep=N,precision=fp32|bf16,
         attention=auto|sdpa|flash]`; `--batch_size` (a number) rows per forward."""
         from mega_train.checkpoint_model import open_checkpoint_model
 
