@@ -17,7 +17,7 @@ whole batch) under dp, tp, pp and tp x pp. Context parallel alone (cp 2 and 4, o
 and with tp + SP, pp (1F1B, ZBV, interleaved, GPipe; tied embeddings), dp (FSDP2 over dp x cp),
 packed documents, windows and bf16, and a checkpoint saved at cp 2 resumed at cp 1. Mixtures of
 experts (Mixtral; Qwen 2 MoE's dense layer and gated shared expert; DeepSeek V3's latent attention,
-grouped sigmoid routing and balancing bias) under ep, tp, pp and their combinations.
+grouped sigmoid routing and balancing bias) under ep, tp, pp, cp and their combinations.
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ MORE_FOUR = [
     {"family": "deepseek", "tp": 2, "pp": 2, "sp": True, "schedule": "zbv"},
     {"family": "deepseek", "cp": 2, "tp": 2, "sp": True},
     {"family": "deepseek", "cp": 2, "pp": 2, "schedule": "1f1b"},
+    {"family": "gpt-oss", "ep": 2, "cp": 2},  # sinks under cp, the experts' biases over edp x cp
 ]
 
 
@@ -233,9 +234,13 @@ def moe_two(dp2: Path, ep2: Path) -> list[dict]:
     ]
 
 
-def moe_four(ep2tp2: Path, oss: Path) -> list[dict]:
+def moe_four(ep2tp2: Path, oss: Path, ep2cp2: Path) -> list[dict]:
     return [
         {"family": "mixtral4", "ep": 4},
+        # ep 2 x cp 2: the experts sharded by FSDP2 over edp x cp (ranks apart in the mesh), the
+        # balancing bias moved from the loads of every rank's part of the rows.
+        {"family": "deepseek", "ep": 2, "cp": 2, "save": str(ep2cp2)},
+        {"family": "deepseek", "load": str(ep2cp2)},  # ep 2 x cp 2 -> dp 4
         {"family": "mixtral", "ep": 2, "tp": 2, "save": str(ep2tp2)},
         {"family": "qwen2-moe", "ep": 2, "tp": 2, "sp": True},  # the shared expert split over tp
         # DeepSeek V3: latent attention's heads over tp (its shared rotated k's gradient summed over
@@ -259,7 +264,7 @@ def two_processes(tmp_path_factory) -> Path:
 def four_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("four")
     launch(out, 4, four_process_core(out / "ckpt-tp2pp2", out / "ckpt-tp2-dp2", out / "ckpt-cp2-dp2")
-           + moe_four(out / "ckpt-ep2tp2", out / "ckpt-gpt-oss-ep2tp2"))  # fmt: skip
+           + moe_four(out / "ckpt-ep2tp2", out / "ckpt-gpt-oss-ep2tp2", out / "ckpt-deepseek-ep2cp2"))  # fmt: skip
     return out
 
 
@@ -316,8 +321,9 @@ def test_mixture_of_experts_matches_one_process(tmp_path: Path, two_processes: P
 def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path, four_processes: Path) -> None:
     """ep 4 (one expert per rank); ep 2 x tp 2 (each expert's ffn split over tp), saved and resumed
     at tp 2 x pp 2 (ep 1) (`moe_four`, in the 4-process launch; with sequence parallel and packed
-    documents, and ep 2 x pp 2: `make test-slow`). The ep 2 x tp 2 checkpoint's pieces are each rank's
-    experts and ffn slice; mega-shard takes it to one file and back bit-exactly."""
+    documents, and ep 2 x pp 2: `make test-slow`); ep 2 x cp 2 (DeepSeek V3; gpt-oss: `make
+    test-slow`). The ep 2 x tp 2 checkpoint's pieces are each rank's experts and ffn slice; mega-shard
+    takes it to one file and back bit-exactly."""
     ep2tp2 = four_processes / "ckpt-ep2tp2"
     gate = open_artifact(ep2tp2, "checkpoint").tensors["layers.0.mlp.experts.gate_proj.weight"]
     assert gate.shape == [4, 48, 32]
@@ -334,6 +340,15 @@ def test_expert_parallel_on_four_processes_matches_one_process(tmp_path: Path, f
     ]
     assert sorted((p.offset, p.shape) for p in down.pieces) == [([0, 0], [2, 32]), ([2, 0], [2, 32])]
     assert_reshards_bit_exactly(four_processes / "ckpt-gpt-oss-ep2tp2", tmp_path / "oss", 1, 1)
+    # ep 2 x cp 2: an experts tensor's pieces are each ep rank's experts, their rows split over cp
+    # (edp 1); mega-shard takes the checkpoint to one file bit-exactly.
+    ds = four_processes / "ckpt-deepseek-ep2cp2"
+    gate = open_artifact(ds, "checkpoint").tensors["layers.1.mlp.experts.gate_proj.weight"]
+    rows = gate.shape[1] // 2
+    assert sorted((p.offset, p.shape) for p in gate.pieces) == [
+        ([2 * e, rows * c, 0], [2, rows, gate.shape[2]]) for e in range(2) for c in range(2)
+    ]
+    assert_reshards_bit_exactly(ds, tmp_path / "ds", 1, 1)
     reshard(tmp_path / "one", tmp_path / "back", 2, 1, ep=2, log=lambda msg: None)
     with TensorReader(ep2tp2) as a, TensorReader(tmp_path / "back") as b:
         back = open_artifact(tmp_path / "back", "checkpoint")

@@ -115,8 +115,9 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
     replicated), dp4 with chunks of 17, 17, 17 and 14 rows (ffn 65) and of 2, 2, 2 and none
     (hidden 6); dp2 x cp2, FSDP2 over both flattened, dp outer: chunks of 2, 2, 1 and none (ffn 5)
     tell rank 1 (dp 0, cp 1) from rank 2; tp2 x cp2 with sequence parallel; a mixture of 2
-    experts over dp 4 (FSDP2 cuts the experts' rows, not the 2 experts), at ep 2, and at ep 2 x
-    tp 2 (each expert's ffn split over tp, FSDP2 then cuts its other dim)."""
+    experts over dp 4 (FSDP2 cuts the experts' rows, not the 2 experts), at ep 2, at ep 2 x tp 2
+    (each expert's ffn split over tp, FSDP2 then cuts its other dim) and at ep 2 x cp 2 (FSDP2 cuts
+    the experts' rows over edp x cp)."""
     launch(
         tmp_path,
         4,
@@ -132,6 +133,7 @@ def test_state_bytes_equal_what_four_processes_hold(tmp_path: Path) -> None:
             {"config": MOE},
             {"config": MOE, "ep": 2, "precision": "bf16"},
             {"config": MOE, "ep": 2, "tp": 2},
+            {"config": MOE, "ep": 2, "cp": 2},  # the experts over edp x cp: ranks 0 and 1 (ep 0)
         ],
     )
 

@@ -19,6 +19,8 @@ def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     mesh dims (dp x tp, edp x ep x tp) DTensor all-reduces once per dim and warns that a flattened
     mesh would take one all-reduce: for one scalar a step, not worth the process groups (NCCL
     communicators) a flattened mesh costs, so that warning is kept off."""
+    if isinstance(grads[0], DTensor) and _out_of_order(grads[0].device_mesh):
+        return _sharded_norm(grads)
     log = logging.getLogger("torch.distributed.tensor._redistribute")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -27,6 +29,33 @@ def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return n.full_tensor() if isinstance(n, DTensor) else n
     finally:
         log.setLevel(level)
+
+
+def _out_of_order(mesh) -> bool:
+    """A mesh whose dims are not in the root mesh's order: the experts' under ep x cp, (edp x cp,
+    ep), FSDP2's flattened dim before ep's. DTensor's reductions over it fail in torch 2.13 (it
+    looks for a flattened mesh of those dims and slices them, which needs ascending order)."""
+    names, layout = mesh.mesh_dim_names, getattr(mesh, "_get_slice_mesh_layout", None)
+    if names is None or len(names) < 2 or layout is None:  # a torch without that lookup
+        return False
+    try:
+        layout(names)
+    except KeyError:
+        return True
+    return False
+
+
+def _sharded_norm(grads: list[DTensor]) -> torch.Tensor:
+    """The global 2-norm of DTensor gradients sharded (or replicated) on each mesh dim: the local
+    squares summed over the dims they are sharded on."""
+    sq = sum(g.to_local().float().pow(2).sum() for g in grads)
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(p.is_partial() for p in placements):
+        raise NotImplementedError(f"a norm of partial gradients over {mesh}")
+    for dim, p in enumerate(placements):
+        if p.is_shard():
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+    return sq.sqrt()
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """Data parallel and mixed precision: FSDP2 over the replicas of every parameter (dp x cp, the
-experts over edp under expert parallel) or plain replication, and without either, bf16/fp16
+experts over edp x cp under expert parallel) or plain replication, and without either, bf16/fp16
 compute copies of the fp32 parameters (`ComputeCopies`).
 
 Which modules FSDP2 wraps is `layout.fsdp_unit`'s, the rule the planner counts their buffers by:
@@ -48,8 +48,8 @@ def apply_dp(
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 per unit and per stage over `data_mesh` (dp, or dp x cp flattened), or plain
-    replication (`dp_mode` replicate). `experts_mesh` (expert parallel): edp, the experts' FSDP2
-    mesh; their gradients are divided by all the replicas, as every other gradient is
+    replication (`dp_mode` replicate). `experts_mesh` (expert parallel): edp (x cp), the experts'
+    FSDP2 mesh; their gradients are divided by all the replicas, as every other gradient is
     (`parallel/ep.py`)."""
     mp = _policy(par)
     # Under tp the root's output is the vocab-sharded logits, a view of a DTensor's local tensor;

@@ -6,8 +6,8 @@ modules are built on the meta device from the layer ModuleDict with everything t
 (attention kernel, recompute, the fast paths `layout.fast_paths` allows), float8 linears swapped in
 (`fp8.apply_fp8`, precision fp8), tensor parallel is applied, then context parallel (`cp.apply_cp`),
 then expert parallel (`ep.apply_ep`: the experts over ep and tp), then data parallel (`dp.apply_dp`:
-FSDP2 per block and per stage over dp, or dp x cp with cp, a block's experts first over edp under
-ep; or `replicate`; without either, bf16/fp16 compute copies instead: `ComputeCopies`), then the
+FSDP2 per block and per stage over dp, or dp x cp with cp, a block's experts first over edp (x cp)
+under ep; or `replicate`; without either, bf16/fp16 compute copies instead: `ComputeCopies`), then the
 parameters are materialised with `to_empty` and filled by the caller
 (`megacore.parallel.checkpoint_io.load_checkpoint`, or `init_weights`). Pipeline stages are
 `PipelineStage`s built by hand; schedules are chosen by name.
@@ -82,7 +82,7 @@ from megacore.parallel.layout import (
     fused_loss,
     nf4_base,
 )
-from megacore.parallel.mesh import dp_mesh
+from megacore.parallel.mesh import dp_mesh, experts_replicas_mesh, replicas_mesh
 from megacore.parallel.tp import apply_tp, distribute_adapters, lm_loss, loss_context
 
 SCHEDULE_CLASSES = {
@@ -129,7 +129,7 @@ class ParallelModel:
         split = tuple(d for d, n in (("ep", par.spec.ep), ("tp", par.spec.tp)) if n > 1)
         self.experts_mesh = mesh[split] if split and config.num_experts is not None else None
         # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
-        self.data_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp_mesh is not None else dp_mesh(mesh)
+        self.data_mesh = replicas_mesh(mesh, par.spec.cp)
         self.stage_ids = par.rank_stages(mesh["pp"].get_local_rank())
         self.float8_gather = float8_all_gather(par, self.dims)
         self.fused_loss = fused_loss(par)
@@ -204,7 +204,7 @@ class ParallelModel:
         if par.compile:  # after TP (the graphs trace DTensors), before FSDP (its hooks stay outside)
             part.compile_blocks()
         if fsdp_wrapped(par, self.dims):
-            experts = self.mesh["edp"] if self.ep_mesh is not None else None
+            experts = experts_replicas_mesh(self.mesh, par.spec.cp) if self.ep_mesh is not None else None
             apply_dp(part, self.data_mesh, par, self.dims, experts)
         part.to_empty(device=self.device)
         nf4.materialize(part)

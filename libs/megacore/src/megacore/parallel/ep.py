@@ -20,7 +20,7 @@ runs its ffn slice: the down projection's partial sums are summed over tp before
 gradient, are the same on every tp rank.
 
 Gradients: an expert's gradient on its rank sums the contributions of every ep rank's tokens. FSDP2
-shards experts over `edp` only, so its reduction divides by the whole data-parallel size (dp x cp,
+shards experts over `edp` (x cp) only, so its reduction divides by the whole data-parallel size (dp x cp,
 the engine's `replicas`) rather than edp's, as it divides every other gradient (engine.py).
 """
 

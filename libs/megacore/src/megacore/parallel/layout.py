@@ -267,8 +267,20 @@ class Dims:
 
     @property
     def edp(self) -> int:
-        """The ranks holding the same experts under expert parallel: what FSDP2 shards them over."""
+        """The data-parallel ranks holding the same experts under expert parallel."""
         return self.dp // self.ep
+
+    @property
+    def experts_replicas(self) -> int:
+        """The ranks holding the same experts under expert parallel (edp x cp): what FSDP2 shards
+        them over."""
+        return self.edp * self.cp
+
+    def experts_replica(self, replica: int) -> int:
+        """A rank's index among the `experts_replicas` (edp rank x cp + cp rank, FSDP2's flattened
+        mesh) from its index among the `replicas`."""
+        dp_rank, cp_rank = divmod(replica, self.cp)
+        return dp_rank // self.ep * self.cp + cp_rank
 
     def replica(self, dp_rank: int, cp_rank: int) -> int:
         """A rank's index among the `replicas`: dp rank x cp + cp rank (FSDP2's flattened mesh)."""
@@ -418,10 +430,6 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         )
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
-    if spec.ep > 1 and spec.cp > 1:
-        # The ranks holding the same experts would be edp's and cp's, which the mesh (pp, edp, ep,
-        # cp, tp) cannot give FSDP2 as one dim beside ep's sharding.
-        raise UserError("expert parallel trains at cp 1 for now (cp with ep 1 works)", f"{where}.cp")
     if config.router_aux_loss_coef and spec.cp > 1:  # the rest of a router is per token
         raise UserError(
             "a mixture of experts' load-balancing loss takes whole rows: cp 1, or router_aux_loss_coef 0",
@@ -462,10 +470,9 @@ def check_sharding(config: ModelConfig, par: Parallelism, dims: Dims, where: str
     biased = config.num_experts is not None and config.mlp_bias
     if not (biased and dims.tp > 1 and fsdp_wrapped(par, dims)):
         return
-    edp = dims.replicas // dims.ep
-    if dims.ep > 1 and edp > 1:
+    if dims.ep > 1 and dims.experts_replicas > 1:
         raise UserError(
-            "experts with biases under tp x ep train with dp = ep (their biases' one free dim is ep's)",
+            "experts with biases under tp x ep train with dp = ep and cp 1 (their biases' one free dim is ep's)",
             f"{where}.ep",
         )
     if dims.ep == 1 and config.num_experts % dims.replicas:

@@ -64,6 +64,21 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp"]
 
 
+def replicas_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
+    """What FSDP2 shards parameters over: the ranks holding the same ones, dp, or with cp dp x cp
+    flattened (cp's ranks hold the same weights for other parts of the rows)."""
+    if cp == 1:
+        return dp_mesh(mesh)
+    dp = ("edp", "ep") if mesh.mesh_dim_names is not None and "ep" in mesh.mesh_dim_names else ("dp",)
+    return mesh[(*dp, "cp")]._flatten("dp_cp")
+
+
+def experts_replicas_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
+    """Under expert parallel, what FSDP2 shards the experts over: the ranks holding the same
+    experts, edp, or with cp edp x cp flattened (not neighbours in the mesh: ep lies between)."""
+    return mesh["edp", "cp"]._flatten("edp_cp") if cp > 1 else mesh["edp"]
+
+
 def shutdown() -> None:
     """A barrier before destroying the group: an exit without it can abort other ranks on gloo."""
     if dist.is_initialized():

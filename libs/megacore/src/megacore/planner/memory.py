@@ -7,7 +7,7 @@ State (exact: tests/train/test_planner.py sums a live run's tensors on every ran
   experts tensor's experts / ep under expert parallel), then with FSDP2 (dp x cp > 1: parameters
   are replicated over cp as over dp, and FSDP2 shards them over both, flattened) dim 0 (an
   experts tensor's rows or columns: `layout.fsdp_dim`) cut in dp·cp chunks (an experts tensor's
-  in dp/ep chunks under ep: FSDP2 shards the experts over edp) of ceil(rows / (dp·cp)) rows, the
+  in edp·cp chunks under ep: FSDP2 shards the experts over edp x cp) of ceil(rows / (dp·cp)) rows, the
   last ones shorter or empty: what `to_local()` returns. FSDP2's storage pads every chunk to the first one's rows;
   the largest rank (replica 0), which decides whether a layout fits, holds exactly that.
 - grads: fp32, the same shapes, except the vocab-parallel embedding's under tp without FSDP2:
@@ -173,7 +173,7 @@ def _state(
     shards: Counter | None = None,
 ) -> State:
     """`shards`: `_shard_groups` of `tensors`, worked out once for every replica of a pipeline rank."""
-    tp, ep = dims.tp, dims.ep
+    tp = dims.tp
     shards = shards if shards is not None else _shard_groups(config, par, tensors)
     c = COMPUTE_BYTES[par.precision]
     copies = compute_copies(par, dims)
@@ -181,12 +181,13 @@ def _state(
     frozen_bytes = 0
     trained_tensors = 0
     for (s, d, e, kind), n in shards.items():
-        # Under ep the experts are sharded over edp (dp / ep; cp is 1), whose index is the replica's
-        # quotient (the mesh's dp is edp x ep, ep inner).
+        # Under ep the experts are sharded over edp x cp (the mesh's dp is edp x ep, ep inner).
         if not _dp_sharded(par, dims):
             local = math.prod(s)
+        elif e:
+            local = _dp_local(s, d, dims.experts_replicas, dims.experts_replica(replica))
         else:
-            local = _dp_local(s, d, dims.edp, replica // ep) if e else _dp_local(s, d, dims.replicas, replica)
+            local = _dp_local(s, d, dims.replicas, replica)
         numel[kind] += n * local
         if kind == "nf4":  # codes, scales and factors, plus its scales' mean and code table
             frozen_bytes += n * (nf4_bytes(local) + NF4_TABLE * 4)
