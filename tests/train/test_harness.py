@@ -1,8 +1,9 @@
 """lm-evaluation-harness on our checkpoints (mega_train/harness.py): on tasks defined here (YAMLs over
 small JSON files: multiple choice, generation, rolling log-likelihood), the `mega` model through
 lm-eval's own command line equals lm-eval's `hf` model on the checkpoint's export (accuracy exactly,
-every log-likelihood within 1e-4, every generation), in one process and at tp 2; in a run the
-tasks are scored at every evaluation; bad tasks, bad model arguments and lm-eval missing are one
+every log-likelihood within 1e-4, every generation), in one process and at tp 2 (`make test-slow`),
+and on a LoRA adapter's checkpoint at tp 2 against the export of it merged; in a run the tasks are
+scored at every evaluation; bad tasks, bad model arguments and lm-eval missing are one
 line and exit 2 before anything runs."""
 
 from __future__ import annotations
@@ -129,24 +130,26 @@ def hf_scores(trained: Path) -> tuple[dict, dict]:
     return lm_eval(trained, "out-hf", "hf", f"pretrained={trained / 'hf'},dtype=float32")
 
 
-@pytest.mark.slow  # make test runs the one-process model on a LoRA adapter against its export
+@pytest.mark.slow  # make test runs a LoRA adapter's model (at tp 2) against its export
 def test_mega_model_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
     assert_same_scores(lm_eval(trained, "out-mega", "mega", f"pretrained={ckpt}"), hf_scores)
 
 
+@pytest.mark.slow  # make test runs the adapter test at tp 2
 @pytest.mark.dist
 def test_mega_model_at_tp2_equals_the_hf_model_on_the_export(trained: Path, hf_scores) -> None:
     ckpt = trained / "run" / "checkpoints" / "step-00000012"
     assert_same_scores(lm_eval(trained, "out-tp2", "mega", f"pretrained={ckpt},tp=2", nproc=2), hf_scores)
 
 
+@pytest.mark.dist
 def test_mega_model_on_a_lora_adapter_equals_the_hf_model_on_its_merged_export(
     trained: Path, hf_scores, tokens: Path, tmp_path: Path
 ) -> None:
-    """An adapter trained 4 steps on the step-12 checkpoint, scored on its base (`base=` a copy of
-    it, as when the base moved) with its adapters applied as in training, equals lm-eval's `hf`
-    model on mega-export's merge of it, and differs from the base's scores."""
+    """An adapter trained 4 steps on the step-12 checkpoint, scored at tp 2 on its base (`base=` a
+    copy of it, as when the base moved) with its adapters applied as in training, equals lm-eval's
+    `hf` model on mega-export's merge of it, and differs from the base's scores."""
     import shutil
 
     base = trained / "run" / "checkpoints" / "step-00000012"
@@ -159,7 +162,9 @@ def test_mega_model_on_a_lora_adapter_equals_the_hf_model_on_its_merged_export(
     moved = shutil.copytree(base, tmp_path / "moved-base")
     write_tasks(tmp_path / "tasks")
     theirs = lm_eval(tmp_path, "out-hf", "hf", f"pretrained={tmp_path / 'merged'},dtype=float32")
-    assert_same_scores(lm_eval(tmp_path, "out-mega", "mega", f"pretrained={adapter},base={moved}"), theirs)
+    assert_same_scores(
+        lm_eval(tmp_path, "out-mega", "mega", f"pretrained={adapter},base={moved},tp=2", nproc=2), theirs
+    )
     ppl = (
         [s["resps"][0][0] for s in theirs[1]["tiny_ppl"]],
         [s["resps"][0][0] for s in hf_scores[1]["tiny_ppl"]],
