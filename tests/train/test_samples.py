@@ -1,7 +1,8 @@
 """Samples while training (`eval.samples`, mega_train/sampling.py): the completion of each prompt at
 step N equals transformers' greedy `generate` on the export of step N's checkpoint (its tokenizer
-encoding the prompt), in one process and at tp 2 x pp 2; the records reach metrics.jsonl, the
-console and a W&B table; a conversation on text data is refused in one line."""
+encoding the prompt), in one process, at pp 2 and at tp 2 x pp 2 (`make test-slow`); the records
+reach metrics.jsonl, the console and a W&B table; a conversation on text data is refused in one
+line."""
 
 from __future__ import annotations
 
@@ -64,12 +65,20 @@ def test_samples_equal_transformers_generate_on_the_export(tmp_path: Path, token
 
 
 @pytest.mark.dist
-def test_samples_at_tp2_pp2_equal_transformers_generate_on_the_export(tmp_path: Path, tokens: Path) -> None:
+@pytest.mark.parametrize(
+    ("parallel", "nproc"),
+    # tp's generation in make test: tests/train/test_harness.py's adapter at tp 2
+    [({"pp": 2}, 2), pytest.param({"tp": 2, "pp": 2}, 4, marks=pytest.mark.slow)],
+    ids=["pp2", "tp2-pp2"],
+)
+def test_samples_in_parallel_equal_transformers_generate_on_the_export(
+    tmp_path: Path, tokens: Path, parallel: dict, nproc: int
+) -> None:
     run_json = write_run(
         tmp_path, tokens, eval={"every": 0, "samples": SAMPLES}, checkpoint={"every": 6},
-        parallel={"tp": 2, "pp": 2}, model=MODEL,
+        parallel=parallel, model=MODEL,
     )  # fmt: skip
-    ok(torchrun(4, run_json))
+    ok(torchrun(nproc, run_json))
     check_against_exports(tmp_path, tmp_path / "run")
 
 

@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 
 from megacore.artifacts import TORCH_DTYPES, ArtifactWriter
 from megacore.checkpoint import CheckpointReader, adapter_base
-from megacore.config import LORA_A, LORA_B, OPTIM_PREFIX, LoRA
+from megacore.config import LORA_A, LORA_B, OPTIM_PREFIX
 from megacore.errors import UserError
-from megacore.models.adapters import peft_names
+from megacore.models.adapters import adapter_settings, peft_names
 from megacore.models.lora import merged
 
 
@@ -59,7 +59,7 @@ def open_weights(ckpt: CheckpointReader, adapter: bool, base: Path | None, stack
         return Weights(_reader(ckpt), ckpt.confirm, path)
     base_ckpt = stack.enter_context(CheckpointReader(path))
     read_base = _reader(base_ckpt)
-    scale = LoRA(info.rank, info.alpha, tuple(info.targets), rslora=info.rslora).scale
+    scale = adapter_settings(info).scale
 
     def get(name: str) -> torch.Tensor:
         t = read_base(name)

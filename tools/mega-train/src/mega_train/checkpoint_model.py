@@ -15,7 +15,7 @@ from megacore.artifacts.manifest import CheckpointManifest, ParallelSpec
 from megacore.checkpoint import CheckpointReader, adapter_base
 from megacore.config import LoRA, is_adapter_tensor
 from megacore.errors import UserError
-from megacore.models.adapters import check_rank
+from megacore.models.adapters import adapter_settings
 from megacore.models.hf_tokenizer import checkpoint_tokenizer_files, load_tokenizer
 from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
@@ -85,6 +85,4 @@ def _adapter(
             raise UserError(f"base={given}: {path} is not a LoRA adapter; it has no base", where)
         return None, None
     base = adapter_base(path, info, None if given is None else Path(given), "base=")
-    lora = LoRA(info.rank, info.alpha, tuple(info.targets), rslora=info.rslora)
-    check_rank(manifest.config, lora, str(path))
-    return base, lora
+    return base, adapter_settings(info)

@@ -16,7 +16,7 @@ from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest
 from megacore.artifacts.writer import sha256_bytes
 from megacore.config import LoRA, ModelConfig, adapter_tensors
 from megacore.errors import UserError
-from megacore.models.adapters import check_rank, check_targets, modules
+from megacore.models.adapters import adapter_settings, check_rank, check_targets, modules
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,4 @@ def _settings(run: RunManifest, adapter: Adapter | None, where: str) -> LoRA:
             )
     if spec.rslora != adapter.rslora:
         raise UserError(f"the adapter's rslora is {adapter.rslora}; leave it out", f"{where}: $.lora.rslora")
-    return LoRA(
-        adapter.rank, adapter.alpha, tuple(adapter.targets), spec.dropout, adapter.rslora, spec.base_dtype
-    )
+    return adapter_settings(adapter, spec.dropout, spec.base_dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from megacore.artifacts.manifest import Adapter
 from megacore.config import LoRA, ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.models.families import family_of
@@ -81,6 +82,12 @@ def modules(config: ModelConfig, targets: Iterable[str], layers: Iterable[int] |
         for hf, ours, _ in _layer_maps(config)
         if _short(hf) in wanted and (keep is None or int(ours.split(".")[1]) in keep)
     ]
+
+
+def adapter_settings(info: Adapter, dropout: float = 0.0, base_dtype: str | None = None) -> LoRA:
+    """The settings an adapter checkpoint records, as `LoRA`; `dropout` and `base_dtype` are a
+    run's own (training, QLoRA), not the adapter's."""
+    return LoRA(info.rank, info.alpha, tuple(info.targets), dropout, info.rslora, base_dtype)
 
 
 def check_rank(config: ModelConfig, lora: LoRA, where: str) -> None:
