@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup airflow-venv test test-slow test-all demo bench gpu-check lint format schemas docs clean
+.PHONY: setup airflow-venv test test-slow test-all demo bench bench-check gpu-check lint format schemas docs clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,12 @@ demo: setup
 
 bench: setup
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# Before landing a change to the training step, the engine, the allocator or a loss: the trainer,
+# LoRA and DPO against their peers in a few paired rounds, failing when a ratio falls more than 10%
+# below bench/README.md's guarded figure (bench/check.py). Not part of `make test`: timings drift.
+bench-check: setup
+	$(PY) bench/check.py $(BENCH_ARGS)
 
 # The GPU checks as one run of under 8 minutes on one GPU, one JSON report (bench/gpu_check.py, how
 # to run it on a lent GPU: bench/README.md). $(PYTHON) with the sources on PYTHONPATH, not $(VENV):

@@ -9,7 +9,7 @@ COMPLETION characters per token of the row), so the sequences vary in length as 
 (`{"prompt", "chosen", "rejected"}` strings): `mega-tokenize --format preference --prepend-bos`
 for us, the same rows for TRL, which tokenizes them itself (BOS from the tokenizer, EOS added to
 each completion as ours is). Micro batch 4 pairs x 2 accumulation, seq 512, one process, 2 threads,
-bf16 where the CPU multiplies bf16 (`bench_lora.cpu_has_bf16_matmul`), else fp32 on both sides.
+bf16 where the CPU multiplies bf16 (`bench_train.cpu_precision`), else fp32 on both sides.
 
 - mega-train: `"objective": {"type": "dpo", "beta": 0.1}` beside `"model": {"init": BASE}`; its
   reference's log-probabilities computed before the first step (not timed); pairs/s from the
@@ -43,6 +43,7 @@ from bench_train import (
     Setup,
     child_main,
     corpus,
+    cpu_precision,
     measure,
     measure_mega_train,
     prepare_data,
@@ -182,11 +183,11 @@ def rows_of(results: dict[str, list[dict]], note: str) -> list[Row]:
     ]
 
 
-def run(quick: bool) -> list[Row]:
+def run(quick: bool, rounds: int = ROUNDS) -> list[Row]:
     setup = replace(
-        QUICK if quick else FULL, rounds=1 if quick else ROUNDS, warmup=1, timed=2 if quick else 3
+        QUICK if quick else FULL, rounds=1 if quick else rounds, warmup=1, timed=2 if quick else 3
     )
-    precision = "bf16" if bench_lora.cpu_has_bf16_matmul() else "fp32"
+    precision = cpu_precision()
     _, rows, vocab = prepare_data(setup)  # the corpus and tokenizer (rows: what trainer_feed reads)
     setup = Setup(**{**asdict(setup), "vocab": vocab})
     WORK.mkdir(parents=True, exist_ok=True)
@@ -205,6 +206,11 @@ def run(quick: bool) -> list[Row]:
         f"full fine-tuning, {precision}, {THREADS} threads, {setup.timed} timed steps"
     )
     return rows_of(measure_rounds(setup, pairs, tokens, rows, hf, ckpt, precision), note)
+
+
+def check(rounds: int) -> list[Row]:
+    """The guarded row (bench/check.py): `run`'s, in `rounds` paired rounds."""
+    return run(False, rounds)
 
 
 if __name__ == "__main__":

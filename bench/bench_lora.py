@@ -6,7 +6,7 @@ and converted with `mega-convert hf` (the base both load); the same adapters: ra
 dropout 0.05 on all seven projections (q/k/v/o, gate/up/down), as PEFT's `LoraConfig` and our
 `lora` section say it; the same batch (micro batch 4 x 2 accumulation of 512 tokens) and the same
 token rows (bench_train's `prepare_data`), one process, 2 threads. bf16 compute where the CPU
-multiplies bf16 (`cpu_has_bf16_matmul`); elsewhere both sides run fp32 (1 warm-up step, 3 timed: an
+multiplies bf16 (`bench_train.cpu_precision`); elsewhere both sides run fp32 (1 warm-up step, 3 timed: an
 fp32 step takes several times a bf16 one), and the note says so.
 
 - mega-train: `mega-train --manifest run.json` with `"lora"` beside `"model": {"init": BASE}`,
@@ -43,6 +43,7 @@ from bench_train import (
     THREADS,
     Setup,
     child_main,
+    cpu_precision,
     gb,
     hf_llama,
     measure,
@@ -57,14 +58,6 @@ WORK = OUT.parent / "lora"
 ROUNDS = 3
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.05,
         "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16): without either, torch's
-    bf16 matmuls take a fallback some 50x slower than fp32 ones (measured: 2.4 s against 0.046 s
-    for 2048 x 768 by 768 x 768 on 2 threads), which would measure that fallback, not the trainers."""
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def log(msg: str) -> None:
@@ -149,9 +142,9 @@ def rows_of(results: dict[str, list[dict]], note: str) -> list[Row]:
     ]  # fmt: skip
 
 
-def run(quick: bool) -> list[Row]:
-    setup = replace(QUICK if quick else FULL, rounds=1 if quick else ROUNDS)
-    precision = "bf16" if cpu_has_bf16_matmul() else "fp32"
+def run(quick: bool, rounds: int = ROUNDS) -> list[Row]:
+    setup = replace(QUICK if quick else FULL, rounds=1 if quick else rounds)
+    precision = cpu_precision()
     if precision == "fp32" and not quick:  # fp32 steps take 4x a bf16 one on a CPU with AMX
         setup = replace(setup, warmup=1, timed=3)
     tokens, rows, vocab = prepare_data(setup)
@@ -165,6 +158,11 @@ def run(quick: bool) -> list[Row]:
     if precision == "fp32":
         note += " (this CPU has no bf16 matmul: AMX or AVX512-BF16)"
     return rows_of(measure_rounds(setup, tokens, rows, hf, ckpt, precision), note)
+
+
+def check(rounds: int) -> list[Row]:
+    """The guarded rows (bench/check.py): `run`'s, in `rounds` paired rounds."""
+    return run(False, rounds)
 
 
 if __name__ == "__main__":

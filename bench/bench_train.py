@@ -1,6 +1,7 @@
 """Training throughput (tokens/s) of a whole training run against the trainers people use instead.
 
-One process, 2 threads, bf16 compute with fp32 master weights, AdamW, the same Llama for every
+One process, 2 threads, bf16 compute with fp32 master weights where the CPU multiplies bf16
+(`cpu_precision`; elsewhere fp32 on every side, 1 warm-up and 3 timed steps), AdamW, the same Llama for every
 configuration (full size: hidden 768, 12 layers, 12 heads, 4 kv heads, ffn 2048, the tokenizer's
 vocab (32000), about 125M parameters; `--quick`: 2 layers, hidden 128, seq 128), the same batch
 (micro batch 4 x 2 accumulation = 8 sequences of 512 tokens per step; and, for mega-train, the
@@ -124,6 +125,16 @@ NO_ACCUM_KINDS = ("bare", "mega", "hf")
 
 def log(msg: str) -> None:
     print(f"   train: {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_precision() -> str:
+    """bf16 where this CPU multiplies bf16 in hardware (AMX or AVX512-BF16), else fp32: without
+    either, torch's bf16 matmuls take a fallback 6-200x slower than fp32's (measured on an AVX2
+    EPYC, 2 threads: 17 and 0.5 GFLOP/s against 115 for 2048 x 768 by 768 x 2048), which would
+    measure that fallback, not the trainers. Every CPU benchmark against a peer runs both sides
+    in it, and says which."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
+    return "bf16" if "amx_bf16" in flags or "avx512_bf16" in flags else "fp32"
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -280,7 +291,7 @@ def measure(
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     spec = {"setup": asdict(setup), "rows": str(rows), "work": str(work), "result": str(work / "result.json")}
-    spec |= extra
+    spec |= {"precision": cpu_precision()} | extra
     (work / "spec.json").write_text(json.dumps(spec))
     env = child_env()
     # A 1-process torch.distributed group for the engine (what torchrun would set).
@@ -300,7 +311,7 @@ def mega_manifest(setup: Setup, tokens: Path, out: Path, recompute: str, compile
         "model": {"config": ours_config(setup)},
         "data": {"sources": [{"path": str(tokens)}], "split": [1, 0]},
         "batch": {"micro_batch_size": setup.micro, "global_batch_size": setup.global_batch, "seq_length": setup.seq},
-        "train_steps": setup.steps, "precision": "bf16", "recompute": recompute, "compile": compile,
+        "train_steps": setup.steps, "precision": cpu_precision(), "recompute": recompute, "compile": compile,
         "optimizer": {"lr": 3e-4, "warmup_steps": 0}, "logging": {"every": 1}, "checkpoint": {"every": 100000},
     } | extra  # fmt: skip
 
@@ -390,7 +401,7 @@ def child_bare(setup: Setup, spec: dict) -> dict:
     trim = configure_allocator("cpu")
     rows = load_rows(spec)
     torch.manual_seed(0)
-    par = Parallelism(precision="bf16", microbatches=setup.accum)
+    par = Parallelism(precision=spec.get("precision", "bf16"), microbatches=setup.accum)
     model = ParallelModel(ModelConfig(**ours_config(setup)), par, build_mesh(), "cpu")
     model.before_microbatch = trim
     model.init_weights()
@@ -474,7 +485,8 @@ def child_hf(setup: Setup, spec: dict) -> dict:
     model = hf_llama(setup)
     args = TrainingArguments(
         output_dir=spec["work"], max_steps=setup.steps, per_device_train_batch_size=setup.micro,
-        gradient_accumulation_steps=setup.accum, learning_rate=3e-4, bf16=True, use_cpu=True,
+        gradient_accumulation_steps=setup.accum, learning_rate=3e-4, bf16=spec.get("precision", "bf16") == "bf16",
+        use_cpu=True,
         report_to="none", dataloader_num_workers=0, save_strategy="no", eval_strategy="no", seed=0,
         lr_scheduler_type="cosine",
     )  # fmt: skip
@@ -526,16 +538,21 @@ def child_litgpt(setup: Setup, spec: dict) -> dict:
         sum(p.numel() for p in state["model"].parameters())
     )
     pretrain.setup(
-        "bench-llama", model_config=config, out_dir=Path(spec["work"]) / "out", precision="bf16-mixed",
+        "bench-llama", model_config=config, out_dir=Path(spec["work"]) / "out", precision=LITGPT[spec["precision"]],
         data=Rows(), train=train, eval=evaluation, optimizer="AdamW", devices=1, logger_name="csv", seed=0,
     )  # fmt: skip
     # Micro batch i is fetched when micro batch i - 1 is done; step k ends when micro batch k * accum
     # is fetched (after the last step the loop fetches once more, then stops).
     ends = fetches[setup.accum :: setup.accum]
-    return {"tokens_per_s": tokens_per_s(setup, ends), "params": params[0], "precision": "bf16-mixed"}
+    return {
+        "tokens_per_s": tokens_per_s(setup, ends),
+        "params": params[0],
+        "precision": LITGPT[spec["precision"]],
+    }
 
 
 CHILDREN = {"bare": child_bare, "hf": child_hf, "litgpt": child_litgpt}
+LITGPT = {"bf16": "bf16-mixed", "fp32": "32-true"}  # litgpt's names of the precisions
 
 
 def child_main(kind: str, spec_path: str, children: dict | None = None) -> None:
@@ -683,26 +700,51 @@ def phase_row(accumulated: dict[str, list[dict]], single: dict[str, list[dict]])
     )
 
 
+def sized(quick: bool, rounds: int | None = None) -> Setup:
+    """QUICK or FULL (`rounds` of it), and in fp32 (`cpu_precision`) FULL's steps cut to 1 warm-up
+    and 3 timed: an fp32 step takes several times a bf16 one on a CPU that multiplies bf16."""
+    setup = QUICK if quick else FULL
+    if not quick and cpu_precision() == "fp32":
+        setup = Setup(**{**asdict(setup), "warmup": 1, "timed": 3})
+    return setup if rounds is None else Setup(**{**asdict(setup), "rounds": rounds})
+
+
+def note_of(setup: Setup, quick: bool) -> str:
+    """The rows' note: the model, the batch, the precision, the threads, the timed steps."""
+    precision = cpu_precision()
+    why = " (this CPU has no bf16 matmul: AMX or AVX512-BF16)" if precision == "fp32" else ""
+    return (
+        f"{'quick: tiny Llama' if quick else '125M Llama'}, {setup.micro}x{setup.accum}x{setup.seq} tokens/step, "
+        f"{precision}{why}, {THREADS} threads, {setup.timed} timed steps"
+    )
+
+
+def check(rounds: int) -> list[Row]:
+    """The guarded row (bench/check.py): mega-train against the Trainer with accumulation, in
+    `rounds` paired rounds and nothing else."""
+    setup = sized(False, rounds)
+    tokens, rows, vocab = prepare_data(setup)
+    setup = Setup(**{**asdict(setup), "vocab": vocab})
+    results = measure_rounds(setup, tokens, rows, ("mega", "hf"), ())
+    return [compare(results, "mega", "hf", ">= 1.3x", note_of(setup, False))]
+
+
 def run(quick: bool, peers: tuple[str, ...] = ORDER) -> list[Row]:
     """Every configuration with accumulation (FULL), and mega-train, the bare step and the Trainer
     without (NO_ACCUM); `peers`: a subset of ORDER (`--trainer-only`: the Trainer's rows)."""
-    setup = QUICK if quick else FULL
-    tokens, rows, vocab = prepare_data(setup)
-    setup = Setup(**{**asdict(setup), "vocab": vocab})
+    tokens, rows, vocab = prepare_data(sized(quick))
+    setup = Setup(**{**asdict(sized(quick)), "vocab": vocab})
     single = Setup(**{**asdict(setup), **NO_ACCUM, "timed": setup.timed * setup.accum})
     paired = tuple(k for k in PAIRED if k in peers)
     results = measure_rounds(setup, tokens, rows, peers, paired)
     _, single_rows, _ = prepare_data(single)
     no_accum = measure_rounds(single, tokens, single_rows, tuple(k for k in NO_ACCUM_KINDS if k in peers), ())
-    note = (
-        f"{'quick: tiny Llama' if quick else '125M Llama'}, {setup.micro}x{setup.accum}x{setup.seq} tokens/step, "
-        f"bf16, {THREADS} threads, {setup.timed} timed steps"
-    )
+    note = note_of(setup, quick)
     params = {k: v[0]["params"] for k, v in results.items() if v and "params" in v[0]}
     if len(set(params.values())) > 1:
         note += f"; parameter counts differ: {params}"
     single_note = f"{note.replace(f'x{setup.accum}x', 'x1x')}; no accumulation ({single.timed} timed steps)"
-    lit = "litgpt: bf16-mixed, its pretrain torch.compiles the model"
+    lit = f"litgpt: {LITGPT[cpu_precision()]}, its pretrain torch.compiles the model"
     out = []
     if "bare" in peers:
         out.append(

@@ -20,6 +20,12 @@ microbatch, and the heap at 5.38 GB after its forward, with 2.44 GB in use; peak
 over runs. `malloc_trim(0)` before each microbatch hands the free pages inside the heap back
 (MADV_DONTNEED): peak RSS 4.86 GB. The pages come back as page faults: steps alternately with and
 without it in one run, 20.53 s against 18.75 s (mean of 5), 0.5 s of it in the trim calls.
+
+So the trim is made where it pays, in a run whose base is frozen (LoRA, QLoRA), and nowhere
+else: a full fine-tuning's gradients are allocated once, at the first microbatch's backward, and
+its heap does not grow this way, while every microbatch would pay the page faults. Trimming every
+run (a88b696) took the CPU trainer from 1.42x transformers' Trainer to 1.07x (issue #56; the
+bisect in bench/README.md, "Guarded ratios").
 """
 
 from __future__ import annotations
@@ -43,10 +49,11 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def configure_allocator(device: str) -> Callable[[], None] | None:
-    """Apply the allocator setting for a run on `device`. Returns, in heap mode, what to call
-    before each microbatch of a step (`ParallelModel.before_microbatch`); else None."""
+def configure_allocator(device: str, frozen_base: bool = False) -> Callable[[], None] | None:
+    """Apply the allocator setting for a run on `device`. Returns, in heap mode for a run whose
+    base is frozen (`frozen_base`: LoRA), what to call before each microbatch of a step
+    (`ParallelModel.before_microbatch`); else None."""
     libc = _glibc() if device == "cpu" and env.get("MEGA_TRAIN_MALLOC", "heap") == "heap" else None
     if libc is None or libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
         return None
-    return partial(libc.malloc_trim, 0)
+    return partial(libc.malloc_trim, 0) if frozen_base else None

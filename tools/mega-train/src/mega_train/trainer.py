@@ -170,7 +170,7 @@ class Trainer:
     def setup(self) -> None:
         """Mesh, lock, stop flag, data and model; collective."""
         run = self.run
-        trim = configure_allocator(device_type())
+        trim = configure_allocator(device_type(), frozen_base=self.plan.lora is not None)
         watch_signals()  # before the first connect: a stop must end a worker stuck in one
         dims = self.plan.dims
         self.mesh = build_mesh(dims.tp, dims.pp, dims.cp, dims.ep)
