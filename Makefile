@@ -94,7 +94,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 schemas: setup
-	$(PY) -c "from megacore.artifacts.manifest import write_schemas; print(*write_schemas('schemas'), sep='\n')"
+	$(PY) -c "from megacore.artifacts.codec import write_schemas; print(*write_schemas('schemas'), sep='\n')"
 
 docs: setup
 	$(PY) docs/gen_help.py

@@ -23,7 +23,12 @@ COLUMNS = 100
 # page -> the commands whose `--help` it starts with (mega-convert: the group and each subcommand)
 PAGES: dict[str, list[tuple[str, ...]]] = {
     "mega-tokenize.md": [("mega-tokenize",)],
-    "mega-convert.md": [("mega-convert",), ("mega-convert", "hf"), ("mega-convert", "verify")],
+    "mega-convert.md": [
+        ("mega-convert",),
+        ("mega-convert", "hf"),
+        ("mega-convert", "peft"),
+        ("mega-convert", "verify"),
+    ],
     "mega-shard.md": [("mega-shard",)],
     "mega-train.md": [("mega-train",)],
     "mega-export.md": [("mega-export",)],

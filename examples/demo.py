@@ -14,7 +14,9 @@
 
 Every command is printed before it runs, so this doubles as a copy-paste tutorial. Rerunning reuses
 what is already complete (the tools are idempotent). A summary closes it: the artifacts, the
-losses, the logits parity and the completion.
+losses, the logits parity and the completion. Its console is the tools' quiet one (its own model
+building too: `megacore.cli.quiet_libraries`); `--debug` (or `MEGA_DEBUG=1 make demo`) shows what
+the libraries print, in it and in every tool it runs.
 """
 
 from __future__ import annotations
@@ -282,7 +284,13 @@ def main(out: Path, family: str = "llama") -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
+    from megacore.cli import quiet_libraries, split_debug
+
+    args, debug = split_debug(sys.argv[1:])
+    if debug:
+        os.environ["MEGA_DEBUG"] = "1"  # the tools it runs show everything too
+    else:
+        quiet_libraries()  # before transformers imports torchao, which logs then
     family = args.pop(args.index("--family") + 1) if "--family" in args else "llama"
     args = [a for a in args if a != "--family"]
     main(Path(args[0] if args else "demo-out"), family)

@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,20 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str, co
     assert "Traceback" not in proc.stderr
     for f in fragments:
         assert f in lines[0], (f, lines[0])
+
+
+# Our lines on stderr: a tool's own message (`mega-train: ...`, the harness's `lm-eval (mega): ...`),
+# and mega-train's console where `--json` sends it (the plan's `run.json: ok — ...`, `step ...`).
+OUR_LINE = re.compile(
+    r"(mega-(tokenize|convert|shard|train|export)|lm-eval \(mega\)): |\S+: ok — |step \d+[ /]"
+)
+
+
+def assert_quiet(stderr: str) -> None:
+    """The quiet console: stderr holds only our lines (OUR_LINE), no library's warning, log line or
+    progress bar (a bar redraws after carriage returns: each piece counts as a line)."""
+    foreign = [line for line in re.split(r"[\r\n]", stderr) if line.strip() and not OUR_LINE.match(line)]
+    assert not foreign, "not our lines on stderr:\n" + "\n".join(foreign[:30])
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: object = "") -> None:

@@ -154,3 +154,16 @@ def wandb_history(path: Path) -> tuple[str, dict[int, dict]]:
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             rows.setdefault(r.history.step.num, {}).update(items)
     return run_id, rows
+
+
+def greedy_completion(export: Path, prompt: str, new: int) -> str:
+    """transformers' greedy completion (`new` tokens) of `prompt` by the export, as its users would
+    ask for it: what a run's samples (`eval.samples`) must equal."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=new, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)

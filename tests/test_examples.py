@@ -1,19 +1,21 @@
 """examples/Makefile end to end on tiny inputs: a corpus, a SentencePiece tokenizer and a tiny Llama
 from transformers become tokens, a converted and resharded checkpoint, a training run under torchrun
 and an export (whose card carries the source's license); a rerun does nothing; a changed corpus rebuilds the tokens, the run (the old one
-kept aside) and the export, and leaves the converted checkpoints alone. The Airflow DAG, and
-examples/instruct.json on what `make demo` writes."""
+kept aside) and the export, and leaves the converted checkpoints alone; every tool's stderr holds
+only its own lines (the quiet console, helpers.assert_quiet). The Airflow DAG, examples/instruct.json
+on what `make demo` writes, and `make demo` itself as quiet (make test-slow)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import BIN, run_in_process, run_tool, write_checkpoint
+from helpers import BIN, assert_quiet, run_in_process, run_tool, write_checkpoint
 from tokenize_testlib import corpus, write_jsonl
 
 MAKEFILE = Path(__file__).resolve().parents[1] / "examples" / "Makefile"
@@ -25,6 +27,7 @@ def make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
            "OUT=out", "TP=2", "PP=1", "NPROC=2", "STEPS=3", "SEQ=32", "BATCH=4", *args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert_quiet(proc.stderr)  # mega-tokenize, -convert, -shard, -train --nproc-per-node 2, -export
     return proc
 
 
@@ -70,6 +73,20 @@ def test_makefile_chain_reruns_only_what_changed(tmp_path: Path, sp_model: Path)
         assert (out / p / "manifest.json").stat().st_mtime_ns == done[p], p
     for p in ("tokens", "hf"):
         assert (out / p / "manifest.json").stat().st_mtime_ns > done[p], p
+
+
+@pytest.mark.slow  # the whole demo, 85 s (its tools run in make test: the Makefile chain above)
+def test_make_demo_prints_only_our_lines(tmp_path: Path) -> None:
+    """`make demo`'s command (examples/demo.py) end to end: its own model building (transformers,
+    which imports torchao) and every tool it runs, tp 2 x pp 2 under torchrun, leave only our lines
+    on stderr; its summary closes it."""
+    demo = MAKEFILE.parent / "demo.py"
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, str(demo), str(tmp_path / "demo-out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "demo: done" in proc.stdout, proc.stdout[-3000:]
+    assert_quiet(proc.stderr)
 
 
 # Airflow is no dependency of this project: `make airflow-venv` installs it (requirements-airflow.txt)

@@ -93,6 +93,9 @@ def test_every_kind_has_its_path_fields_typed():
         "tokenizer.info.files": "file",
         "training.rng_files": "file",
         "adapter.base.path": "record",
+        "adapter.base.relative": "ref",
+        "adapter.base.hf_source.path": "record",
+        "hf_source.path": "record",
     }
     assert schema_paths("hf") == {"parents.path": "record", "files.path": "file"}
     assert schema_paths("run") == {

@@ -16,7 +16,7 @@ from mega_convert.convert import WEIGHTS, convert_hf
 from mega_convert.verify import verify
 from mega_export.export import export_hf
 from megacore.artifacts import MANIFEST_NAME, open_artifact, sha256_file
-from megacore.artifacts.manifest import License
+from megacore.artifacts.manifest import HFSource, License
 from megacore.artifacts.pieces import safetensors_layout
 from megacore.errors import UserError
 
@@ -116,6 +116,8 @@ def test_cli_convert_reuse_force_and_verify(tmp_path: Path) -> None:
     p = run_in_process("mega-convert", "hf", src, out, "--json", check=True)
     s = json.loads(p.stdout)
     assert s["family"] == "mistral" and not s["reused"] and s["padded_vocab_size"] == 128
+    # Where it came from: a directory that is no Hub cache snapshot, by its absolute path alone.
+    assert open_artifact(out, "checkpoint").hf_source == HFSource(path=str(src.resolve()))
     p = run_in_process("mega-convert", "hf", src, out, "--json", check=True)
     assert json.loads(p.stdout)["reused"] and "reusing" in p.stderr
     p = run_in_process("mega-convert", "hf", src, out, "--force", "--json", check=True)

@@ -271,3 +271,45 @@ def test_a_signal_while_a_failure_is_reported_does_not_escape_as_a_traceback(mon
     monkeypatch.setattr("sys.argv", ["mega-x"])
     assert run_cli(app, "mega-x") == 2
     assert capsys.readouterr().err == "mega-x: error: out: in use\n"
+
+
+def test_a_command_quiets_the_libraries_unless_debug(monkeypatch):
+    """A console-script run silences the libraries' output that megacore.cli names (their loggers,
+    a warning, the switches their bars read) while its command runs, and puts it all back after;
+    with --debug or MEGA_DEBUG=1 it silences nothing, and the command knows (`debugging`: what it
+    starts gets --debug, as mega-train's workers)."""
+    import logging
+    import os
+    import warnings
+
+    import typer
+
+    from megacore.cli import FOREIGN_LOGGERS, QUIET_VARIABLES, debugging, quieted
+
+    seen = []
+    app = typer.Typer()
+
+    @app.command()
+    def work() -> None:
+        filtered = any(
+            f[0] == "ignore" and f[1] and f[1].pattern.startswith("DTensor") for f in warnings.filters
+        )
+        levels = {logging.getLogger(name).level for name in FOREIGN_LOGGERS}
+        seen.append(
+            (quieted(), debugging(), filtered, levels, {os.environ.get(n) for n, _ in QUIET_VARIABLES})
+        )
+
+    for name, _ in QUIET_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    before = {logging.getLogger(name).level for name in FOREIGN_LOGGERS}
+    for argv, env in ((["mega-x"], None), (["mega-x", "--debug"], None), (["mega-x"], "1")):
+        monkeypatch.setattr("sys.argv", argv)
+        if env:
+            monkeypatch.setenv("MEGA_DEBUG", env)
+        assert run_cli(app, "mega-x") == 0
+        assert not quieted() and not debugging()  # as before the command
+        assert {logging.getLogger(name).level for name in FOREIGN_LOGGERS} == before
+        assert all(os.environ.get(n) is None for n, _ in QUIET_VARIABLES)
+    quiet = (True, False, True, {logging.ERROR}, {"1", "ERROR"})
+    loud = (False, True, False, before, {None})
+    assert seen == [quiet, loud, loud]

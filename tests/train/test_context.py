@@ -22,7 +22,7 @@ from mega_convert.verify import verify
 from mega_export.export import export_hf
 from mega_train.run_plan import plan_run
 from megacore.artifacts import MANIFEST_NAME, open_artifact
-from megacore.artifacts.manifest import decode_manifest, encode_manifest
+from megacore.artifacts.codec import decode_manifest, encode_manifest
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
 from runlib import losses, ok, train, write_run

@@ -548,3 +548,84 @@ def test_packed_pairs_in_each_layout_equal_the_plain_loop(
     else:
         want, _ = plain_loop(base[0], rows(sp_model), "dpo", 0.1, steps=3)
     assert_records_close(metrics(tmp_path / "run"), want, beta=0.1, names=(*COMPARED, "rewards/accuracies"))
+
+
+# The reference after SFT: LoRA SFT at tp 2, then DPO continuing its adapter. TRL compares with the
+# SFT model (a reference adapter, or the SFT model merged as the base); so does the default
+# `"reference": "init"` here, and the route users took before it existed (export merged, convert,
+# a fresh adapter on that base) must give the same reference and the same first step.
+SFT_LORA = {**LORA, "dropout": 0.0}
+
+
+def reference_logps(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "reference-logps.safetensors")
+
+
+def test_dpo_after_lora_sft_compares_with_the_sft_model(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], tokens: Path
+) -> None:
+    """SFT at tp 2 (4 steps), then DPO on its adapter with the default reference (`init`): the first
+    step's rewards are 0 (the reference is the model that starts); its reference log-probabilities
+    and first step equal (fp32, 1e-5) those of DPO with a fresh adapter on the SFT model merged
+    (mega-export, mega-convert hf) as the base; a live reference (the SFT adapter swapped in each
+    step) equals the precomputed one at every step; the dry run says which model it is; and the
+    model before SFT (`"reference": "base"`) gives rewards far from 0 at the first step."""
+    _, ckpt = base
+    sft = write_run(tmp_path / "sft", tokens, init=ckpt, lora=SFT_LORA, train_steps=4, parallel={"tp": 2},
+                    eval={"every": 0}, checkpoint={"every": 4})  # fmt: skip
+    ok(torchrun(2, sft))
+    adapter = tmp_path / "sft" / "run" / "checkpoints" / "step-00000004"
+    dpo = {"type": "dpo", "beta": 0.1}
+    cont = preference_run(tmp_path / "init", pairs, ckpt, dpo, **LAYOUT_STEPS, lora={"init": str(adapter)})
+    dry = ok(train(cont, "--dry-run"))
+    assert f"dpo's reference (init): $.model.init with the adapters of {adapter}" in dry.stdout + dry.stderr
+    ok(train(cont))
+    got = metrics(tmp_path / "init" / "run")
+    logps = max(abs(got[0]["logps/chosen"]), abs(got[0]["logps/rejected"]))
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(got[0][name]) <= REL * 2 * 0.1 * logps, (name, got[0][name])
+    assert run_in_process("mega-export", adapter, tmp_path / "merged-hf").returncode == 0
+    assert run_in_process("mega-convert", "hf", tmp_path / "merged-hf", tmp_path / "merged").returncode == 0
+    fresh = preference_run(
+        tmp_path / "merged-run", pairs, tmp_path / "merged", dpo, **LAYOUT_STEPS, lora=SFT_LORA
+    )
+    ok(train(fresh))
+    ours, theirs = (
+        reference_logps(tmp_path / "init" / "run"),
+        reference_logps(tmp_path / "merged-run" / "run"),
+    )
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.allclose(ours[k], theirs[k], rtol=REL, atol=0), (k, (ours[k] - theirs[k]).abs().max())
+    assert_records_close(got[:1], metrics(tmp_path / "merged-run" / "run")[:1], beta=0.1)
+    live = preference_run(tmp_path / "live", pairs, ckpt, {**dpo, "reference_logps": "live"}, **LAYOUT_STEPS,
+                          lora={"init": str(adapter)})  # fmt: skip
+    ok(train(live))
+    assert_records_close(metrics(tmp_path / "live" / "run"), got, beta=0.1)
+    # The model before SFT, as every such run compared with until `reference` existed: not 0.
+    before = preference_run(tmp_path / "base", pairs, ckpt, {**dpo, "reference": "base"}, train_steps=1,
+                            lora={"init": str(adapter)})  # fmt: skip
+    ok(train(before))
+    first = metrics(tmp_path / "base" / "run")[0]
+    assert abs(first["rewards/chosen"]) > 100 * REL * 2 * 0.1 * logps, first
+
+
+def test_bad_references_are_refused_in_one_line(
+    tmp_path: Path, pairs: Path, base: tuple[Path, Path], one_process: dict[str, Path]
+) -> None:
+    _, ckpt = base
+    adapter = one_process["lora"] / "checkpoints" / "step-00000003"
+    cases = [  # (objective, lora, what the line says)
+        ({"type": "simpo", "reference": "base"}, None, "simpo has no reference model"),
+        ({"type": "dpo", "reference": str(ckpt), "reference_logps": "live"}, LORA, "second model"),
+        ({"type": "dpo", "reference": str(adapter)}, None, "a run without LoRA takes a whole model"),
+        ({"type": "dpo", "reference": str(adapter)}, {**LORA, "rank": 2}, "has rank 4, the run's adapters 2"),
+        ({"type": "dpo", "reference": str(tmp_path / "nowhere")}, LORA, "is not a checkpoint"),
+        ({"type": "dpo", "reference_logps": "live"}, None, "use precomputed"),
+    ]
+    for i, (objective, lora, says) in enumerate(cases):
+        extra = {"lora": lora} if lora is not None else {}
+        run_json = preference_run(tmp_path / str(i), pairs, ckpt, objective, **extra)
+        assert_one_line_error(train(run_json), "$.objective.reference", says)

@@ -15,7 +15,7 @@ from peft import PeftModel
 from torchao.quantization import to_nf4
 
 import hf_cases
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, run_in_process
 from megacore.artifacts.manifest import ParallelSpec
 from megacore.config import LoRA, is_adapter_tensor
 from megacore.models.loss import IGNORE
@@ -24,7 +24,7 @@ from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
-from runlib import metrics, ok, train, write_run
+from runlib import greedy_completion, metrics, ok, train, write_run
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 4, 8
@@ -120,7 +120,11 @@ def test_a_qlora_run_trains_the_adapters_on_an_nf4_base(tmp_path: Path, tokens: 
         (
             {},
             4,
-            ("$.parallel", "layers.0.attn.k_proj.weight (128 x 256) in NF4 blocks of 16384 values over dp 4"),
+            (
+                "$.parallel",
+                "layers.0.attn.k_proj.weight (128 x 256) has scales quantized in blocks of 16384 values",
+                "shards over dp 4",
+            ),
         ),
     ],
     ids=["tp", "cp", "shards"],
@@ -132,3 +136,42 @@ def test_layouts_qlora_does_not_cover_are_one_line(
     run_json = write_run(tmp_path, tokens, init=chain["base"], lora=lora, parallel=parallel)
     assert_one_line_error(train(run_json, "--dry-run", "--world-size", str(world)), *fragments)
     assert not (tmp_path / "run").exists()
+
+
+# A GQA model whose k_proj and v_proj are 64 x 128 (one kv head of 64): 128 NF4 blocks each, fewer
+# than a scaler block of 256, so they take scaler blocks of 128 (`config.nf4_scaler_block`).
+GQA = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+       "vocab_size": 400}  # fmt: skip
+PROMPTS, NEW = ["The", "Once upon a time there was"], 12
+
+
+def test_a_qlora_run_samples_what_its_default_merged_export_generates(tmp_path: Path, tokens: Path) -> None:
+    """QLoRA on the GQA model above trains 4 steps; its samples at the last step equal transformers'
+    greedy `generate` on mega-export's default merge (into the base as QLoRA held it: NF4,
+    dequantized), not on the merge into the base as stored (`--merge-into original`: the run's
+    samples differ from it); the adapter's manifest, the card and the PEFT export's side file say
+    how the base was quantized."""
+    hf = hf_cases.build("llama2-70b-gqa", tmp_path / "hf", **GQA)
+    assert run_in_process("mega-convert", "hf", hf, tmp_path / "base").returncode == 0
+    lora = {"targets": TARGETS, "rank": RANK, "alpha": ALPHA, "base_dtype": "nf4"}
+    samples = {"prompts": PROMPTS, "every": 4, "max_new_tokens": NEW}
+    run_json = write_run(tmp_path, tokens, init=tmp_path / "base", lora=lora, train_steps=4,
+                         checkpoint={"every": 4}, eval={"every": 0, "samples": samples})  # fmt: skip
+    ok(train(run_json))
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000004"
+    manifest = json.loads((ckpt / "manifest.json").read_text())["adapter"]
+    assert (manifest["base_dtype"], manifest["nf4"]) == ("nf4", {"block": 64, "scaler_block": 256})
+    assert run_in_process("mega-export", ckpt, tmp_path / "nf4").returncode == 0
+    assert run_in_process("mega-export", ckpt, tmp_path / "orig", "--merge-into", "original").returncode == 0
+    rows = metrics(tmp_path / "run", "sample")
+    assert [r["prompt"] for r in rows] == PROMPTS
+    for r in rows:
+        assert r["completion"] == greedy_completion(tmp_path / "nf4", r["prompt"], NEW), r
+    assert any(r["completion"] != greedy_completion(tmp_path / "orig", r["prompt"], NEW) for r in rows)
+    assert "merged into that NF4 base dequantized" in (tmp_path / "nf4" / "README.md").read_text()
+    assert "not the NF4 one it trained on" in (tmp_path / "orig" / "README.md").read_text()
+    assert run_in_process("mega-export", ckpt, tmp_path / "peft", "--adapter").returncode == 0
+    side = json.loads((tmp_path / "peft" / "base_quantization.json").read_text())
+    assert (side["quant_type"], side["blocksize"], side["double_quant_blocksize"]) == ("nf4", 64, 256)
+    bad = run_in_process("mega-export", ckpt, tmp_path / "bad", "--adapter", "--merge-into", "nf4")
+    assert_one_line_error(bad, "--merge-into", "a PEFT adapter directory is not merged")

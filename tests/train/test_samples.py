@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import assert_one_line_error, run_in_process
-from runlib import TINY_LLAMA, metrics, ok, torchrun, train, wandb_history, write_run
+from runlib import TINY_LLAMA, greedy_completion, metrics, ok, torchrun, train, wandb_history, write_run
 
 PROMPTS = ["The", "Once upon a time there was"]
 NEW = 12
@@ -24,14 +23,7 @@ MODEL = {"config": TINY_LLAMA, "init_std": 0.5}
 
 
 def generate(export: Path, prompt: str) -> str:
-    """transformers' greedy completion of `prompt` by the export, as its users would ask for it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    ids = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=NEW, do_sample=False)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    return greedy_completion(export, prompt, NEW)
 
 
 def check_against_exports(tmp_path: Path, run: Path) -> None:

@@ -47,12 +47,29 @@ from megacore.artifacts import (
     open_artifact,
     piece_entry,
 )
-from megacore.artifacts.manifest import Adapter, Layout, License, Parent, TrainedTokenizer, TrainingState
-from megacore.artifacts.reader import Verify, artifact_root, check_model_tensors, read_manifest_bytes
+from megacore.artifacts.manifest import (
+    Adapter,
+    HFSource,
+    Layout,
+    License,
+    Parent,
+    TrainedTokenizer,
+    TrainingState,
+)
+from megacore.artifacts.reader import (
+    Verify,
+    artifact_root,
+    base_paths,
+    base_record,
+    check_model_tensors,
+    read_manifest_bytes,
+)
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, is_adapter_tensor
 from megacore.errors import UserError
 from megacore.models import Decoder
+from megacore.models.adapters import adapter_settings, modules
+from megacore.models.lora import add_lora
 
 # A slice of a tensor that a file holds: (tensor name, global shape, dtype, box).
 Slice = tuple[str, Sequence[int], str, Box]
@@ -155,6 +172,7 @@ class CheckpointWriter:
         license: License | None = None,
         order: Sequence[str] | None = None,
         adapter: Adapter | None = None,
+        hf_source: HFSource | None = None,
     ) -> CheckpointManifest:
         """Write the manifest (tensors in `order`, default as declared) and move the artifact in."""
         names = list(self._tensors) if order is None else list(order)
@@ -171,6 +189,7 @@ class CheckpointWriter:
             training=training,
             license=license,
             adapter=adapter,
+            hf_source=hf_source,
         )
         return self.w.commit(manifest)
 
@@ -209,13 +228,30 @@ class CheckpointReader:
         """The slice `box` (offset, shape) of tensor `name`; the whole tensor when None."""
         return self._reader.read(name, self.entry(name), box)
 
-    def decoder(self, dtype: torch.dtype | None = None) -> Decoder:
+    def decoder(
+        self, dtype: torch.dtype | None = None, base: Path | None = None, option: str = "--base"
+    ) -> Decoder:
         """A whole Decoder with this checkpoint's weights (one process); optimizer moments and other
-        training state are left out."""
-        with torch.device("meta"):
-            model = Decoder(self.config)
-        model.to_empty(device="cpu")
-        model.load_state_dict({name: self.read(name) for name in model.state_dict()}, strict=True)
+        training state are left out. A LoRA adapter's: its base's Decoder (`base`, the tool's
+        `option`, else where the adapter says: `adapter_base`) with the adapters on its linears as
+        a run trains them (`megacore.models.lora`), not merged."""
+        info = self.manifest.adapter
+        if info is None and base is not None:
+            raise UserError(f"{self.path} is not a LoRA adapter; it has no base", option)
+        if info is not None:
+            with CheckpointReader(adapter_base(self.path, info, base, option)) as base_ckpt:
+                model = base_ckpt.decoder()
+            lora = adapter_settings(info)
+            add_lora(model, modules(self.config, lora.targets), lora.rank, lora.scale)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if is_adapter_tensor(name):
+                        p.copy_(self.read(name))
+        else:
+            with torch.device("meta"):
+                model = Decoder(self.config)
+            model.to_empty(device="cpu")
+            model.load_state_dict({name: self.read(name) for name in model.state_dict()}, strict=True)
         self.confirm()
         return model if dtype is None else model.to(dtype)
 
@@ -242,13 +278,30 @@ class CheckpointReader:
 
 def adapter_base(adapter: Path, info: Adapter, given: Path | None, option: str) -> Path:
     """A LoRA adapter checkpoint's base: `given` (the tool's `option`, for a base that moved since
-    training) or where the adapter says, checked to be the one it names (its manifest's sha256)."""
-    path = Path(given) if given is not None else Path(info.base.path)
+    training) or where the adapter says (`base_paths`: relative to the adapter, then absolute),
+    checked to be the one it names (its manifest's sha256)."""
+    tried = [Path(given)] if given is not None else base_paths(adapter, info.base)
     where = option if given is not None else str(adapter)
-    if not (path / MANIFEST_NAME).is_file():
+    there = [p for p in tried if (p / MANIFEST_NAME).is_file()]
+    for path in there:
+        if sha256_bytes(read_manifest_bytes(path)[1]) == info.base.manifest_sha256:
+            return path
+    if not there:
+        shown = tried[0] if given is not None else info.base.path
         raise UserError(
-            f"the adapter's base checkpoint {path} is not there; give where it is now with {option}", where
+            f"the adapter's base checkpoint {shown} is not there; give where it is now with {option}", where
         )
-    if sha256_bytes(read_manifest_bytes(path)[1]) != info.base.manifest_sha256:
-        raise UserError(f"{path} is not the adapter's base checkpoint (its manifest differs)", where)
-    return path
+    raise UserError(f"{there[0]} is not the adapter's base checkpoint (its manifest differs)", where)
+
+
+def adapter_copied(adapter: Path, info: Adapter, out: Path) -> Adapter:
+    """What a copy at `out` of the adapter checkpoint `adapter` (resharded: mega-shard) records: the
+    same base, found as `adapter_base` finds it and recorded relative to `out`; a base not found
+    keeps its absolute path alone (the relative one was from `adapter`)."""
+    base = info.base
+    try:
+        found = adapter_base(adapter, info, None, "--base")
+    except UserError:
+        return msgspec.structs.replace(info, base=msgspec.structs.replace(base, relative=None))
+    moved = base_record(found, base.manifest_sha256, out, base.hf_source)
+    return msgspec.structs.replace(info, base=moved)

@@ -5,13 +5,21 @@ Exit codes: 0 done, 1 failure while working, 2 bad input or usage, 130 interrupt
 terminated (SIGTERM, as Airflow and SLURM send). A bad input is one line on stderr; a traceback only
 with `--debug` (anywhere on the command line) or `MEGA_DEBUG=1`. Interrupted or terminated, a tool
 unwinds like on any failure: its staging directory is removed (megacore.artifacts.output).
+
+A quiet console: what the libraries underneath print that says nothing about the work (their
+warnings, log lines and progress bars, named below) is silenced where it is made, by
+`quiet_libraries`, unless `--debug` or `MEGA_DEBUG=1` asks to see everything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
 import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -69,7 +77,11 @@ def version_option(prog: str, version: str):
 
 def debug_option():
     """`--debug` in a command's help; `run` takes it out of the arguments wherever it stands."""
-    return typer.Option(False, "--debug", help="Show the traceback on errors (or set MEGA_DEBUG=1).")
+    return typer.Option(
+        False,
+        "--debug",
+        help="Show the traceback on errors, and the libraries' warnings (or set MEGA_DEBUG=1).",
+    )
 
 
 def verify_option(what: str):
@@ -102,26 +114,68 @@ def _stopped(prog: str, signum: int, quiet: bool = False) -> int:
     return 128 + signum
 
 
-def _split_debug(args: list[str]) -> tuple[list[str], bool]:
-    """`--debug` anywhere before a `--` separator, taken out of the arguments."""
+def split_debug(args: list[str]) -> tuple[list[str], bool]:
+    """The arguments without `--debug` (anywhere before a `--` separator), and whether it was there
+    or `MEGA_DEBUG=1` is set."""
     end = args.index("--") if "--" in args else len(args)
-    debug = "--debug" in args[:end]
+    debug = "--debug" in args[:end] or env.flag("MEGA_DEBUG")
     return [a for i, a in enumerate(args) if not (a == "--debug" and i < end)], debug
 
 
-# Loggers of libraries our tools import (or that transformers imports for us) whose warnings are
-# not about anything the tool does: torchao, which transformers' quantizer registry imports
-# whenever it is installed, logs that its C++/CUDA kernels did not load (the float8 training it
-# serves us is Python), and torch's pytree logs the deprecation of what torchao registers. Errors
-# still show.
-FOREIGN_LOGGERS = ("torchao", "torch.utils._pytree")
+# The libraries' loggers whose warnings are about nothing a tool does, to errors only: torchao,
+# which transformers' quantizer registry imports whenever it is installed, logs that its C++/CUDA
+# kernels did not load (the float8 training it serves us is Python); torch's pytree logs the
+# deprecation of what torchao registers; lm-eval its own bookkeeping (a task's metric without an
+# aggregation, which it defaults; `--limit` being for tests).
+FOREIGN_LOGGERS = ("torchao", "torch.utils._pytree", "lm_eval")
+# Python warnings, by category and the start of their message: DTensor's, once per rank, at LoRA's
+# adapter dropout under tp on a CPU mesh, where DTensor keeps no RNG tracker: each rank draws the
+# masks from its own generator, seeded and drawn from alike, so a replicated input's masks agree
+# as the tracker makes them on a GPU.
+FOREIGN_WARNINGS = ((UserWarning, "DTensor random operators may not have complete support"),)
+# Switches the libraries read when they are imported: tqdm's bars (lm-eval's, a bar per task and
+# request type) and datasets' (lm-eval's task data) off; lm-eval's command line logs errors only.
+QUIET_VARIABLES = (
+    ("TQDM_DISABLE", "1"),
+    ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+    ("LMEVAL_LOG_LEVEL", "ERROR"),
+)
+_QUIET = [False]
+_DEBUG = [False]
 
 
-def _quiet_foreign_logs() -> None:
-    import logging
-
+def quiet_libraries() -> Callable[[], None]:
+    """Silence the libraries' warnings, log lines and progress bars named above, in this process and
+    those it starts (they inherit the variables; one already set is left as it is); returns what
+    puts it all back (`run` calls it when its command ends, as it puts the signal handlers back: a
+    process that goes on, a test's, is left as it was). Call it before torch is imported: torch
+    imports tqdm, which reads its switch then. Our own lines and every error still show."""
+    undo = contextlib.ExitStack()
+    undo.enter_context(warnings.catch_warnings())
+    for category, message in FOREIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
     for name in FOREIGN_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logger = logging.getLogger(name)
+        undo.callback(logger.setLevel, logger.level)
+        logger.setLevel(logging.ERROR)
+    for name, value in QUIET_VARIABLES:
+        if env.set_for_libraries(name, value):
+            undo.callback(env.unset, name)
+    _QUIET[0] = True
+    undo.callback(_QUIET.__setitem__, 0, False)
+    return undo.close
+
+
+def quieted() -> bool:
+    """Whether `quiet_libraries` ran in this process (a bar the libraries draw whatever their
+    switches, such as lm-eval's tokenizing one, is then turned off by its caller)."""
+    return _QUIET[0]
+
+
+def debugging() -> bool:
+    """Whether the running command was given `--debug` (or `MEGA_DEBUG=1`), which `run` takes out of
+    its arguments: the processes it starts get it too (mega-train's workers)."""
+    return _DEBUG[0]
 
 
 def run(
@@ -133,15 +187,16 @@ def run(
     """Run a typer app with the project's exit-code and error-line conventions; returns the exit code.
     `quiet_stop`: a signal ends the process with its exit code and no line (a torchrun worker but
     rank 0, which says it once: torchrun stops every worker when one fails)."""
-    args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
-    debug = debug or env.flag("MEGA_DEBUG")
+    args, debug = split_debug(list(sys.argv[1:] if argv is None else argv))
     command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
     previous = {}
+    loud = None  # what undoes the quiet console
     reset()  # the signals of an earlier run in this process forgotten
-    if argv is None:  # a console-script run owns the process and its signals
+    if argv is None:  # a console-script run owns the process, its signals and its console
         previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
-        _quiet_foreign_logs()
-    ARMED[0] = True
+        if not debug:
+            loud = quiet_libraries()
+    ARMED[0], _DEBUG[0] = True, debug
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
         ARMED[0] = False
@@ -151,9 +206,11 @@ def run(
         ARMED[0] = False
         return _exit_code(e, prog, debug, quiet_stop)
     finally:
-        ARMED[0] = False
+        ARMED[0] = _DEBUG[0] = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if loud is not None:
+            loud()
 
 
 def _exit_code(e: BaseException, prog: str, debug: bool, quiet_stop: bool) -> int:

@@ -617,13 +617,23 @@ def is_block_projection(name: str) -> bool:
 
 
 # QLoRA's NF4 (`models.nf4`): an absmax scale per NF4_BLOCK values, the scales quantized to int8
-# per NF4_SCALER_BLOCK with one fp32 factor each (double quantization); torchao's NF4 tensors hold
-# whole scaler blocks, NF4_QUANTUM values each.
+# per NF4_SCALER_BLOCK with one fp32 factor each (double quantization), as QLoRA's paper and
+# bitsandbytes do; torchao's NF4 tensors hold whole scaler blocks. A tensor of fewer values, or not
+# a multiple of them, takes smaller scaler blocks (`nf4_scaler_block`), where bitsandbytes pads.
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
-NF4_QUANTUM = NF4_BLOCK * NF4_SCALER_BLOCK
 
 
-def nf4_bytes(numel: int) -> int:
-    """The bytes of an NF4 tensor of `numel` values: 4-bit codes, an int8 scale per block and an
-    fp32 factor per scaler block."""
-    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // NF4_QUANTUM)
+def nf4_scaler_block(numel: int, block: int = NF4_BLOCK, scaler_block: int = NF4_SCALER_BLOCK) -> int:
+    """The scaler block of an NF4 tensor of `numel` values (a multiple of `block`): `scaler_block`
+    where its blocks divide into them, else the largest power of two they divide into (a 64 x 128
+    k_proj, 128 blocks: 128), a function of the tensor alone, so that every layout quantizes it
+    alike. `scaler_block` is a power of two."""
+    return math.gcd(scaler_block, numel // block)
+
+
+def nf4_bytes(numel: int, whole: int | None = None) -> int:
+    """The bytes of `numel` values of an NF4 tensor of `whole` values (itself by default; a shard
+    holds whole scaler blocks): 4-bit codes, an int8 scale per block and an fp32 factor per scaler
+    block."""
+    values = NF4_BLOCK * nf4_scaler_block(whole or numel)
+    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // values)

@@ -22,7 +22,9 @@ class Variable:
 
 
 VARIABLES = (
-    Variable("MEGA_DEBUG", "every tool", "1: print the traceback of an error, as `--debug` does"),
+    Variable(
+        "MEGA_DEBUG", "every tool", "1: as `--debug`: the traceback of an error, and the libraries' warnings"
+    ),
     Variable(
         "MEGA_FP8_EMULATE",
         "mega-train",
@@ -36,7 +38,7 @@ VARIABLES = (
     Variable(
         "MEGA_TRAIN_MALLOC",
         "mega-train",
-        "`default`: keep glibc's allocator settings on a CPU run (no heap mode, no trim before each microbatch)",
+        "`default`: keep glibc's allocator settings on a CPU run (no heap mode, nor a LoRA run's trim before each microbatch)",
     ),
     Variable("RANK", "mega-train", "torchrun's: this worker's rank (absent: a job of one process)"),
     Variable("WORLD_SIZE", "mega-train", "torchrun's: the job's processes"),
@@ -65,6 +67,21 @@ VARIABLES = (
         "mega-train (sets)",
         "1 for the workers of `--nproc-per-node` unless set, as torchrun",
     ),
+    Variable(
+        "TQDM_DISABLE",
+        "every tool, the harness (sets)",
+        "1 unless `--debug` or set: tqdm's progress bars (lm-eval's) off",
+    ),
+    Variable(
+        "HF_DATASETS_DISABLE_PROGRESS_BARS",
+        "every tool, the harness (sets)",
+        "1 unless `--debug` or set: datasets' progress bars (lm-eval's task data) off",
+    ),
+    Variable(
+        "LMEVAL_LOG_LEVEL",
+        "every tool, the harness (sets)",
+        "ERROR unless `--debug` or set: lm-eval's command line logs errors only",
+    ),
 )
 _NAMES = {v.name for v in VARIABLES}
 
@@ -81,10 +98,19 @@ def flag(name: str) -> bool:
     return get(name) == "1"
 
 
-def set_for_libraries(name: str, value: str, override: bool = False) -> None:
+def set_for_libraries(name: str, value: str, override: bool = False) -> bool:
     """Set a variable of the table that a library underneath reads (unless already set, or
-    `override`)."""
+    `override`); whether it set it."""
     if name not in _NAMES:
         raise KeyError(f"{name} is not in megacore.env.VARIABLES")
     if override or name not in os.environ:
         os.environ[name] = value
+        return True
+    return False
+
+
+def unset(name: str) -> None:
+    """Remove a variable of the table (one set for the libraries, once they no longer need it)."""
+    if name not in _NAMES:
+        raise KeyError(f"{name} is not in megacore.env.VARIABLES")
+    os.environ.pop(name, None)

@@ -95,10 +95,18 @@ def peft(
 @app.command()
 def verify(
     checkpoint: Path = typer.Argument(
-        ..., metavar="CHECKPOINT", help="Checkpoint artifact (any layout), e.g. made by `mega-convert hf`."
+        ...,
+        metavar="CHECKPOINT",
+        help="Checkpoint artifact (any layout), e.g. made by `mega-convert hf`, or a LoRA adapter's.",
     ),
     model_dir: Path = typer.Argument(
-        ..., metavar="MODEL_DIR", help="The Hugging Face model directory to compare with."
+        ...,
+        metavar="MODEL_DIR",
+        help="The Hugging Face model directory to compare with; for an adapter, its merged export or a "
+        "PEFT adapter directory (run on the model its base was converted from).",
+    ),
+    base: Path | None = typer.Option(
+        None, "--base", metavar="CKPT", help="A LoRA adapter's base checkpoint, when it moved since training."
     ),
     tolerance: float | None = typer.Option(
         None,
@@ -132,6 +140,7 @@ def verify(
         mean_tolerance=mean_tolerance,
         batch=batch,
         seq_len=seq_len,
+        base=base,
     )
     if as_json:
         typer.echo(json.dumps(r))

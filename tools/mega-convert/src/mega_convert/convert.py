@@ -2,7 +2,8 @@
 
 Only config.json and safetensors files are read (a single `model.safetensors`, a sharded set with
 `model.safetensors.index.json`, or any `*.safetensors`); pickled `.bin` checkpoints are refused.
-The model card's front matter (README.md) gives the license the checkpoint carries on.
+The model card's front matter (README.md) gives the license the checkpoint carries on; the
+directory, and its Hub id and commit when it is a Hub cache snapshot, are recorded as `hf_source`.
 MXFP4 tensors (gpt-oss's experts, `models/mxfp4.py`) are read as the one tensor they store,
 dequantized on read into the checkpoint's own float dtype; any other quantization is refused.
 One HF tensor is in memory at a time, so peak memory stays near the largest tensor, not the model.
@@ -18,14 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from safetensors import safe_open
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, whole
-from megacore.artifacts.manifest import FLOAT_DTYPES, Layout, License, float_dtype
+from megacore.artifacts.manifest import FLOAT_DTYPES, HFSource, Layout, License, float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import SAFETENSORS_CODES, safetensors_header
+from megacore.artifacts.reader import hub_snapshot
 from megacore.background import Background
 from megacore.checkpoint import CheckpointWriter, shard_file
 from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
@@ -270,6 +273,7 @@ class _Source:
     source_dtype: str  # the weights' own (float32 when no tensor is float), MXFP4 dequantized into it
     license: License | None
     recipe: str
+    source: HFSource  # where the model came from, for a PEFT export's base_model_name_or_path
 
 
 def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Source:
@@ -284,8 +288,18 @@ def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Sour
     source = source_dtype(where)
     out_dtype = dtype or source
     card_license = read_license(model_dir)
-    rec = recipe(model_dir, files_of(where), {"dtype": out_dtype, "pad_multiple": pad_multiple})
-    return _Source(model_dir, config, where, out_dtype, source, card_license, rec)
+    origin = hf_source(model_dir)
+    options = {"dtype": out_dtype, "pad_multiple": pad_multiple, "source": msgspec.to_builtins(origin)}
+    rec = recipe(model_dir, files_of(where), options)
+    return _Source(model_dir, config, where, out_dtype, source, card_license, rec, origin)
+
+
+def hf_source(model_dir: Path) -> HFSource:
+    """Where a model directory came from: itself (absolute), with its Hub id and commit when it is a
+    Hub cache snapshot."""
+    snapshot = hub_snapshot(model_dir)
+    repo, revision = snapshot if snapshot is not None else (None, None)
+    return HFSource(path=str(model_dir.resolve()), repo=repo, revision=revision)
 
 
 def source_dtype(where: Where) -> str:
@@ -348,6 +362,7 @@ def _write_checkpoint(
             producer=("mega-convert", __version__),
             tokenizer_files=tokenizer_files,
             license=src.license,
+            hf_source=src.source,
         )
     shown.done()
     return tokenizer_files

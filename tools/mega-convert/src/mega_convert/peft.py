@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, open_artifact, whole
-from megacore.artifacts.manifest import Adapter, BaseModel, Layout, float_dtype
+from megacore.artifacts.manifest import Adapter, Layout, float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
-from megacore.artifacts.reader import parent_of
+from megacore.artifacts.reader import base_record, parent_of
 from megacore.artifacts.writer import sha256_file
 from megacore.checkpoint import CheckpointWriter, dtype_of, shard_file
 from megacore.config import ModelConfig, adapter_tensors
@@ -90,7 +90,7 @@ def convert_peft(
         return {**summary, "reused": True, "seconds": round(time.perf_counter() - t0, 3)}
     info = Adapter(
         rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)), targets=list(cfg["target_modules"]),
-        base=BaseModel(path=str(base.resolve()), manifest_sha256=parent.manifest_sha256),
+        base=base_record(base, parent.manifest_sha256, out, base_manifest.hf_source),
         dropout=float(cfg.get("lora_dropout", 0.0)), rslora=bool(cfg.get("use_rslora", False)),
     )  # fmt: skip
     check_targets(config, info.targets, f"{adapter_dir / CONFIG}: $.target_modules")

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import msgspec
 
+from mega_export.adapter import BASE_QUANTIZATION
 from megacore.artifacts import CheckpointManifest, TokensManifest, open_artifact
-from megacore.artifacts.manifest import Parent, TrainedTokenizer
+from megacore.artifacts.manifest import Adapter, Parent, TrainedTokenizer
 from megacore.config import ModelConfig, parameter_counts
 from megacore.errors import UserError
 from megacore.parallel.layout import is_experts
@@ -115,8 +116,28 @@ def _tokenizer_row(tok: TrainedTokenizer) -> str:
     return f"| tokenizer | {tok.info.type}, {tok.info.vocab_size:,} ids{added}{chat} |"
 
 
-def model_card(name: str, manifest: CheckpointManifest) -> str:
-    """README.md text for the export named `name` of the checkpoint `manifest`."""
+def _adapter_row(info: Adapter, merged_into: str | None) -> str:
+    """A LoRA adapter's settings, what it was trained on, and (merged) into which base it went."""
+    row = f"| LoRA adapter | rank {info.rank}, alpha {info.alpha:g} on {', '.join(sorted(info.targets))}"
+    nf4 = info.nf4
+    if info.base_dtype == "nf4" and nf4 is not None:
+        row += (
+            f"; trained on its base's block projections in NF4 (QLoRA: blocks of {nf4.block}, the scales "
+            f"in int8 blocks of {nf4.scaler_block}, torchao)"
+        )
+    if merged_into == "nf4":
+        row += "; merged into that NF4 base dequantized, the model as it trained"
+    elif merged_into == "original":
+        extra = ", not the NF4 one it trained on" if info.base_dtype == "nf4" else ""
+        row += f"; merged into its base as stored{extra}"
+    else:
+        row += "; a PEFT adapter directory" + (f" ({BASE_QUANTIZATION} says how)" if nf4 is not None else "")
+    return row + " |"
+
+
+def model_card(name: str, manifest: CheckpointManifest, merged_into: str | None = None) -> str:
+    """README.md text for the export named `name` of the checkpoint `manifest` (a LoRA adapter's:
+    `merged_into` nf4 or original, or None for a PEFT directory)."""
     cfg, lic = manifest.config, manifest.license
     producer = f"{manifest.producer.name} {manifest.producer.version}" if manifest.producer else "unknown"
     lines = [
@@ -135,6 +156,8 @@ def model_card(name: str, manifest: CheckpointManifest) -> str:
         lines.append(
             f"| license | {lic.id}{f' ({lic.name})' if lic.name else ''}, from the source model's card |"
         )
+    if manifest.adapter is not None:
+        lines.append(_adapter_row(manifest.adapter, merged_into))
     lines.append(_layout_row(manifest))
     if manifest.tokenizer is not None:
         lines.append(_tokenizer_row(manifest.tokenizer))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import typer
 
@@ -38,6 +38,13 @@ def export(
     ),
     base: Path | None = typer.Option(
         None, "--base", metavar="CKPT", help="A LoRA adapter's base checkpoint, when it moved since training."
+    ),
+    merge_into: Literal["nf4", "original"] | None = typer.Option(
+        None,
+        "--merge-into",
+        help="A LoRA adapter merged into its base as QLoRA trained against it (nf4: the base's "
+        "projections NF4-dequantized, the default for a QLoRA adapter) or as stored (original, the "
+        "default for any other).",
     ),
     push_to_hub: str | None = typer.Option(
         None,
@@ -78,7 +85,9 @@ def export(
     stray = [flag for flag, given in pushing if given]
     if stray and push_to_hub is None:
         raise UserError(f"{stray[0]} is an option of --push-to-hub REPO, which is not given")
-    s = export_hf(checkpoint, out, dtype=dtype, force=force, adapter=adapter, base=base)
+    s = export_hf(
+        checkpoint, out, dtype=dtype, force=force, adapter=adapter, base=base, merge_into=merge_into
+    )
     if not as_json:
         _report(s, out)
     if push_to_hub is not None:

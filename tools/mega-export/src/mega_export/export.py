@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mega_export import __version__
-from mega_export.adapter import open_weights, write_peft
+from mega_export.adapter import merge_target, open_weights, write_peft
 from mega_export.card import model_card
 from megacore.artifacts import (
     TORCH_DTYPES,
@@ -116,23 +116,28 @@ def export_hf(
     progress: bool | None = None,
     adapter: bool = False,
     base: Path | None = None,
+    merge_into: str | None = None,
 ) -> dict[str, Any]:
     """Write `checkpoint` as a Hugging Face model directory at `out`; returns a summary. A LoRA
-    adapter checkpoint: the merged model (its base's weights with W + scale · B A), or with
-    `adapter` a PEFT adapter directory (`mega_export.adapter`); `base` where its base checkpoint
-    is now, when it moved."""
+    adapter checkpoint: the merged model (its base's weights with W + scale · B A; `merge_into`:
+    the base as QLoRA trained against it, nf4, or as stored, `mega_export.adapter.merge_target`),
+    or with `adapter` a PEFT adapter directory (`mega_export.adapter`); `base` where its base
+    checkpoint is now, when it moved."""
     t0 = time.perf_counter()
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint) as ckpt, ExitStack() as stack:
         # Either spelling (bf16 or bfloat16), as mega-convert takes it; the default, the checkpoint's.
         config, dtype = ckpt.config, float_dtype(dtype) if dtype is not None else ckpt.manifest.dtype
-        weights = open_weights(ckpt, adapter, base, stack)
+        merge_into = merge_target(ckpt, adapter, merge_into)
+        weights = open_weights(ckpt, adapter, base, stack, merge_into)
         parents = [parent_of(checkpoint)] + ([parent_of(weights.base)] if weights.base is not None else [])
+        qlora = ckpt.manifest.adapter is not None and ckpt.manifest.adapter.base_dtype == "nf4"
         recipe = recipe_sha256(
             checkpoint=parents[0].manifest_sha256, dtype=dtype, max_shard_bytes=max_shard_bytes,
-            **({"adapter": True} if adapter else {}),
+            **({"adapter": True} if adapter else {}), **({"merge_into": merge_into} if qlora else {}),
         )  # fmt: skip
         summary: dict[str, Any] = {"out": str(out), "dtype": dtype, "family": config.family}
+        summary |= {"merged_into": merge_into} if merge_into is not None else {}
         if not force and (old := reusable(out, "hf", recipe)) is not None:
             files = sorted(e.path for e in old.files if e.path.endswith(".safetensors"))
             return {**summary, "reused": True, "files": files, "seconds": round(time.perf_counter() - t0, 3)}
@@ -142,7 +147,8 @@ def export_hf(
                 files, count = write_peft(ckpt, w, dtype)
             else:
                 files, count = _write_model(ckpt, weights.get, w, dtype, max_shard_bytes, progress)
-            w.path("README.md").write_text(model_card(out.name, ckpt.manifest), encoding="utf-8")
+            card = model_card(out.name, ckpt.manifest, merge_into)
+            w.path("README.md").write_text(card, encoding="utf-8")
             _write_tokenizer(ckpt, w)
             weights.confirm()  # the checkpoints' sums, hashed meanwhile: a damaged one leaves no output
             w.commit(

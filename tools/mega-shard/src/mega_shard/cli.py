@@ -101,7 +101,7 @@ def _report(res: ShardResult, as_json: bool) -> None:
     elif not res.reused:
         layout = f"tp {res.tp}, pp {res.pp}{f', ep {res.ep}' if res.ep > 1 else ''}"
         typer.echo(
-            f"wrote {res.out} ({layout}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
+            f"mega-shard: wrote {res.out} ({layout}; {plural(res.tensors, 'tensor')}, {plural(len(res.files), 'file')}, "
             f"{res.bytes_written / 1e9:.2f} GB in {res.seconds:.1f}s)",
             err=True,
         )

@@ -27,7 +27,7 @@ from megacore.artifacts.manifest import Layout, Parent, TensorEntry
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import Box, even_split
 from megacore.background import Background
-from megacore.checkpoint import CheckpointReader, CheckpointWriter, shard_file
+from megacore.checkpoint import CheckpointReader, CheckpointWriter, adapter_copied, shard_file
 from megacore.errors import UserError
 from megacore.parallel.layout import (
     TensorPlace,
@@ -111,7 +111,7 @@ def reshard(
         with write_artifact(out, "checkpoint", inputs=[src], force=force, recipe=recipe) as w:
             cw = CheckpointWriter(w)
             _write_stages(ckpt, cw, names, places, layers, (tp, ep), chunk_bytes, shown, log)
-            _commit(ckpt, cw, Layout(tp=tp, pp=pp, dp=ep, stage_layers=layers), producer, parent, names)
+            _commit(ckpt, cw, Layout(tp=tp, pp=pp, dp=ep, stage_layers=layers), producer, parent, names, out)
         shown.done()
     result.tensors, result.files, result.bytes_written = len(names), cw.files, cw.bytes_written
     result.seconds = time.perf_counter() - t0
@@ -167,9 +167,12 @@ def _commit(
     producer: tuple[str, str],
     parent: Parent,
     names: list[str],
+    out: Path,
 ) -> None:
     """The source's other files (tokenizer, rng states) copied, then the manifest: the commit."""
     manifest = ckpt.manifest
+    # A LoRA adapter stays one, of the same base, found from `out` as it was from the source.
+    adapter = adapter_copied(ckpt.path, manifest.adapter, out) if manifest.adapter else None
     extra = list(manifest.tokenizer_files) + (manifest.training.rng_files if manifest.training else [])
     for rel in extra:
         cw.add_file(ckpt.root / rel, rel)
@@ -185,7 +188,8 @@ def _commit(
         training=manifest.training,
         license=manifest.license,
         order=names,
-        adapter=manifest.adapter,  # a LoRA adapter stays one, of the same base
+        adapter=adapter,
+        hf_source=manifest.hf_source,  # the same weights, laid out otherwise
     )
 
 

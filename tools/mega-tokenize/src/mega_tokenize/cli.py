@@ -144,7 +144,7 @@ def _report(res: Result, out: Path) -> None:
         file=sys.stderr,
     )
     for ex in c.skipped_examples:
-        print(f"  skipped {ex}", file=sys.stderr)
+        print(f"mega-tokenize: skipped {ex}", file=sys.stderr)
 
 
 def _summary(res: Result, out: Path) -> dict:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mega_tokenize.inputs import RowBatch, read_tables
 from megacore.artifacts import manifest as mf
+from megacore.artifacts.reader import hub_snapshot
 from megacore.errors import UserError
 
 HUB = "hf://datasets/"
@@ -86,17 +87,14 @@ def _declares_configs(readme: Path) -> bool:
 
 def _snapshot_commit(d: Path) -> str | None:
     """The commit of a Hub cache snapshot (`datasets--ORG--NAME/snapshots/<commit>`), else None."""
-    d = d.resolve()
-    if d.parent.name == "snapshots" and d.parent.parent.name.startswith("datasets--"):
-        return d.name if _COMMIT.fullmatch(d.name) else None
-    return None
+    snapshot = hub_snapshot(d, "datasets")
+    return snapshot[1] if snapshot is not None else None
 
 
 def _repo_name(d: Path) -> str:
     """The dataset's name: a snapshot's repository's, else the directory's (a loading script's)."""
-    if _snapshot_commit(d):
-        return d.resolve().parent.parent.name.split("--")[-1]
-    return d.name
+    snapshot = hub_snapshot(d, "datasets")
+    return snapshot[0].rpartition("/")[2] if snapshot is not None else d.name
 
 
 def _one_line(e: BaseException) -> str:

@@ -19,8 +19,8 @@ from megacore.models.adapters import adapter_settings
 from megacore.models.hf_tokenizer import checkpoint_tokenizer_files, load_tokenizer
 from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
-from megacore.parallel.layout import Parallelism, check_parallelism
-from megacore.parallel.mesh import build_mesh, device_type
+from megacore.parallel.layout import Parallelism, check_parallelism, check_sharding
+from megacore.parallel.mesh import build_mesh, device_type, dp_mesh
 
 LAYOUT = ("tp", "pp", "cp", "ep")
 CHOICES = {"precision": ("fp32", "bf16", "fp16"), "attention": ("auto", "sdpa", "flash")}
@@ -59,6 +59,7 @@ def open_checkpoint_model(args: dict[str, str]) -> tuple[ParallelModel, typing.A
     par = Parallelism(spec, precision, attention=attention, lora=lora)
     check_parallelism(manifest.config, par, f"{where}: tp/pp/cp/ep")
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
+    check_sharding(manifest.config, par, par.dims(dp_mesh(mesh).size()), f"{where}: tp/pp/cp/ep")
     device = "cuda" if device_type() == "cuda" else "cpu"
     pm = ParallelModel(manifest.config, par, mesh, device)
     if base is not None:  # the frozen base from its checkpoint, the adapters from theirs
@@ -77,12 +78,12 @@ def open_checkpoint_model(args: dict[str, str]) -> tuple[ParallelModel, typing.A
 def _adapter(
     path: Path, manifest: CheckpointManifest, given: str | None, where: str
 ) -> tuple[Path | None, LoRA | None]:
-    """A LoRA adapter checkpoint's base and adapters' settings (dropout off: evaluation); (None,
-    None) for a whole model, which takes no `base=`."""
+    """A LoRA adapter checkpoint's base and adapters' settings (dropout off: evaluation; a QLoRA
+    adapter's base in NF4, as it trained); (None, None) for a whole model, which takes no `base=`."""
     info = manifest.adapter
     if info is None:
         if given is not None:
             raise UserError(f"base={given}: {path} is not a LoRA adapter; it has no base", where)
         return None, None
     base = adapter_base(path, info, None if given is None else Path(given), "base=")
-    return base, adapter_settings(info)
+    return base, adapter_settings(info, base_dtype=info.base_dtype)  # QLoRA's base: NF4, as trained

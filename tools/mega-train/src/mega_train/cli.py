@@ -15,7 +15,7 @@ import typer
 
 from mega_train import __version__
 from megacore import env
-from megacore.cli import Verify, debug_option, main_for, make_app, verify_option, version_option
+from megacore.cli import Verify, debug_option, debugging, main_for, make_app, verify_option, version_option
 from megacore.errors import Silent, UserError
 from megacore.progress import plural
 
@@ -126,7 +126,7 @@ def train(
         from mega_train.launch import launch, torchrun_args
 
         worker = ["--manifest", str(manifest), "--verify", verify]
-        worker += (["--json"] if as_json else []) + (["--debug"] if debug else [])
+        worker += (["--json"] if as_json else []) + (["--debug"] if debugging() else [])
         worker += ["--peak-tflops", str(peak_tflops)] if peak_tflops is not None else []
         options = torchrun_args(nproc_per_node, nnodes, node_rank, master_addr, master_port, max_restarts)
         raise typer.Exit(launch(options, worker))
@@ -203,7 +203,7 @@ def _report(
     if not (dry_run or int(env.get("RANK", "0")) == 0):
         return
     summary = plan.summary()
-    notes = list(plan.notes)
+    notes = list(plan.notes) + _limit_note(plan.run.eval)
     report = None
     if dry_run:
         from mega_train.memory_plan import memory_lines, memory_plan
@@ -239,6 +239,16 @@ def _report(
         typer.echo(f"mega-train: {note}", err=as_json)
     if report is not None:
         typer.echo("\n".join(memory_lines(report)))
+
+
+def _limit_note(spec) -> list[str]:
+    """lm-eval's warning that a limited evaluation is not the benchmark's score, said once in our
+    words (lm-eval's own log lines are silenced: megacore.cli.quiet_libraries)."""
+    if not spec.tasks or spec.limit is None:
+        return []
+    return [
+        f"eval.limit: lm-eval's tasks are scored on their first {spec.limit} documents, not whole benchmarks"
+    ]
 
 
 def _batch_unit(batch: dict, objective: str) -> str:

@@ -14,36 +14,56 @@ local rank 0 alone. Text becomes ids as lm-eval's `hf` model makes them from the
 files mega-export writes (`tok_encode`, the prefix token of an empty context, rolling windows, the
 stop sequences), so the scores are those of the `hf` model on the export. lm-eval is an optional
 extra (`pip install 'mega-train[eval]'`); this module imports it.
+
+The console stays quiet as the tools' does (`megacore.cli.quiet_libraries`): lm-eval's log lines,
+its progress bars and its `git` call's complaint outside a repository are silenced, unless
+`--debug` (taken out of lm-eval's arguments) or `MEGA_DEBUG=1`. A run records and prints the
+scores alone: no standard errors (not computed) nor lm-eval's count of documents.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
+import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import torch
-from lm_eval import simple_evaluate
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import model_registry
-from lm_eval.models.utils import (
+from megacore.cli import quiet_libraries, quieted, split_debug
+
+# lm-eval's command line (`main`) with --debug or MEGA_DEBUG=1: the libraries' output and tracebacks
+# shown. Quieted before torch is imported: it imports tqdm, which reads its switch then.
+DEBUG = False
+if __name__ == "__main__":
+    sys.argv[1:], DEBUG = split_debug(sys.argv[1:])
+    if not DEBUG:
+        quiet_libraries()
+
+import lm_eval.evaluator  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.registry import model_registry  # noqa: E402
+from lm_eval.loggers.utils import get_commit_from_path  # noqa: E402
+from lm_eval.models.utils import (  # noqa: E402
     _add_special_kwargs,
     handle_stop_sequences,
     has_bos_prefix,
     normalize_gen_kwargs,
     postprocess_generated_text,
 )
-from lm_eval.tasks import TaskManager
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string  # noqa: E402
 
-from megacore.errors import UserError
-from megacore.parallel.engine import ParallelModel
-from megacore.parallel.generate import Generator
-from megacore.parallel.mesh import shutdown
+from megacore.errors import UserError  # noqa: E402
+from megacore.parallel.engine import ParallelModel  # noqa: E402
+from megacore.parallel.generate import Generator  # noqa: E402
+from megacore.parallel.mesh import shutdown  # noqa: E402
 
 BATCH = 16  # rows per forward when lm-eval gives no batch size
 MAX_GEN_TOKS = 256  # lm-eval's `hf` model's default
@@ -100,6 +120,10 @@ class MegaLM(TemplateLM):
         ids = self.tokenizer.encode(string, **kw)
         left = kwargs.get("left_truncate_len")
         return ids[-left:] if left else ids
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's; its bar (drawn whatever tqdm's default) off where the console is quiet."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or quieted())
 
     def _loglikelihood_tokens(
         self, requests, disable_tqdm: bool = False, **kwargs
@@ -215,27 +239,52 @@ def run_tasks(
 ) -> list[tuple[str, str, float]]:
     """(task, metric, value) of every score lm-eval gives on `names` (a collective: every rank runs
     it; the scores come back where lm-eval reports, local rank 0, else none). A metric keeps its
-    filter unless it is lm-eval's `none`."""
+    filter unless it is lm-eval's `none`; no standard errors (`bootstrap_iters=0`: a bootstrap
+    costs seconds a metric), nor lm-eval's other numbers (`sample_len`)."""
     manager = task_manager(tuple(map(str, paths)), tuple(names))
+    _quiet_git()
     with kept_rng():
-        results = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, verbosity="ERROR")
+        results = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, bootstrap_iters=0)
     scores = []
     for task, metrics in sorted(((results or {}).get("results") or {}).items()):
         for key, value in metrics.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
+            metric, _, filtered = key.partition(",")  # a score is `metric,filter`
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and filtered and not metric.endswith("_stderr"):
                 scores.append((task, key.removesuffix(",none"), float(value)))
     return scores
 
 
+def _git_hash() -> str | None:
+    """lm-eval's `get_git_commit_hash` (the working directory's commit, for its results) with git's
+    complaint outside a repository kept off our stderr."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
+    return done.stdout.strip()
+
+
+def _quiet_git() -> None:
+    """Where the console is quiet, lm-eval's results get the working directory's commit without git
+    printing `fatal: not a git repository` (lm-eval lets git's stderr through)."""
+    if quieted():
+        lm_eval.evaluator.get_git_commit_hash = _git_hash
+
+
 def main() -> None:
-    """lm-eval's command line with the `mega` model registered."""
+    """lm-eval's command line with the `mega` model registered (run as `__main__`, which took out
+    `--debug` and quieted the libraries unless asked for it)."""
     from lm_eval.__main__ import cli_evaluate
 
     model_registry.register("mega", target="mega_train.harness:MegaLM")
     sys.argv[0] = "lm-eval"
+    _quiet_git()
     try:
         cli_evaluate()
     except UserError as e:  # bad model arguments: one line, as the tools say them
+        if DEBUG:
+            traceback.print_exception(e)
         print(f"lm-eval (mega): error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     shutdown()  # the mega model's process group, where one was made

@@ -8,7 +8,8 @@ What it changes from plain `torchrun`:
   rank 0 and no traceback. It never kills a worker that is saving (plain torchrun does after its
   `--shutdown-timeout`, 30 s). A second Ctrl-C is forwarded too, and aborts at once (exit 130).
 - A worker that fails makes the launcher exit with that worker's code (2 for bad input, whose one
-  line the worker printed), without torchrun's `ChildFailedError` report.
+  line the worker printed), without torchrun's `ChildFailedError` report; of several, the one that
+  failed first: a worker killed by a signal (SIGKILL) before those whose collectives then failed.
 - A stop that comes before the workers can save (before any is started, or while they start) ends
   the launch with one line (rank 0's, or this launcher's) and the signal's exit code.
 - The manifest is checked here before any worker starts, so a bad one is one line, once.
@@ -77,9 +78,11 @@ def _failure(failures: dict) -> int:
         if rank0 is None or rank0.exitcode < 0:
             error("mega-train", f"{signal.Signals(_FORWARDED[0]).name} before the first step: nothing saved")
         return 128 + _FORWARDED[0]
-    # The root cause: the first rank that exited by itself (the agent SIGTERMs the others then,
-    # which end killed or with 143).
-    rank, failure = min(failures.items(), key=lambda kv: (_stopped(kv[1].exitcode), kv[1].timestamp))
+    # The root cause: a rank killed by a signal from outside the job (SIGKILL, SIGSEGV: its peers
+    # then fail on their collectives, exit 1), else the first rank that exited by itself (the agent
+    # SIGTERMs the others then, which end with 143). The agent's timestamps are whole seconds of
+    # when it looked, which orders neither.
+    rank, failure = min(failures.items(), key=lambda kv: (_cause(kv[1].exitcode), kv[1].timestamp))
     code = failure.exitcode
     if code < 0:  # killed by a signal: report it as a shell would
         error("mega-train", f"rank {rank} was killed by {signal.Signals(-code).name}")
@@ -107,6 +110,15 @@ class _Restarts(logging.Handler):
 def _stopped(exitcode: int) -> bool:
     """Whether a worker ended by a signal (killed, or its own exit on SIGTERM)."""
     return exitcode < 0 or exitcode == 128 + signal.SIGTERM
+
+
+def _cause(exitcode: int) -> int:
+    """How likely a worker's end is the job's failure, not a consequence of it (lowest first): killed
+    by a signal the agent does not send (a worker stopped by SIGTERM exits within `STUCK_S`, long
+    before the agent's SIGKILL), exited by itself, stopped."""
+    if exitcode < 0 and exitcode != -signal.SIGTERM:
+        return 0
+    return 2 if _stopped(exitcode) else 1
 
 
 def torchrun_args(

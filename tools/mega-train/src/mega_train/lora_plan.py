@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megacore.artifacts import CheckpointManifest, RunManifest, open_artifact, resolve_ref
-from megacore.artifacts.manifest import Adapter, BaseModel
-from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
+from megacore.artifacts.manifest import Adapter, HFSource, NF4Blocks
+from megacore.artifacts.reader import Verify, base_record, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import LoRA, ModelConfig, adapter_tensors
+from megacore.config import NF4_BLOCK, NF4_SCALER_BLOCK, LoRA, ModelConfig, adapter_tensors
 from megacore.errors import UserError
 from megacore.models.adapters import adapter_settings, check_rank, check_targets, modules
 
@@ -22,12 +22,14 @@ from megacore.models.adapters import adapter_settings, check_rank, check_targets
 @dataclass(frozen=True)
 class LoraPlan:
     """The resolved adapters, the adapter checkpoint they start from (None: fresh, as PEFT's), and
-    their base: the run's `model.init`, by path and manifest sha256."""
+    their base: the run's `model.init`, by path and manifest sha256, and the Hugging Face model its
+    weights came from."""
 
     lora: LoRA
     init: tuple[Path, CheckpointManifest] | None
     base: Path
     base_sha256: str
+    base_source: HFSource | None = None
 
     def trained_parameters(self, config: ModelConfig) -> int:
         """The adapters' parameters: all the run trains."""
@@ -38,10 +40,10 @@ class LoraPlan:
         """The resolved settings as the dry run's JSON has them (the module names left out)."""
         return {k: v for k, v in dataclasses.asdict(self.lora).items() if k != "modules"}
 
-    def adapter(self) -> Adapter:
-        """What the run's checkpoints record of the adapters they hold."""
+    def adapter(self, checkpoint: Path) -> Adapter:
+        """What the run's checkpoint at `checkpoint` records of the adapters it holds."""
         lo = self.lora
-        base = BaseModel(path=str(self.base), manifest_sha256=self.base_sha256)
+        base = base_record(self.base, self.base_sha256, checkpoint, self.base_source)
         return Adapter(
             rank=lo.rank,
             alpha=lo.alpha,
@@ -49,6 +51,8 @@ class LoraPlan:
             base=base,
             dropout=lo.dropout,
             rslora=lo.rslora,
+            base_dtype=lo.base_dtype,
+            nf4=NF4Blocks(NF4_BLOCK, NF4_SCALER_BLOCK) if lo.base_dtype == "nf4" else None,
         )
 
 
@@ -79,7 +83,7 @@ def plan_lora(
     check_targets(init[1].config, lora.targets, f"{where}: $.lora.targets")
     check_rank(init[1].config, lora, f"{where}: $.lora.rank")
     lora = dataclasses.replace(lora, modules=tuple(modules(init[1].config, lora.targets)))
-    return LoraPlan(lora, adapter, init[0], base_sha)
+    return LoraPlan(lora, adapter, init[0], base_sha, init[1].hf_source)
 
 
 def _open_adapter(
@@ -87,8 +91,11 @@ def _open_adapter(
 ) -> tuple[Path, CheckpointManifest]:
     """`$.lora.init`: an adapter checkpoint made for this base (its manifest's sha256)."""
     path = resolve_ref(base, ref)
-    manifest = open_artifact(path, "checkpoint", verify=verify)
     at = f"{where}: $.lora.init"
+    try:
+        manifest = open_artifact(path, "checkpoint", verify=verify)
+    except UserError as e:  # its line names the artifact; this names the field too
+        raise type(e)(str(e), at) from None
     if manifest.adapter is None:
         raise UserError(f"{path} is not a LoRA adapter (a whole model goes in $.model.init)", at)
     if manifest.adapter.base.manifest_sha256 != base_sha:

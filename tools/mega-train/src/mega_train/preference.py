@@ -9,14 +9,16 @@
 - the targets are the completions' tokens (their role code, `completion`); the engine sums each
   row's log-probabilities of them and hands them to the objective (`ParallelModel.rows_loss`,
   `megacore.models.preference`), whose mean over the batch's pairs is the loss;
-- DPO's reference is `init`'s model (under LoRA the base with its adapters off): its log-
-  probabilities of every row the run will train and evaluate on are computed once, before the first
-  step, with the engine's forward in the run's layout, and stored in the run directory
-  (`reference-logps.safetensors`, with a key of everything they depend on), so a resumed run
-  reads them back. Precomputed by default: the reference then costs one forward per row once
-  instead of a second model in memory (without LoRA) or a second forward every step. Under LoRA
-  `"reference": "live"` computes them beside each step instead (the base is in memory anyway: a
-  forward with the adapters off), for data too large to go over twice;
+- DPO's reference is the model `objective.reference` names (`reference_plan.py`: the base, the
+  model the run starts from, or a checkpoint): its log-probabilities of every row the run will
+  train and evaluate on are computed once, before the first step, with the engine's forward in the
+  run's layout, and stored in the run directory (`reference-logps.safetensors`, with a key of
+  everything they depend on), so a resumed run reads them back. Precomputed by default: the
+  reference then costs one forward per row once instead of a second model in memory (without
+  LoRA) or a second forward every step. Under LoRA `"reference_logps": "live"` computes them
+  beside each step instead, for data too large to go over twice: the base is in memory anyway, and
+  the reference is a forward with the adapters off or with the reference adapters' values swapped
+  in (kept beside the trained ones: no second copy of the base);
 - TRL's metrics (`rewards/chosen`, ..., `megacore.models.preference.METRICS`) in every train and
   eval record: sums over the pairs of every rank, one all-reduce, divided by the batch's pairs.
 """
@@ -40,7 +42,7 @@ from megacore.config import is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import PAD
 from megacore.errors import UserError
-from megacore.models.lora import adapters_off
+from megacore.models.lora import adapters_off, adapters_swapped
 from megacore.models.preference import METRICS, Preference, pair_losses, pair_metrics
 
 REFERENCE_FILE = "reference-logps.safetensors"
@@ -58,6 +60,7 @@ class PreferenceTrainer(Trainer):
         self.G = self.plan.rows_per_sample * self.pairs  # and the data rows
         self._count: torch.Tensor | int = self.pairs  # the pairs of the batch in hand
         self.reference: dict[str, torch.Tensor] = {}  # "train", "valid": [batches, rows]
+        self.reference_adapters: list[torch.Tensor] = []  # a live reference's adapter values
         par = self.run.parallel
         fixed = par.pp > 1 or self.plan.compiles(torch.cuda.is_available())
         self.seq_multiple = None if fixed else math.lcm(8, self.plan.dims.seq_multiple(par.sequence_parallel))
@@ -82,8 +85,12 @@ class PreferenceTrainer(Trainer):
     # --- the reference --------------------------------------------------------------------------
 
     def resume(self) -> None:
-        if self.objective.needs_reference and self.run.objective.reference == "precomputed":
+        ref = self.plan.reference
+        if ref is not None and not ref.live:
             self.reference = self._stored_reference() or self._compute_reference()
+        elif ref is not None and ref.kind == "adapters":  # live: their values kept, to be swapped in
+            self._load_weights(ref.path, only=is_adapter_tensor)
+            self.reference_adapters = [p.detach().clone() for p in self.params]
         super().resume()
 
     def _reference_key(self) -> str:
@@ -97,6 +104,7 @@ class PreferenceTrainer(Trainer):
             "split": run.data.split, "seq_length": self.S, "rows": self.G, "seed": run.seed,
             "train": run.train_steps, "valid": run.eval.iters if run.eval.every else 0,
             "precision": run.precision, "lora": plan.lora is not None, "packed": self.packed,
+            **plan.reference.key(),
         }  # fmt: skip
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
@@ -118,11 +126,12 @@ class PreferenceTrainer(Trainer):
     def _compute_reference(self) -> dict[str, torch.Tensor]:
         """The reference's log-probabilities of every train and valid row (collective), written
         by rank 0 (replacing an earlier run's, whose key differs)."""
-        lora = self.plan.lora is not None
-        self._load_weights(
-            self.plan.init[0], only=(lambda name: not is_adapter_tensor(name)) if lora else None
-        )
-        with self._base_only():
+        ref = self.plan.reference
+        base = (lambda name: not is_adapter_tensor(name)) if self.plan.lora is not None else None
+        self._load_weights(self.plan.init[0], only=base)
+        if ref.kind != "base":  # a whole model in the base's place, or adapters in theirs
+            self._load_weights(ref.path, only=base if ref.kind == "model" else is_adapter_tensor)
+        with self._as_reference():
             out = {"train": self._logps(self.train_data, self.run.train_steps)}
             if self.valid_data is not None:
                 out["valid"] = self._logps(self.valid_data, self.run.eval.iters)
@@ -139,12 +148,18 @@ class PreferenceTrainer(Trainer):
             )
         return out
 
-    def _base_only(self) -> ExitStack:
-        """Under LoRA the adapters off (the reference), else nothing."""
-        off = ExitStack()
-        for part in self.pm.parts if self.plan.lora is not None else ():
-            off.enter_context(adapters_off(part))
-        return off
+    def _as_reference(self) -> ExitStack:
+        """The model in memory as the reference: under LoRA with the adapters off (the base, or a
+        whole model loaded in its place), or with the reference adapters swapped in (live); else
+        as it is (precomputed: what `_compute_reference` loaded)."""
+        stack = ExitStack()
+        ref = self.plan.reference
+        if ref.kind == "adapters" and ref.live:
+            stack.enter_context(adapters_swapped(self.params, self.reference_adapters))
+        elif ref.kind != "adapters":
+            for part in self.pm.parts if self.plan.lora is not None else ():
+                stack.enter_context(adapters_off(part))
+        return stack
 
     def _logps(self, data: Dataset, batches: int) -> torch.Tensor:
         """The model's summed log-probability of every side's completion, [batches, rows x slots],
@@ -209,8 +224,8 @@ class PreferenceTrainer(Trainer):
             n = self.G // self.dp * self.slots
             mine = self.reference[which][k, self.dp_rank * n : (self.dp_rank + 1) * n]
             refs = list(mine.to(torch.float32).chunk(self.pm.par.microbatches))
-        elif self.objective.needs_reference:  # live: the base with its adapters off, now
-            with self._base_only():
+        elif self.objective.needs_reference:  # live: the reference now, from the model in memory
+            with self._as_reference():
                 mine = self._batch_logps(self.train_data if which == "train" else self.valid_data, k)
             refs = None if mine is None else list(mine.to(torch.float32).chunk(self.pm.par.microbatches))
         self._sums = {}

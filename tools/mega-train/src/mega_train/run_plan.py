@@ -18,8 +18,10 @@ import msgspec
 
 from mega_train.evaluation import load_metric
 from mega_train.lora_plan import LoraPlan, plan_lora
+from mega_train.reference_plan import Reference, plan_reference
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
-from megacore.artifacts.manifest import License, TrainedTokenizer, decode_manifest
+from megacore.artifacts.codec import decode_manifest
+from megacore.artifacts.manifest import License, TrainedTokenizer
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
@@ -60,6 +62,7 @@ class RunPlan:
     task_paths: list[Path] = field(default_factory=list)  # $.eval.task_paths, resolved
     notes: list[str] = field(default_factory=list)  # said once by rank 0, in a run and a dry run alike
     lora: LoraPlan | None = None  # adapters on a frozen base (`lora_plan`)
+    reference: Reference | None = None  # dpo's reference model (`reference_plan`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`, decided by `start_checks`)
 
     def resume_notes(self, verify: Verify = "size") -> tuple[list[str], int]:
@@ -179,6 +182,8 @@ class RunPlan:
     def inputs(self) -> list[Path]:
         """The artifacts this run reads: never written over, nor into."""
         adapter = [self.lora.init[0]] if self.lora is not None and self.lora.init is not None else []
+        ref = self.reference
+        adapter += [ref.path] if ref is not None and ref.path is not None and ref.path not in adapter else []
         return ([self.init[0]] if self.init else []) + adapter + [path for path, _, _ in self.data]
 
     def summary(self) -> dict:
@@ -305,6 +310,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     _check_init_tokenizer(init, sources, where)
     _check_schedule(run, config, init is not None, where)
     lora = plan_lora(run, init, base, verify, where)
+    reference = plan_reference(run, init, lora, base, verify, where)
     dims, microbatches, stages = _check_layout(run, config, world_size, where)
     check_sharding(
         config,
@@ -328,11 +334,12 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         stage_layers=stages,
         out=out,
         checkpoints=checkpoints,
-        fingerprint=fingerprint(run, init, sources, lora),
+        fingerprint=fingerprint(run, init, sources, lora, reference),
         eval_metrics=metrics,
         task_paths=task_paths,
-        notes=notes,
+        notes=notes + ([reference.describe()] if reference is not None else []),
         lora=lora,
+        reference=reference,
     )
     check_inputs(out, plan.inputs, "$.out")
     check_inputs(checkpoints, plan.inputs, "$.checkpoint.dir")
@@ -354,12 +361,6 @@ def _open_init(
             "give exactly one of `init` (a checkpoint), `config` or `hf_config` (a Hugging Face "
             f"config.json){beside if 'init' in given else ''}",
             f"{where}: {extra}",
-        )
-    if run.objective.reference == "live" and run.lora is None:
-        raise UserError(
-            "$.objective.reference: live computes the reference beside each step as the base with its "
-            "adapters off, which a LoRA run has; without LoRA it would be a second model: use precomputed",
-            where,
         )
     if m.init is None and run.objective.type == "dpo":
         raise UserError(
@@ -623,6 +624,7 @@ def fingerprint(
     init: tuple[Path, CheckpointManifest] | None,
     sources: list[tuple[Path, TokensManifest, float]],
     lora: LoraPlan | None = None,
+    reference: Reference | None = None,
 ) -> dict[str, str]:
     """What decides the model's start, the sequence of batches and the updates, by manifest field: a
     run resumes only from a checkpoint with the same values. The layout, the precision and
@@ -643,9 +645,20 @@ def fingerprint(
         if lora.init is not None:
             out["$.lora.init"] = sha256_bytes(read_manifest_bytes(lora.init[0])[1])
     if run.objective.type != "lm":  # language modelling's runs keep their fingerprints
-        out["$.objective"] = json.dumps(msgspec.structs.asdict(run.objective), sort_keys=True)
+        out |= _objective_fingerprint(run, reference)
     for name, value in msgspec.structs.asdict(run.optimizer).items():
         out[f"$.optimizer.{name}"] = json.dumps(value)
     for i, (path, _, weight) in enumerate(sources):
         out[f"$.data.sources[{i}]"] = f"{sha256_bytes(read_manifest_bytes(path)[1])} weight {weight}"
+    return out
+
+
+def _objective_fingerprint(run: RunManifest, reference: Reference | None) -> dict[str, str]:
+    """A preference objective's settings as runs saved them before `reference_logps` (its value
+    under "reference"), and the reference model apart, so that their checkpoints still resume."""
+    spec = msgspec.structs.asdict(run.objective)
+    spec["reference"] = spec.pop("reference_logps")
+    out = {"$.objective": json.dumps(spec, sort_keys=True)}
+    if reference is not None:
+        out["$.objective.reference"] = f"{reference.kind} {reference.manifest_sha256 or ''}".strip()
     return out

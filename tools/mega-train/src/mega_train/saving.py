@@ -141,7 +141,7 @@ class Saver:
                 path, t.pm, t.opt, training, producer=(PRODUCER, __version__), inputs=plan.inputs,
                 rank_state={"cpu": torch.get_rng_state()}, tokenizer=plan.tokenizer,
                 parents=[parent_of(p) for p in plan.inputs] if t.rank == 0 else [],
-                license=plan.license, adapter=plan.lora.adapter() if plan.lora is not None else None,
+                license=plan.license, adapter=plan.lora.adapter(path) if plan.lora is not None else None,
                 buffers=self.buffers,
             )  # fmt: skip
         except UserError:

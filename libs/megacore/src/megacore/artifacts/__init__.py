@@ -7,6 +7,7 @@ run, the tokenizer) start without paying for it.
 
 import importlib
 
+from megacore.artifacts.codec import decode_manifest, encode_manifest, json_schemas
 from megacore.artifacts.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -17,9 +18,6 @@ from megacore.artifacts.manifest import (
     RunManifest,
     TensorEntry,
     TokensManifest,
-    decode_manifest,
-    encode_manifest,
-    json_schemas,
     kind_of,
     new_header_fields,
 )

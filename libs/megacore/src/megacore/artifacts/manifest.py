@@ -1,9 +1,9 @@
 """Manifest structs for every artifact kind (docs/architecture.md, "The artifact contract").
 
-One `manifest.json` describes one artifact directory. Decoding is strict: unknown fields are
-rejected, types and ranges are checked, and a `format_version` newer than this library knows is
-refused before anything else is looked at. `schemas/*.schema.json` is generated from these structs
-(`make schemas`); a test fails when the two drift apart.
+One `manifest.json` describes one artifact directory. Decoding (`megacore.artifacts.codec`) is
+strict: unknown fields are rejected, types and ranges are checked, and a `format_version` newer than
+this library knows is refused before anything else is looked at. `schemas/*.schema.json` is
+generated from these structs (`make schemas`); a test fails when the two drift apart.
 
 Every path field is typed by what it points at (`x-path` in the schemas), so that one function,
 `megacore.artifacts.reader.check_paths`, finds and checks all of them:
@@ -16,8 +16,6 @@ Every path field is typed by what it points at (`x-path` in the schemas), so tha
 
 from __future__ import annotations
 
-import json
-import re
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
@@ -261,12 +259,31 @@ class License(Struct):
 LoRATarget = Annotated[str, msgspec.Meta(min_length=1)]
 
 
+class HFSource(Struct):
+    """The HF model mega-convert read: its directory (absolute), Hub id and commit (a cache snapshot)."""
+
+    path: Record
+    repo: str | None = None
+    revision: str | None = None
+
+
 class BaseModel(Struct):
-    """The checkpoint an adapter belongs to: its path when the adapter was made (resolved, as a
-    record) and its manifest's sha256, which is what identifies it."""
+    """The checkpoint an adapter belongs to, by its manifest's sha256, at `relative` (to the adapter's
+    directory) or `path` (absolute; older: as given); `hf_source`: the base's, a PEFT export's base."""
 
     path: Record
     manifest_sha256: str
+    relative: Ref | None = None
+    hf_source: HFSource | None = None
+
+
+class NF4Blocks(Struct):
+    """How a QLoRA run quantized its base's block projections (`megacore.models.nf4`, from fp32,
+    each tensor whole): an absmax scale per `block` values, the scales quantized to int8 in blocks
+    of `scaler_block` (at most: `megacore.config.nf4_scaler_block`)."""
+
+    block: Positive
+    scaler_block: Positive
 
 
 class Adapter(Struct):
@@ -282,13 +299,17 @@ class Adapter(Struct):
     base: BaseModel
     dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     rslora: bool = False
+    # QLoRA: the base the adapters were trained against, its block projections in NF4 (None: as
+    # stored); mega-export merges into it as trained.
+    base_dtype: Literal["nf4"] | None = None
+    nf4: NF4Blocks | None = None
 
 
 class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     """`tokenizer_files`: a Hugging Face model's tokenizer files as mega-convert found them;
     `tokenizer`: the tokenizer of the data the weights were trained on (mega-train); `license`: the
     source model's, carried by every tool that derives weights from it; `adapter`: set for a LoRA
-    adapter, whose tensors are the adapter's and whose config is its base's."""
+    adapter, whose tensors are the adapter's and whose config is its base's; `hf_source`: mega-convert's."""
 
     config: ModelConfig
     dtype: DType
@@ -299,6 +320,7 @@ class CheckpointManifest(Header, tag="checkpoint", kw_only=True):
     training: TrainingState | None = None
     license: License | None = None
     adapter: Adapter | None = None
+    hf_source: HFSource | None = None
 
 
 # --- hf ------------------------------------------------------------------------------------------
@@ -490,19 +512,32 @@ class LoggingSpec(Struct):
 class ObjectiveSpec(Struct):
     """What the run minimises: language modelling (`lm`), or a preference objective over pairs
     (tokens of `--format preference`; `megacore.models.preference` has the formulas): `dpo` (its
-    `loss` sigmoid, with cDPO's `label_smoothing`, or ipo; the reference is `init`'s model, its
-    log-probabilities computed once before training), and the reference-free `simpo` (`gamma`, the
-    target margin) and `orpo`; `beta` their β. The batch then counts pairs, two rows each (or
-    with `data.packing` `pack` rows, each holding whole pairs)."""
+    `loss` sigmoid, with cDPO's `label_smoothing`, or ipo; against a `reference` model), and the
+    reference-free `simpo` (`gamma`, the target margin) and `orpo`; `beta` their β. The batch then
+    counts pairs, two rows each (or with `data.packing` `pack` rows, each holding whole pairs).
+
+    `reference` (dpo): "base" (`model.init`'s model; under LoRA the base with its adapters off),
+    "init" (the model as the run starts: the base with `lora.init`'s adapters), or a checkpoint
+    relative to this manifest (a whole model of the run's shapes, or an adapter of the run's base
+    and shape); None: "init" when `lora.init` is set, else "base" (`mega_train.reference_plan`).
+    `reference_logps`: its log-probabilities computed once before training and stored, or (LoRA
+    only) beside each step. `"reference": "live"` or `"precomputed"`, as manifests said it before
+    `reference_logps`, still means that."""
 
     type: Literal["lm", "dpo", "simpo", "orpo"] = "lm"
     beta: PositiveFloat = 0.1
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     label_smoothing: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.0
     gamma: NonNegativeFloat = 0.5
-    # dpo: the reference's log-probabilities computed once before training and stored, or (LoRA
-    # only: the base with its adapters off) beside each step.
-    reference: Literal["precomputed", "live"] = "precomputed"
+    reference: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    reference_logps: Literal["precomputed", "live"] = "precomputed"
+
+    def __post_init__(self) -> None:
+        if self.reference in REFERENCE_LOGPS:
+            self.reference_logps, self.reference = self.reference, None
+
+
+REFERENCE_LOGPS = ("precomputed", "live")
 
 
 class RunManifest(Header, tag="run", kw_only=True):
@@ -549,116 +584,6 @@ def kind_of(manifest: Manifest) -> Kind:
     return type(manifest).__struct_config__.tag  # type: ignore[return-value]
 
 
-# --- encode / decode -----------------------------------------------------------------------------
-
-
-class _Peek(msgspec.Struct):
-    kind: str | None = None
-    format_version: int | None = None
-
-
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
-
-
-def _validation_message(e: msgspec.ValidationError, root: type | None = None) -> str:
-    """msgspec's "Expected `int`, got `str` - at `$.a.b`" as "$.a.b: expected int, got str"; a
-    value outside an enum of `root`'s is followed by the values it takes."""
-    m = _AT.match(str(e))
-    assert m is not None
-    msg, path = m.group("msg"), m.group("path") or "$"
-    msg = msg.replace("`", "")
-    allowed = _enum_values(root, path) if root is not None and msg.startswith("Invalid enum value") else None
-    tail = f"; choose one of {', '.join(map(json.dumps, allowed))}" if allowed else ""
-    return f"{path}: {msg[:1].lower()}{msg[1:]}{tail}"
-
-
-_STEP = re.compile(r"\.(\w+)|\[\d+\]")
-
-
-def _enum_values(root: type, path: str) -> list | None:
-    """The values the Literal at `path` (`$.parallel.schedule`, `$.data.sources[0].x`) of the
-    struct type `root` takes, or None when the path does not lead to one."""
-    info = msgspec.inspect.type_info(root)
-    for step in _STEP.finditer(path[1:]):
-        info = _inner(info, step.group(1))
-        if info is None:
-            return None
-    literal = _unwrap(info, msgspec.inspect.LiteralType)
-    if literal is None:
-        return None
-    flags = [True, False] if _unwrap(info, msgspec.inspect.BoolType) is not None else []
-    return [*flags, *literal.values]
-
-
-def _unwrap(info, kind: type):
-    """`info` itself, or its member of type `kind` when it is a union (an optional field)."""
-    if isinstance(info, kind):
-        return info
-    if isinstance(info, msgspec.inspect.UnionType):
-        return next((t for t in info.types if isinstance(t, kind)), None)
-    return None
-
-
-def _inner(info, field: str | None):
-    """The type of a struct's `field` (or, with None, of a list's items) within `info`."""
-    if field is None:
-        items = _unwrap(info, msgspec.inspect.ListType)
-        return items.item_type if items is not None else None
-    struct = _unwrap(info, msgspec.inspect.StructType)
-    if struct is None:
-        return None
-    return next((f.type for f in struct.fields if f.encode_name == field), None)
-
-
-def decode_manifest(data: bytes, where: str, kind: Kind | None = None) -> Manifest:
-    """Strictly decode manifest bytes. Raises UserError naming `where` and the field path."""
-    try:
-        peek = msgspec.json.decode(data, type=_Peek)
-    except msgspec.ValidationError as e:
-        raise UserError(_validation_message(e), where) from None
-    except msgspec.DecodeError as e:
-        raise UserError(f"not valid JSON ({e})", where) from None
-    if peek.kind not in MANIFEST_TYPES:
-        raise UserError(f"$.kind: expected one of {sorted(MANIFEST_TYPES)}, got {peek.kind!r}", where)
-    if kind is not None and peek.kind != kind:
-        raise UserError(f"expected a {kind} artifact, found kind {peek.kind!r}", where)
-    if peek.format_version is None:
-        raise UserError("$.format_version: missing required field", where)
-    if peek.format_version > FORMAT_VERSION:
-        raise UserError(
-            f"$.format_version: {peek.format_version} is newer than this megacore supports "
-            f"({FORMAT_VERSION}); upgrade the tools",
-            where,
-        )
-    if peek.format_version < 1:
-        raise UserError(f"$.format_version: {peek.format_version} is not a valid version", where)
-    try:
-        return msgspec.json.decode(data, type=MANIFEST_TYPES[peek.kind])
-    except msgspec.ValidationError as e:
-        raise UserError(_model_field(_validation_message(e, MANIFEST_TYPES[peek.kind])), where) from None
-
-
-_UNKNOWN_MODEL_FIELD = re.compile(r"\$\.model: object contains unknown field (\w+)")
-
-
-def _model_field(message: str) -> str:
-    """A run manifest's `model` given a field of the model config (`rope_theta` beside `init`)
-    is refused naming it, with what can be set there instead; other messages are returned as they are."""
-    m = _UNKNOWN_MODEL_FIELD.fullmatch(message)
-    if m is None or m.group(1) not in ModelConfig.__struct_fields__:
-        return message
-    name = m.group(1)
-    return (
-        f"$.model.{name}: a run from `init` keeps the checkpoint's {name}; beside `init` only "
-        "max_seq_len, rope_scaling and the router loss coefficients can be set (a new model's whole config goes in $.model.config)"
-    )
-
-
-def encode_manifest(manifest: Manifest) -> bytes:
-    """Stable, human-readable JSON (sorted keys inside free-form maps, 2-space indent)."""
-    return msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n"
-
-
 def new_header_fields(producer: str, version: str) -> dict:
     """The header values a writer fills in: producer, creation time and the current format."""
     return {
@@ -666,23 +591,3 @@ def new_header_fields(producer: str, version: str) -> dict:
         "producer": Producer(name=producer, version=version),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-
-
-def json_schemas() -> dict[str, dict]:
-    """JSON Schema of each manifest kind, keyed by kind: what `schemas/` holds."""
-    return {kind: msgspec.json.schema(t) for kind, t in MANIFEST_TYPES.items()}
-
-
-def write_schemas(directory: str) -> list[str]:
-    """Write `<kind>.schema.json` for every kind into `directory` (what `make schemas` runs)."""
-    import json
-    from pathlib import Path
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for kind, schema in json_schemas().items():
-        path = out / f"{kind}.schema.json"
-        path.write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
-        written.append(str(path))
-    return written

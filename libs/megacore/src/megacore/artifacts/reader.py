@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, overload
@@ -22,18 +23,20 @@ from typing import Literal, overload
 import msgspec
 import msgspec.inspect as mi
 
+from megacore.artifacts.codec import decode_manifest
 from megacore.artifacts.manifest import (
     MANIFEST_NAME,
+    BaseModel,
     CheckpointManifest,
     FileEntry,
     HFManifest,
+    HFSource,
     Kind,
     Manifest,
     Parent,
     Piece,
     RunManifest,
     TokensManifest,
-    decode_manifest,
     kind_of,
 )
 from megacore.artifacts.pieces import check_pieces
@@ -271,7 +274,41 @@ def artifact_root(path: Path) -> Path:
 
 
 def parent_of(path: Path) -> Parent:
-    """Lineage entry for an input artifact: path as given, kind and the sha256 of its manifest."""
+    """Lineage entry for an input artifact: its path (absolute, so that a later tool opening it,
+    mega-export's model card, works from any directory), kind and the sha256 of its manifest."""
     root, data = read_manifest_bytes(path)
     manifest = decode_manifest(data, str(root))
-    return Parent(path=str(path), kind=kind_of(manifest), manifest_sha256=sha256_bytes(data))
+    return Parent(path=str(Path(path).resolve()), kind=kind_of(manifest), manifest_sha256=sha256_bytes(data))
+
+
+def base_record(base: Path, sha256: str, adapter_dir: Path, hf_source: HFSource | None) -> BaseModel:
+    """What an adapter checkpoint that will be at `adapter_dir` (its final directory, not its
+    staging one) records of its base checkpoint `base`, whose manifest's sha256 is `sha256`: its
+    path absolute and relative to `adapter_dir` (`base_paths` tries both), and the Hugging Face
+    model its weights came from (the base's `hf_source`, which a PEFT export names)."""
+    base = Path(base).resolve()
+    relative = os.path.relpath(base, Path(adapter_dir).resolve())
+    return BaseModel(path=str(base), manifest_sha256=sha256, relative=relative, hf_source=hf_source)
+
+
+def base_paths(adapter: Path, base: BaseModel) -> list[Path]:
+    """Where an adapter checkpoint's base may be, in the order to try: relative to the adapter's own
+    directory (the working directory does not matter, nor moving a tree holding both), then its
+    absolute path (in adapters written before `relative`: as given, relative to the working
+    directory then)."""
+    root = artifact_root(adapter).resolve()
+    near = [Path(os.path.normpath(resolve_ref(root, base.relative)))] if base.relative else []
+    return [*near, Path(base.path)]
+
+
+_HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_snapshot(directory: Path, kind: str = "models") -> tuple[str, str] | None:
+    """(repository id, commit) of a Hugging Face Hub cache snapshot directory
+    (`<kind>--ORG--NAME/snapshots/<commit>`, as huggingface_hub downloads it), else None."""
+    d = Path(directory).resolve()
+    repo = d.parent.parent.name
+    if d.parent.name != "snapshots" or not repo.startswith(f"{kind}--") or not _HUB_COMMIT.fullmatch(d.name):
+        return None
+    return repo.removeprefix(f"{kind}--").replace("--", "/"), d.name

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Piece, TensorEntry, decode_manifest
+from megacore.artifacts.codec import decode_manifest
+from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Piece, TensorEntry
 from megacore.artifacts.pieces import SAFETENSORS_CODES, Box, intersect, numel, safetensors_layout, whole
 from megacore.artifacts.reader import check_file, check_sha256, confined_path, read_manifest_bytes
 from megacore.artifacts.writer import sha256_file

@@ -17,7 +17,8 @@ import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
-from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Kind, Manifest, encode_manifest, kind_of
+from megacore.artifacts.codec import encode_manifest
+from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Kind, Manifest, kind_of
 
 _HASH_BLOCK = 8 << 20
 STAGING_MARK = ".mega-staging"

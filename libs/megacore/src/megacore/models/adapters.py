@@ -58,10 +58,13 @@ def _expert_names(config: ModelConfig) -> set[str]:
 
 
 def check_targets(config: ModelConfig, targets: Sequence[str], where: str) -> None:
-    """Every target names a module this family's adapters can target; else one line listing them."""
+    """Every target names a module this family's adapters can target, once; else one line listing
+    them."""
     valid = targetable(config)
     experts = _expert_names(config) - set(valid)
-    for t in targets:
+    for i, t in enumerate(targets):
+        if t in targets[:i]:
+            raise UserError(f"{t!r} is given twice; name each module once", where)
         if t in valid:
             continue
         if t in experts:

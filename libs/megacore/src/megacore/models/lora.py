@@ -9,7 +9,8 @@ module class: a parallel plan applied before keeps its styles on the linear, and
 first among its forward hooks, on what the linear computed (under tensor parallel a DTensor, whose
 row-parallel partial sums then take the adapter's part in the same reduction). The fused q/k/v and
 gate/up projections (`decoder.project`) add `delta` themselves. `freeze_base` leaves only the
-adapters trainable; `merged` is W + scale · B A (export); `adapters_off` runs the base alone.
+adapters trainable; `merged` is W + scale · B A (export); `adapters_off` runs the base alone and
+`adapters_swapped` with other adapters' values.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     finally:
         for m in linears:
             m.lora_off = False
+
+
+@contextmanager
+def adapters_swapped(params: list[torch.Tensor], values: list[torch.Tensor]) -> Iterator[None]:
+    """The adapters' parameters `params` hold `values` inside (a reference adapter: DPO's after
+    SFT, no second copy of the base), their own values again after."""
+    with torch.no_grad():
+        own = [p.detach().clone() for p in params]
+        for p, v in zip(params, values, strict=True):
+            p.detach().copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, own, strict=True):
+                p.detach().copy_(v)
 
 
 def _add_delta(linear: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ FSDP2 all-gathers its codes and scales (`fsdp_pre_all_gather`).
 `quantize_base` swaps the weights for NF4 on the meta device, before FSDP2 shards them (so that
 its shards are NF4 shards); `materialize` completes what `to_empty` leaves on the meta device;
 `fill` quantizes a whole tensor, as one process would, and copies a rank's rows of it, so that
-every layout holds the same codes. torchao is imported here only, when a run asks for NF4.
+every layout holds the same codes; `dequantized` is that tensor as the run's matmuls see it (an
+export merged as trained). torchao is imported here only, when NF4 is asked for.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from megacore.config import NF4_BLOCK, NF4_SCALER_BLOCK
+from megacore.config import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_scaler_block
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -29,11 +30,20 @@ def is_nf4(t: torch.Tensor) -> bool:
     return type(t).__name__ == "NF4Tensor"
 
 
-def quantize(t: torch.Tensor) -> torch.Tensor:
-    """`t` in NF4 with double-quantized scales (on the meta device: the shapes only)."""
+def quantize(t: torch.Tensor, block: int = NF4_BLOCK, scaler_block: int = NF4_SCALER_BLOCK) -> torch.Tensor:
+    """`t` in NF4 with double-quantized scales (on the meta device: the shapes only), in blocks of
+    `block` values and scaler blocks of `scaler_block` at most (`config.nf4_scaler_block`)."""
     from torchao.quantization import to_nf4
 
-    return to_nf4(t.detach().contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
+    return to_nf4(t.detach().contiguous(), block, nf4_scaler_block(t.numel(), block, scaler_block))
+
+
+def dequantized(
+    t: torch.Tensor, block: int = NF4_BLOCK, scaler_block: int = NF4_SCALER_BLOCK
+) -> torch.Tensor:
+    """The whole tensor `t` as QLoRA's run holds it (quantized whole from fp32, as `fill` does) and
+    its matmuls see it: its NF4 round trip, in fp32 (a QLoRA adapter merged as trained)."""
+    return quantize(t.float(), block, scaler_block).get_original_weight()
 
 
 def quantize_base(model: nn.Module, modules: Iterable[str]) -> None:

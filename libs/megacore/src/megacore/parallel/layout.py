@@ -23,13 +23,14 @@ from typing import get_args
 from megacore.artifacts.manifest import FLOAT_DTYPES, ParallelSpec, Schedule
 from megacore.artifacts.pieces import Box, even_split, whole
 from megacore.config import (
-    NF4_QUANTUM,
+    NF4_BLOCK,
     OPTIM_PREFIX,
     LoRA,
     ModelConfig,
     is_adapter_tensor,
     is_block_projection,
     model_tensors,
+    nf4_scaler_block,
 )
 from megacore.errors import UserError
 
@@ -564,8 +565,9 @@ def nf4_base(par: Parallelism) -> bool:
 
 def check_nf4(config: ModelConfig, par: Parallelism, dims: Dims, where: str = "$.parallel") -> None:
     """The layouts QLoRA covers: one process, dp with FSDP2 and pp (not tp, cp or ep, nor compiled
-    blocks); each NF4 weight holds whole scaler blocks of NF4_QUANTUM values, and so does each of
-    its FSDP2 shards (whole rows)."""
+    blocks); each NF4 weight holds whole blocks of NF4_BLOCK values, and each of its FSDP2 shards
+    (whole rows) whole scaler blocks (`config.nf4_scaler_block`: of NF4_SCALER_BLOCK blocks, fewer
+    for small projections)."""
     spec = par.spec
     for name, size in (("tp", spec.tp), ("cp", spec.cp), ("ep", spec.ep)):
         if size > 1:
@@ -582,13 +584,23 @@ def check_nf4(config: ModelConfig, par: Parallelism, dims: Dims, where: str = "$
         )
     shards = dims.replicas if fsdp_wrapped(par, dims) else 1
     for name, shape in model_tensors(config).items():
-        if not is_block_projection(name):
-            continue
-        numel = shape[0] * shape[1]
-        if numel % (NF4_QUANTUM * shards) or shape[0] % shards:
-            over = f" over dp {shards}" if shards > 1 else ""
-            raise UserError(
-                f"QLoRA stores {name} ({shape[0]} x {shape[1]}) in NF4 blocks of {NF4_QUANTUM} values{over}, "
-                "which its size does not divide into",
-                where,
-            )
+        if is_block_projection(name):
+            _check_nf4_tensor(name, shape, shards, where)
+
+
+def _check_nf4_tensor(name: str, shape: tuple[int, ...], shards: int, where: str) -> None:
+    """A projection QLoRA stores in NF4: whole blocks, and over dp whole scaler blocks a shard."""
+    numel = shape[0] * shape[1]
+    if numel % NF4_BLOCK:
+        raise UserError(
+            f"QLoRA stores {name} ({shape[0]} x {shape[1]}) in NF4 blocks of {NF4_BLOCK} values, "
+            "which its size does not divide into",
+            where,
+        )
+    values = NF4_BLOCK * nf4_scaler_block(numel)
+    if shards > 1 and (shape[0] % shards or numel // shards % values):
+        raise UserError(
+            f"QLoRA's NF4 {name} ({shape[0]} x {shape[1]}) has scales quantized in blocks of {values} "
+            f"values, which its FSDP2 shards over dp {shards} (whole rows) must hold whole",
+            where,
+        )

@@ -190,7 +190,7 @@ def _state(
             local = _dp_local(s, d, dims.replicas, replica)
         numel[kind] += n * local
         if kind == "nf4":  # codes, scales and factors, plus its scales' mean and code table
-            frozen_bytes += n * (nf4_bytes(local) + NF4_TABLE * 4)
+            frozen_bytes += n * (nf4_bytes(local, math.prod(s)) + NF4_TABLE * 4)
         trained_tensors += n if kind == "trained" else 0
     # A frozen base (LoRA) is held in the compute dtype alone where the engine keeps compute copies,
     # else as the parameters are (fp32: FSDP2 casts what it gathers).
