@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from run import Row, load, table
@@ -59,25 +59,19 @@ def recorded(text: str) -> list[Figure]:
 
 def verdicts(rows: list[Row], figures: list[Figure], precision: str) -> list[Row]:
     """Each measured row with its figure (this precision's) as the target, and whether it holds."""
+    by = {(f.benchmark, f.metric, f.precision): f for f in figures}
     out = []
     for row in rows:
-        fig = next(
-            (
-                f
-                for f in figures
-                if (f.benchmark, f.metric, f.precision) == (row.benchmark, row.metric, precision)
-            ),
-            None,
-        )
+        fig = by.get((row.benchmark, row.metric, precision))
         if row.ratio is None:
-            out.append(Row(**{**row.__dict__, "passed": False}))
+            out.append(replace(row, passed=False))
         elif fig is None:
             note = f"no {precision} figure in {README.name}'s guarded table: record one; {row.note}"
-            out.append(Row(**{**row.__dict__, "target": "-", "note": note, "passed": None}))
+            out.append(replace(row, target="-", note=note, passed=None))
         else:
             floor = fig.ratio * (1 - TOLERANCE)
             target = f">= {floor:.2f}x ({fig.ratio:.2f}x recorded - {TOLERANCE:.0%})"
-            out.append(Row(**{**row.__dict__, "target": target, "passed": row.ratio >= floor}))
+            out.append(replace(row, target=target, passed=row.ratio >= floor))
     return out
 
 

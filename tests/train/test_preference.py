@@ -569,7 +569,8 @@ def test_dpo_after_lora_sft_compares_with_the_sft_model(
     """SFT at tp 2 (4 steps), then DPO on its adapter with the default reference (`init`): the first
     step's rewards are 0 (the reference is the model that starts); its reference log-probabilities
     and first step equal (fp32, 1e-5) those of DPO with a fresh adapter on the SFT model merged
-    (mega-export, mega-convert hf) as the base; a live reference (the SFT adapter swapped in each
+    (mega-export, mega-convert hf) as the base, and of DPO naming that merged model as its
+    reference; a live reference (the SFT adapter swapped in each
     step) equals the precomputed one at every step; the dry run says which model it is; and the
     model before SFT (`"reference": "base"`) gives rewards far from 0 at the first step."""
     _, ckpt = base
@@ -600,6 +601,12 @@ def test_dpo_after_lora_sft_compares_with_the_sft_model(
     for k in ours:
         assert torch.allclose(ours[k], theirs[k], rtol=REL, atol=0), (k, (ours[k] - theirs[k]).abs().max())
     assert_records_close(got[:1], metrics(tmp_path / "merged-run" / "run")[:1], beta=0.1)
+    # The merged SFT model named as the reference (a whole model, in the base's place): the same.
+    whole = preference_run(tmp_path / "whole", pairs, ckpt, {**dpo, "reference": str(tmp_path / "merged")},
+                           **LAYOUT_STEPS, lora={"init": str(adapter)})  # fmt: skip
+    ok(train(whole))
+    for k, v in reference_logps(tmp_path / "whole" / "run").items():
+        assert torch.allclose(v, ours[k], rtol=REL, atol=0), (k, (v - ours[k]).abs().max())
     live = preference_run(tmp_path / "live", pairs, ckpt, {**dpo, "reference_logps": "live"}, **LAYOUT_STEPS,
                           lora={"init": str(adapter)})  # fmt: skip
     ok(train(live))

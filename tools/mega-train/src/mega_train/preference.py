@@ -128,9 +128,10 @@ class PreferenceTrainer(Trainer):
         by rank 0 (replacing an earlier run's, whose key differs)."""
         ref = self.plan.reference
         base = (lambda name: not is_adapter_tensor(name)) if self.plan.lora is not None else None
-        self._load_weights(self.plan.init[0], only=base)
-        if ref.kind != "base":  # a whole model in the base's place, or adapters in theirs
-            self._load_weights(ref.path, only=base if ref.kind == "model" else is_adapter_tensor)
+        # A whole model in the base's place (read once, not over init's), or adapters on init's base.
+        self._load_weights(ref.path if ref.kind == "model" else self.plan.init[0], only=base)
+        if ref.kind == "adapters":
+            self._load_weights(ref.path, only=is_adapter_tensor)
         with self._as_reference():
             out = {"train": self._logps(self.train_data, self.run.train_steps)}
             if self.valid_data is not None:
