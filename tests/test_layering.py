@@ -353,3 +353,57 @@ def test_type_only_torch_is_exempt(layers, tmp_path):
         path.read_text(encoding="utf-8") + "\nif TYPE_CHECKING:\n    import torch\n", encoding="utf-8"
     )
     assert not [v for v in check(tmp_path, layers) if v.path.name == "config.py"]
+
+
+def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """The circles of the import graph of our modules (Tarjan's strongly connected components of
+    more than one module, or a module importing itself). Every import that runs counts, lazy ones
+    too; `if TYPE_CHECKING:` ones never run and are left out."""
+    graph = {
+        name: sorted({i.target for i in m.imports if not i.type_only and i.target in modules} - {name})
+        for name, m in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circle():
+    """No module of libs/ or tools/ imports, directly or through others, one that imports it back:
+    each could be read and tested without the other (the trainer and its objectives were such a
+    circle)."""
+    modules, _ = scan(REPO)
+    assert import_cycles(modules) == []
+
+
+def test_a_planted_circle_is_found():
+    a = Module("mega_x.a", Path("a.py"), (Import(1, "mega_x.b", False),))
+    b = Module("mega_x.b", Path("b.py"), (Import(1, "mega_x.a", False),))
+    typed = Module("mega_x.c", Path("c.py"), (Import(1, "mega_x.a", True),))
+    back = Module("mega_x.d", Path("d.py"), (Import(1, "mega_x.c", False),))
+    assert import_cycles({m.name: m for m in (a, b, typed, back)}) == [["mega_x.a", "mega_x.b"]]

@@ -128,7 +128,7 @@ def test_model_card_carries_the_lineage(tmp_path: Path, trained: Path) -> None:
     ok(export(trained, out))
     card = (out / "README.md").read_text()
     assert "library_name: transformers" in card
-    assert "| steps | 4 (32 samples) |" in card
+    assert "| steps | 4 (32 sequences) |" in card  # what the batch sizes count
     assert "| base model | none: trained from fresh weights |" in card
     assert "| training data | `tokens` (manifest sha256 " in card
     assert "documents," in card and "tokens (text, sentencepiece tokenizer)" in card

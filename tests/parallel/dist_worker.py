@@ -34,9 +34,10 @@ from megacore.models.moe import MoE
 from megacore.models.nf4 import fill, is_nf4
 from megacore.parallel.checkpoint_io import load_checkpoint, save_checkpoint
 from megacore.parallel.clip import clip_grad_norm
-from megacore.parallel.engine import ParallelModel, Step, box_slice, local_piece
+from megacore.parallel.engine import ParallelModel, Step
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, init_distributed, shutdown
+from megacore.parallel.pieces import box_slice, local_piece
 from megacore.parallel.tp import lm_loss
 
 REL = 1e-5

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from helpers import assert_one_line_error, run_in_process
 from hf_cases import build, load_hf
+from megacore.artifacts import open_artifact
 from runlib import TINY_LLAMA, metrics, ok, torchrun, train, write_run
 from tokenize_testlib import documents, write_jsonl
 
@@ -217,6 +218,9 @@ def test_losses_and_rewards_equal_the_papers_formulas_over_transformers(
         for name, value in w.items():
             assert abs(g[name] - value) <= tol[name], (step, name, g[name], value)
     assert want[-1]["loss"] < want[0]["loss"]  # it learned something: the comparison is not of constants
+    # A checkpoint counts what the batch counts: pairs.
+    t = open_artifact(tmp_path / "run" / "checkpoints" / "latest", "checkpoint").training
+    assert (t.consumed_samples, t.consumed_unit) == (STEPS * len(PAIRS), "pairs")
 
 
 def test_bad_objectives_are_refused_in_one_line(

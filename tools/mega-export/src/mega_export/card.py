@@ -103,7 +103,7 @@ def _lineage_rows(manifest: CheckpointManifest) -> list[str]:
     for i, d in enumerate(data):
         rows.append(f"| training data{'' if len(data) == 1 else f' {i + 1}'} | {_tokens_line(d)} |")
     if t is not None:
-        rows.append(f"| steps | {t.step:,} ({t.consumed_samples:,} samples) |")
+        rows.append(f"| steps | {t.step:,} ({t.consumed_samples:,} {t.consumed_unit}) |")
         for key, label in (("train_loss", "final train loss"), ("valid_loss", "final valid loss")):
             if key in t.metrics:
                 rows.append(f"| {label} | {t.metrics[key]:.4f} |")

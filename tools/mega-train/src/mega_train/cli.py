@@ -229,7 +229,7 @@ def _report(
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
         f"world {par['world_size']} = {plan.dims.label}; "
-        f"batch {batch['global']}{_batch_unit(batch, summary['objective'])} = micro {batch['micro']} x "
+        f"batch {batch['global']}{_batch_unit(summary['sample_unit'])} = micro {batch['micro']} x "
         f"dp {par['dp']} x accum {batch['grad_accum']}; "
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}"
         + (f"; objective {summary['objective']}" if summary["objective"] != "lm" else ""),
@@ -251,11 +251,9 @@ def _limit_note(spec) -> list[str]:
     ]
 
 
-def _batch_unit(batch: dict, objective: str) -> str:
-    """What a preference run's batch sizes count: pairs, or rows of packed pairs."""
-    if objective == "lm":
-        return ""
-    return " pairs" if batch["rows_per_sample"] == 2 else " rows of packed pairs"
+def _batch_unit(unit: str) -> str:
+    """What the batch sizes count where they are not sequences: pairs, or rows of packed pairs."""
+    return "" if unit == "sequences" else f" {unit}"
 
 
 def _count(n: int) -> str:

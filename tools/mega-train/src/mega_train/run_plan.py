@@ -18,10 +18,12 @@ import msgspec
 
 from mega_train.evaluation import load_metric
 from mega_train.lora_plan import LoraPlan, plan_lora
-from mega_train.reference_plan import Reference, plan_reference
+from mega_train.objectives import check_data, kind_of
+from mega_train.objectives.reference_plan import Reference, plan_reference
+from mega_train.objectives.teacher_plan import Teacher, plan_teacher
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.codec import decode_manifest
-from megacore.artifacts.manifest import License, TrainedTokenizer
+from megacore.artifacts.manifest import DISTILL_FIELDS, License, TrainedTokenizer
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
@@ -62,7 +64,8 @@ class RunPlan:
     task_paths: list[Path] = field(default_factory=list)  # $.eval.task_paths, resolved
     notes: list[str] = field(default_factory=list)  # said once by rank 0, in a run and a dry run alike
     lora: LoraPlan | None = None  # adapters on a frozen base (`lora_plan`)
-    reference: Reference | None = None  # dpo's reference model (`reference_plan`)
+    reference: Reference | None = None  # dpo's reference model (`objectives.reference_plan`)
+    teacher: Teacher | None = None  # distillation's teacher (`objectives.teacher_plan`)
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`, decided by `start_checks`)
 
     def resume_notes(self, verify: Verify = "size") -> tuple[list[str], int]:
@@ -112,7 +115,13 @@ class RunPlan:
     def rows_per_sample(self) -> int:
         """Sequences per sample of the batch: a preference objective's samples are pairs, two rows
         each (the batch sizes count pairs; memory and data count rows), unless packed (rows)."""
-        return 1 if self.run.objective.type == "lm" or self.packs_pairs else 2
+        return 2 if kind_of(self.run).pairs and not self.packs_pairs else 1
+
+    @property
+    def sample_unit(self) -> str:
+        """What the batch sizes count: the objective's samples (sequences, pairs), or rows of
+        packed pairs."""
+        return "rows of packed pairs" if self.packs_pairs else kind_of(self.run).counts
 
     @property
     def tokenizer(self) -> tuple[Path, TrainedTokenizer]:
@@ -184,6 +193,7 @@ class RunPlan:
         adapter = [self.lora.init[0]] if self.lora is not None and self.lora.init is not None else []
         ref = self.reference
         adapter += [ref.path] if ref is not None and ref.path is not None and ref.path not in adapter else []
+        adapter += [self.teacher.path] if self.teacher is not None else []
         return ([self.init[0]] if self.init else []) + adapter + [path for path, _, _ in self.data]
 
     def summary(self) -> dict:
@@ -209,6 +219,7 @@ class RunPlan:
             "parallel": {"world_size": self.world_size, **dataclasses.asdict(self.dims)},
             "stage_layers": self.stage_layers,
             "objective": self.run.objective.type,
+            "sample_unit": self.sample_unit,
             "batch": {
                 "rows_per_sample": self.rows_per_sample,
                 "micro": self.run.batch.micro_batch_size,
@@ -242,33 +253,11 @@ def _check_tokens(
             "(mega-tokenize --format chat)",
             where,
         )
-    _check_objective(at, path, tokens, run, where)
+    check_data(at, path, tokens, run, where)
     if tokens.counts.documents < 1:
         raise UserError(f"{at}: {path} holds no documents", where)
     for shard in tokens.shards:  # the index of every shard is readable and matches its data file
         IndexedReader(path / shard.prefix)
-
-
-def _check_objective(at: str, path: Path, tokens: TokensManifest, run: RunManifest, where: str) -> None:
-    """Pairs for a preference objective, and only for one."""
-    kind = run.objective.type
-    if kind == "lm" and tokens.format == "preference":
-        raise UserError(
-            f"{at}: {path} holds preference pairs; train on them with $.objective.type dpo, simpo or orpo",
-            where,
-        )
-    if kind != "lm" and (tokens.format != "preference" or "completion" not in tokens.roles):
-        raise UserError(
-            f"{at}: $.objective.type {kind} trains on pairs, and {path} holds {tokens.format} tokens "
-            "(mega-tokenize --format preference)",
-            where,
-        )
-    if kind != "lm" and run.data.loss_on != "all":
-        raise UserError(
-            f"$.data.loss_on: {run.data.loss_on} does not apply to $.objective.type {kind}, which counts "
-            "each pair's completions",
-            where,
-        )
 
 
 def _check_init_tokenizer(
@@ -311,6 +300,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     _check_schedule(run, config, init is not None, where)
     lora = plan_lora(run, init, base, verify, where)
     reference = plan_reference(run, init, lora, base, verify, where)
+    teacher = plan_teacher(run, config, sources, base, verify, where)
     dims, microbatches, stages = _check_layout(run, config, world_size, where)
     check_sharding(
         config,
@@ -334,12 +324,15 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         stage_layers=stages,
         out=out,
         checkpoints=checkpoints,
-        fingerprint=fingerprint(run, init, sources, lora, reference),
+        fingerprint=fingerprint(run, init, sources, lora, reference, teacher),
         eval_metrics=metrics,
         task_paths=task_paths,
-        notes=notes + ([reference.describe()] if reference is not None else []),
+        notes=notes
+        + ([reference.describe()] if reference is not None else [])
+        + ([teacher.describe(run)] if teacher is not None else []),
         lora=lora,
         reference=reference,
+        teacher=teacher,
     )
     check_inputs(out, plan.inputs, "$.out")
     check_inputs(checkpoints, plan.inputs, "$.checkpoint.dir")
@@ -571,7 +564,7 @@ def parallelism(
 
 def packs_pairs(run: RunManifest) -> bool:
     """Whether a preference run packs whole pairs into each row (`"packing": "pack"`)."""
-    return run.objective.type != "lm" and run.data.packing == "pack"
+    return kind_of(run).pairs and run.data.packing == "pack"
 
 
 # "compile": "auto" on a CPU (`RunPlan.compiles`): what a bf16 step of a 125M Llama achieves on 2
@@ -625,6 +618,7 @@ def fingerprint(
     sources: list[tuple[Path, TokensManifest, float]],
     lora: LoraPlan | None = None,
     reference: Reference | None = None,
+    teacher: Teacher | None = None,
 ) -> dict[str, str]:
     """What decides the model's start, the sequence of batches and the updates, by manifest field: a
     run resumes only from a checkpoint with the same values. The layout, the precision and
@@ -632,7 +626,7 @@ def fingerprint(
     out = {
         "$.data.split": json.dumps(run.data.split),
         "$.data.loss_on": run.data.loss_on,
-        "$.data.packing": run.data.packing or ("pack" if run.objective.type == "lm" else "pad"),
+        "$.data.packing": run.data.packing or ("pad" if kind_of(run).pairs else "pack"),
         "$.data.doc_mask": str(run.data.doc_mask),
         "$.seed": str(run.seed),
         "$.batch.seq_length": str(run.batch.seq_length),
@@ -645,7 +639,7 @@ def fingerprint(
         if lora.init is not None:
             out["$.lora.init"] = sha256_bytes(read_manifest_bytes(lora.init[0])[1])
     if run.objective.type != "lm":  # language modelling's runs keep their fingerprints
-        out |= _objective_fingerprint(run, reference)
+        out |= _objective_fingerprint(run, reference, teacher)
     for name, value in msgspec.structs.asdict(run.optimizer).items():
         out[f"$.optimizer.{name}"] = json.dumps(value)
     for i, (path, _, weight) in enumerate(sources):
@@ -653,10 +647,18 @@ def fingerprint(
     return out
 
 
-def _objective_fingerprint(run: RunManifest, reference: Reference | None) -> dict[str, str]:
-    """A preference objective's settings as runs saved them before `reference_logps` (its value
-    under "reference"), and the reference model apart, so that their checkpoints still resume."""
+def _objective_fingerprint(
+    run: RunManifest, reference: Reference | None, teacher: Teacher | None
+) -> dict[str, str]:
+    """The objective's settings: a preference objective's as runs saved them before
+    `reference_logps` (its value under "reference") and before distillation's settings, and the
+    reference model apart, so that their checkpoints still resume; distillation's and its teacher."""
     spec = msgspec.structs.asdict(run.objective)
+    if teacher is not None:
+        out = {"$.objective": json.dumps({k: spec[k] for k in ("type", *DISTILL_FIELDS)}, sort_keys=True)}
+        return out | {"$.objective.teacher": teacher.manifest_sha256}
+    for name in DISTILL_FIELDS:
+        del spec[name]
     spec["reference"] = spec.pop("reference_logps")
     out = {"$.objective": json.dumps(spec, sort_keys=True)}
     if reference is not None:

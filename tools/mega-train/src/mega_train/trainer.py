@@ -24,9 +24,10 @@
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).
 
-`train(plan, faults=...)` runs the whole (a preference objective's run: `preference.py`'s
-`PreferenceTrainer`, this trainer over pairs); the CLI parses the fault injection tests ask for
-(`faults.py`).
+What differs between objectives (language modelling, preference pairs, distillation) is the
+objective's (`mega_train.objectives`, chosen by `objective.type`): the trainer calls its hooks and
+names none. `train(plan, faults=...)` runs the whole; the CLI parses the fault injection tests ask
+for (`faults.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from mega_train.checkpoints import (
     resume_point,
     set_aside,
 )
-from mega_train.evaluation import EvalSums
 from mega_train.faults import Faults
 from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher, watch_signals
 from mega_train.metrics import (
@@ -62,10 +62,10 @@ from mega_train.metrics import (
     eval_line,
     memory_gb,
     peak_tflops,
-    perplexity,
     say,
     train_line,
 )
+from mega_train.objectives import load as load_objective
 from mega_train.run_plan import RUN_MARK, RunPlan, has_valid_split
 from mega_train.sampling import open_generation, sample_line, task_records
 from mega_train.saving import Saver
@@ -149,7 +149,9 @@ class Trainer:
 
     def __init__(self, plan: RunPlan, peak: float | None = None, faults: Faults | None = None) -> None:
         self.plan, self.run = plan, plan.run
-        self.G, self.S = plan.run.batch.global_batch_size, plan.run.batch.seq_length
+        # What the batch counts (sequences, pairs: the objective's), and the data rows it is.
+        self.samples, self.S = plan.run.batch.global_batch_size, plan.run.batch.seq_length
+        self.G = plan.rows_per_sample * self.samples
         self.peak = peak
         self.faults = faults
         self.lock: RunLock | None = None
@@ -164,6 +166,7 @@ class Trainer:
         self.pending: list[Pending] = []  # steps whose device values are not read back yet
         self.watchdog: Watchdog | None = None
         self.first_step = 1  # of this start (`fit`): the stragglers' report leaves its interval out
+        self.objective = load_objective(self)
 
     # --- set up -------------------------------------------------------------------------------
 
@@ -181,6 +184,7 @@ class Trainer:
         self.stop = StopRequest()
         watch_launcher()
         self._open_data()
+        self.objective.open_data()
         par = dataclasses.replace(
             self.plan.parallelism, compile=self.plan.compiles(torch.cuda.is_available())
         )
@@ -204,6 +208,7 @@ class Trainer:
         self.flops = flops_per_token(self.plan.config, self.S)
         self.peak_flops = peak_tflops(self.peak, run.precision)
         self.sampler, self.lm = open_generation(self.plan, self.pm)  # eval.samples, eval.tasks
+        self.objective.setup()
 
     def on_rank0(self, work: Callable[[], T]) -> T:
         """Run `work` on rank 0 and hand every rank its result; a UserError it raises stops every
@@ -272,9 +277,10 @@ class Trainer:
     def resume(self) -> None:
         """The newest intact checkpoint of this run, else `init`'s weights, else fresh ones. LoRA:
         the frozen base from `init` first, then the adapters likewise (`lora.init`'s, else PEFT's
-        fresh ones)."""
+        fresh ones). The objective's `start` first."""
+        self.objective.start()
         if self.plan.lora is not None:
-            self._load_weights(self.plan.init[0], only=lambda name: not is_adapter_tensor(name))
+            self.load_weights(self.plan.init[0], only=lambda name: not is_adapter_tensor(name))
         while (found := self.on_rank0(self._resume_point)) is not None:
             path, manifest = found
             try:
@@ -290,16 +296,16 @@ class Trainer:
         self.opt.state.clear()  # whatever a damaged checkpoint left there
         lora = self.plan.lora
         if lora is not None and lora.init is not None:
-            self._load_weights(lora.init[0], only=is_adapter_tensor)
+            self.load_weights(lora.init[0], only=is_adapter_tensor)
         elif lora is not None:
             self.pm.init_weights(seed=self.run.seed, only=is_adapter_tensor)
         elif self.plan.init is not None:
-            self._load_weights(self.plan.init[0])
+            self.load_weights(self.plan.init[0])
         else:
             self.pm.init_weights(self.run.model.init_std, self.run.seed)
         self._open_reports(resumed=False)
 
-    def _load_weights(self, path: Path, only: Callable[[str], bool] | None = None) -> None:
+    def load_weights(self, path: Path, only: Callable[[str], bool] | None = None) -> None:
         """A start's weights (`init`'s, an adapter's; `only`: some of them), no moments: fine-tuning
         starts a new optimizer, and the run may set another context."""
         load_checkpoint(path, self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=only)
@@ -430,13 +436,15 @@ class Trainer:
         lr = self.schedule.lr(pos.step)
         for group in self.opt.param_groups:
             group["lr"] = lr
+        objective = self.objective
+        loss_fn = objective.loss("train", pos.step)
         with self.own.host():
-            tokens, targets, positions, counted = self.batch(
+            tokens, targets, positions, counted = objective.batch(
                 self.rows(self.train_data, pos.step), self.train_role
             )
         scale = self.scaler.factor
-        count = self.global_count(counted)
-        out = self.pm.forward_backward(tokens, targets, scale, positions, count)
+        count = objective.global_count(counted)
+        out = self.pm.forward_backward(tokens, targets, scale, positions, count, loss_fn)
         pos.step += 1
         local = out.loss
         if self.faults is not None:
@@ -457,7 +465,7 @@ class Trainer:
         if self.scaler.judge(loss_ok, norm_ok):
             pos.optimizer_steps += 1
         dt, compiled = time.perf_counter() - t0, compile_seconds() - compiled
-        device = {"loss": loss, "grad_norm": norm, **(out.moe or {})}
+        device = {"loss": loss, "grad_norm": norm, **(out.moe or {}), **objective.metrics()}
         if isinstance(count, torch.Tensor):
             device["counted_tokens"] = count
         self.pending.append(Pending(self._record(lr, count, dt, compiled), device))
@@ -521,39 +529,6 @@ class Trainer:
 
     # --- evaluate and report ------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
-        """Loss, accuracy and the user's metrics over the first `eval.iters` valid batches (the
-        same ones in every layout and resume), on every rank."""
-        pm, run = self.pm, self.run
-        sums = EvalSums(run.eval.metrics, self.plan.eval_metrics, str(self.plan.path))
-        for k in range(run.eval.iters):
-            b = self.rows(self.valid_data, k)
-            tokens, targets, positions, counted = self.batch(b, self.train_role)
-            on_logits = sums.add_logits
-            if self.assistant_code is not None and pm.reports_logits:
-                # Chat data with the loss on every token: the assistant's tokens reported apart too,
-                # microbatch by microbatch, in the order evaluate goes through them.
-                assistant = inputs_and_targets(b.tokens, b.positions, b.roles, self.assistant_code)[2]
-                parts = iter(torch.from_numpy(assistant).to(self.device).chunk(pm.par.microbatches))
-
-                def on_logits(logits: torch.Tensor, tg: torch.Tensor, parts=parts) -> None:
-                    sums.add_logits(logits, tg)
-                    sums.add_assistant(logits, next(parts))
-
-            loss = pm.evaluate(tokens, targets, on_logits, positions)
-            if pm.reports_logits:  # one rank per dp rank, like the metrics
-                sums.add_loss(float(loss), int(counted))
-        return sums.combine()
-
-    def eval_record(self, ev: dict[str, float]) -> dict:
-        loss = ev.pop("loss")
-        self.position.metrics["valid_loss"] = loss
-        record = {"step": self.position.step, "kind": "eval", "loss": loss, "ppl": perplexity(loss)}
-        record.update(ev)  # accuracy, the user's metrics, the assistant's (chat data)
-        if "assistant_loss" in record:
-            record["assistant_ppl"] = perplexity(record["assistant_loss"])
-        return record
-
     def report(self, record: dict) -> None:
         """Rank 0: metrics.jsonl, W&B and, when due, the console."""
         if self.rank != 0:
@@ -605,7 +580,7 @@ class Trainer:
             if stopping or evaluates or saves or pos.step % run.logging.every == 0:
                 self.flush()
             if evaluates and self.valid_data is not None:
-                self.report(self.eval_record(self.evaluate()))
+                self.report(self.objective.eval_record(self.objective.evaluate()))
             if evaluates and self.lm is not None:
                 for record in task_records(self.lm, self.run.eval, self.plan.task_paths, pos.step):
                     self.report(record)
@@ -672,12 +647,7 @@ def _finite(v: float | None) -> float | None:
 def train(plan: RunPlan, peak: float | None = None, faults: Faults | None = None) -> dict | None:
     """Train (or resume) `plan`'s run on this rank, with the faults tests inject (`faults.py`).
     Rank 0 returns the run's summary (`--json`), the other ranks None."""
-    if plan.run.objective.type == "lm":
-        trainer = Trainer(plan, peak, faults)
-    else:  # the preference trainer is the Trainer's subclass
-        from mega_train.preference import PreferenceTrainer
-
-        trainer = PreferenceTrainer(plan, peak, faults)
+    trainer = Trainer(plan, peak, faults)
     clean = False
     try:
         trainer.setup()

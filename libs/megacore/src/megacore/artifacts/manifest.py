@@ -225,6 +225,9 @@ class TrainingState(Struct):
 
     step: NonNegative
     consumed_samples: NonNegative = 0
+    # What `consumed_samples` counts: what the run's batch sizes count (its objective's samples:
+    # sequences, pairs, or rows of packed pairs). Checkpoints before it counted data rows: sequences.
+    consumed_unit: str = "sequences"
     scheduler: dict[str, float | int | str] = {}
     optimizer: str | None = None
     optimizer_steps: NonNegative | None = None  # updates applied (skipped steps make it < step)
@@ -522,15 +525,25 @@ class ObjectiveSpec(Struct):
     and shape); None: "init" when `lora.init` is set, else "base" (`mega_train.reference_plan`).
     `reference_logps`: its log-probabilities computed once before training and stored, or (LoRA
     only) beside each step. `"reference": "live"` or `"precomputed"`, as manifests said it before
-    `reference_logps`, still means that."""
+    `reference_logps`, still means that.
 
-    type: Literal["lm", "dpo", "simpo", "orpo"] = "lm"
+    `distill`: knowledge distillation from `teacher` (a checkpoint relative to this manifest, frozen,
+    of the data's tokenizer; it may be larger): per target token `alpha` x the cross entropy plus
+    (1 - `alpha`) x `temperature`² x the `divergence` between the teacher's and the student's token
+    distributions at `temperature` (`megacore.parallel.divergence`), averaged over the counted
+    targets as the language modelling loss is."""
+
+    type: Literal["lm", "dpo", "simpo", "orpo", "distill"] = "lm"
     beta: PositiveFloat = 0.1
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     label_smoothing: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.0
     gamma: NonNegativeFloat = 0.5
     reference: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     reference_logps: Literal["precomputed", "live"] = "precomputed"
+    teacher: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    temperature: PositiveFloat = 1.0
+    alpha: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
 
     def __post_init__(self) -> None:
         if self.reference in REFERENCE_LOGPS:
@@ -538,6 +551,7 @@ class ObjectiveSpec(Struct):
 
 
 REFERENCE_LOGPS = ("precomputed", "live")
+DISTILL_FIELDS = ("teacher", "temperature", "alpha", "divergence")  # `distill`'s settings alone
 
 
 class RunManifest(Header, tag="run", kw_only=True):

@@ -35,9 +35,10 @@ from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, sh
 from megacore.config import TOKEN_ID_FIELDS, config_differences
 from megacore.errors import UserError
 from megacore.models.nf4 import fill, is_nf4
-from megacore.parallel.engine import ParallelModel, local_piece
+from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import ADAMW_STATE_KINDS, optim_state_name
 from megacore.parallel.mesh import dp_mesh
+from megacore.parallel.pieces import local_piece
 
 
 def _owner(t: torch.Tensor, mesh) -> bool:

@@ -21,13 +21,11 @@ whose parts of the rows each give part of the gradient). Under cp every rank get
 whole rows and keeps its part of each (`_local`); the loss it returns is the whole rows'. Nothing
 is read back to the host: the counts, the weight and the loss stay device tensors (`Step`), so a
 GPU runs the step without waiting for it. `evaluate` runs the same microbatches forward only, and
-can hand each one's full-vocab logits to a callback (evaluation metrics). A preference objective
-takes the cross entropy's place through `rows_loss`: each side's summed log-probability (a row's,
-or with packed pairs each of its documents', `_pair_slots`), whole rows under cp, in training and in
-`evaluate` alike, and the mean is then over pairs. A mixture of experts'
-router losses are each layer's mean over the global batch's microbatches, weighted into the same
-gradients (`_weigh_router_losses`), and every step's router statistics are gathered from every
-rank and returned with the loss (`Step.moe`).
+can hand each one's full-vocab logits to a callback (evaluation metrics). What a microbatch's
+loss is comes in as an argument of both (`losses.Loss`: language modelling's token cross entropy by
+default, a loss over each sequence's summed log-probability, `row_sums.RowSums`, or an objective's
+own), so the engine names no objective. A mixture of experts' router losses and statistics are
+`router_balance.RouterBalance`'s.
 
 Tied embeddings under pipeline parallel, as Megatron shares them: the first stage holds the
 embedding, the last stage a copy of it as its output layer (`tied_copy`, filled from `embed.weight`
@@ -56,11 +54,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from megacore.artifacts.pieces import Box
-from megacore.config import ModelConfig, is_block_projection, sparse_layer
-from megacore.data.packing import IGNORE
+from megacore.config import ModelConfig, is_block_projection
 from megacore.models import adapters, nf4
 from megacore.models.attention import document_ids
 from megacore.models.lora import adapter_dropout_off, add_lora, freeze_base
@@ -82,8 +77,11 @@ from megacore.parallel.layout import (
     fused_loss,
     nf4_base,
 )
+from megacore.parallel.losses import Loss, Microbatch
 from megacore.parallel.mesh import dp_mesh, experts_replicas_mesh, replicas_mesh
-from megacore.parallel.tp import apply_tp, distribute_adapters, lm_loss, loss_context
+from megacore.parallel.pieces import box_slice, local_piece
+from megacore.parallel.router_balance import RouterBalance
+from megacore.parallel.tp import apply_tp, distribute_adapters, loss_context
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -102,7 +100,7 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # of activations sent 
 class Step:
     """What `forward_backward` hands back, on the device: the mean loss over this rank's counted
     targets (None on ranks without the last stage) and, for a mixture of experts, the step's
-    router statistics over every rank (`ParallelModel._router_report`)."""
+    router statistics over every rank (`RouterBalance.report`)."""
 
     loss: torch.Tensor | None
     moe: dict[str, torch.Tensor] | None = None
@@ -136,14 +134,16 @@ class ParallelModel:
         self.copies: list[ComputeCopies] = []
         self.parts: list[nn.Module] = [self._build_stage(s) for s in self.stage_ids]
         self.schedule = self._build_schedule() if self.num_stages > 1 else None
-        # The model's MoE layers (the others dense), and this rank's by global index.
-        self.sparse = [i for i in range(self.config.num_layers) if sparse_layer(self.config, i)]
-        self.moe_layers = {
+        # The model's MoE layers (the others dense), this rank's by global index.
+        moe_layers = {
             int(i): block.mlp
             for part in self.parts
             for i, block in part.layers.items()
             if isinstance(block.mlp, MoE)
         }
+        self.router = RouterBalance(config, moe_layers, par.spec.tp, self.dims.replicas)
+        # Language modelling's loss, `forward_backward`'s and `evaluate`'s unless given another.
+        self.token_loss = Loss(config.vocab_size, self.tp_mesh)
         named = dict(self._named_all())
         tied = config.tie_embeddings and self.num_stages > 1
         self.tied_copy: nn.Parameter | None = named.get("lm_head.weight") if tied else None
@@ -152,19 +152,6 @@ class ParallelModel:
         # Called before each microbatch of an unpipelined step: the process's allocator may hand
         # back what the last one freed (mega_train.allocator).
         self.before_microbatch: Callable[[], None] | None = None
-        # A loss over each side's summed log-probability of its counted targets instead of their
-        # cross entropy (preference objectives, `megacore.models.preference`): called per
-        # microbatch, in training and in `evaluate`, with (logps [b x row_slots], counted targets
-        # [b x row_slots]) of whole rows, each row's `row_slots` sides in turn (chosen, rejected,
-        # ...; an empty slot counts none), and the microbatch's number in this rank's batch, it
-        # returns the microbatch's summed loss; what a step's mean divides by is then pairs
-        # (`_pair_slots`). A number may come twice: torch's pipeline schedules infer their
-        # backward's shapes from a first loss of microbatch 0 (torch 2.13), so a second call
-        # replaces the first.
-        self.rows_loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
-        # Sides per row: 1 (a row holds one), or with packed pairs (`par.packed_pairs`) the most a
-        # row holds.
-        self.row_slots = 1
         self._batch_targets: torch.Tensor | None = None  # this step's, which microbatches are views of
 
     @property
@@ -274,16 +261,18 @@ class ParallelModel:
         targets: torch.Tensor,
         weight: float = 1.0,
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        loss: Loss | None = None,
+        mb: Microbatch | None = None,
     ) -> torch.Tensor:
-        """The last stage's loss of a pipeline microbatch: its summed loss times `weight` (the scale
-        of fp16 loss scaling, dp / count: `forward_backward`), `on_logits` called first if given."""
+        """The last stage's loss of a microbatch from its logits: its summed `loss` times `weight`
+        (the scale of fp16 loss scaling, dp / count: `forward_backward`), `on_logits` called first if
+        given. Under a pipeline `mb` is worked out from `targets` (a view of the batch's rows)."""
         if on_logits is not None:
             self._report(logits, targets, on_logits)
-        if self.rows_loss is not None:
-            return self.rows_loss(*self._rows(self._token_logps(logits, targets), targets)) * weight
-        return lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "sum") * weight
+        mb = mb if mb is not None else Microbatch(self._microbatch(targets), None, targets)
+        return (loss or self.token_loss).of_logits(mb, logits) * weight
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
         """Before a step or an evaluation: the compute copies, and the float8 weights' scales for
         FSDP2's float8 all-gather, from the fp32 parameters' current values."""
         for copies in self.copies:
@@ -342,28 +331,28 @@ class ParallelModel:
         scale: float = 1.0,
         positions: torch.Tensor | None = None,
         count: torch.Tensor | int | None = None,
+        loss: Loss | None = None,
     ) -> Step:
         """Forward and backward over this rank's batch (its dp share) as `par.microbatches`
-        microbatches; the gradients of `scale` times the mean loss over the global batch's `count`
-        counted targets (a device tensor or a known number) are accumulated in the parameters
-        (`count` None: every dp rank counts as many as this one). `positions` [B, S]: packed
-        documents (`Decoder.forward`), given on every rank, a pipeline's middle stages included.
-        Returns the mean loss (unscaled) over this rank's counted targets on ranks holding the last
-        stage, and a mixture of experts' router statistics: device tensors, nothing read back."""
-        n = self.par.microbatches
+        microbatches; the gradients of `scale` times the mean `loss` (language modelling's unless
+        given: `losses.Loss`) over the global batch's `count` (counted targets, or what `loss`
+        counts: a device tensor or a known number) are accumulated in the parameters (`count`
+        None: every dp rank counts as many as this one). `positions` [B, S]: packed documents
+        (`Decoder.forward`), given on every rank, a pipeline's middle stages included. Returns the
+        mean loss (unscaled) over this rank's count on ranks holding the last stage, and a mixture
+        of experts' router statistics: device tensors, nothing read back."""
+        n, loss = self.par.microbatches, loss or self.token_loss
         data = tokens if tokens is not None else targets
         if data is not None:  # middle pipeline stages get no batch; the ends check it
             check_microbatches(data.shape[0], n, "microbatches")
-        counted = self._counted(targets, positions)
+        counted = self._count(loss, targets, positions)
         # Gradient reduction averages over the replicas (dp x cp), so each rank's share is
         # weighted up by them.
         weight = _weight(self.replicas * scale, count if count is not None else self.dp * counted)
         tokens, targets, inputs = self._local(tokens, targets, positions)
         self._batch_targets = targets
-        self._refresh()
-        # The router losses are means over each rank's tokens (its rows, or under cp its part of
-        # them): the replicas' average of those is the global mean, so no weighting up.
-        self._weigh_router_losses(scale / n)
+        self.refresh()
+        self.router.weigh(scale / n)
         with loss_context(self.tp_mesh):
             if self.schedule is None:
                 losses = []
@@ -371,67 +360,18 @@ class ParallelModel:
                     if self.before_microbatch is not None:
                         self.before_microbatch()
                     self._grad_sync(i == n - 1)
-                    loss = self._loss(x, y, kw)
-                    (loss * weight).backward()
-                    losses.append(loss.detach())
-                mean = self._mean(losses, counted)
+                    summed = self._loss(Microbatch(i, x, y, kw), loss)
+                    (summed * weight).backward()
+                    losses.append(summed.detach())
+                mean = self._mean(losses, counted, loss)
             else:
-                losses = self._scheduled(self.schedule.step, tokens, targets, inputs, weight=weight)
+                losses = self._scheduled(
+                    self.schedule.step, tokens, targets, inputs, weight=weight, loss=loss
+                )
                 if self.config.tie_embeddings and self.par.lora is None:  # LoRA: both frozen
                     self._sum_tied_grads()
-                mean = self._mean(losses, counted, weight) if self.has_last else None
-        return Step(mean, self._router_report(n))
-
-    def _weigh_router_losses(self, share: float) -> None:
-        """Each MoE layer's load-balancing and z-loss gradient weights for this step, and its
-        statistics reset. The model's router loss is the mean over layers and over the global
-        batch's microbatches (`share`: this rank's part of that mean, gradient averaging over the
-        replicas and the step's scale included), times the config's coefficient."""
-        layers = len(self.sparse)
-        for moe in self.moe_layers.values():
-            moe.aux_weight = self.config.router_aux_loss_coef * share / layers
-            moe.z_weight = self.config.router_z_loss_coef * share / layers
-            moe.stats.reset()
-
-    def _router_report(self, microbatches: int) -> dict[str, torch.Tensor] | None:
-        """The step's router statistics over every layer and rank (a collective), device scalars:
-        the mean load-balancing and z-loss (as `_weigh_router_losses` weighs them, without
-        coefficients) and the tokens each expert of each layer got: min, max and coefficient of
-        variation."""
-        if self.config.num_experts is None:
-            return None
-        layers, experts = len(self.sparse), self.config.num_experts
-        table = torch.zeros(layers, experts + 2, dtype=torch.float64, device=self.device)
-        for i, moe in self.moe_layers.items():
-            load, losses = moe.stats.totals(last=microbatches)
-            row = self.sparse.index(i)
-            table[row, :experts], table[row, experts:] = load.double(), losses.double()
-        dist.all_reduce(table)
-        table /= self.par.spec.tp  # every tp rank routes the same tokens
-        load = table[:, :experts]
-        if self.config.router_bias_update:
-            self._balance(load)
-        mean = load.mean()
-        losses = table[:, experts:].sum(0) / (layers * microbatches * self.replicas)
-        cv = torch.where(mean > 0, load.std(correction=0) / mean, torch.zeros_like(mean))
-        return {
-            "aux_loss": losses[0],
-            "z_loss": losses[1],
-            "expert_load_min": load.min(),
-            "expert_load_max": load.max(),
-            "expert_load_cv": cv,
-        }
-
-    def _balance(self, load: torch.Tensor) -> None:
-        """DeepSeek V3's auxiliary-loss-free balancing: each MoE layer's router bias moved by
-        `router_bias_update` towards even loads, up for an expert below the layer's mean load and
-        down above it, from this step's loads over every rank (the same on every rank: each moves
-        its own piece of the bias, which the optimizer never touches)."""
-        step = torch.sign(load.mean(dim=1, keepdim=True) - load) * self.config.router_bias_update
-        with torch.no_grad():
-            for i, moe in self.moe_layers.items():
-                offset, shape, local = local_piece(moe.router_bias)
-                local.add_(box_slice(step[self.sparse.index(i)], (offset, shape)).to(local.dtype))
+                mean = self._mean(losses, counted, loss, weight) if self.has_last else None
+        return Step(mean, self.router.report(n, self.device))
 
     def evaluate(
         self,
@@ -439,31 +379,43 @@ class ParallelModel:
         targets: torch.Tensor | None,
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         positions: torch.Tensor | None = None,
+        loss: Loss | None = None,
     ) -> torch.Tensor | None:
-        """Forward only over this rank's batch: the mean loss over its counted targets on ranks
-        holding the last stage.
+        """Forward only over this rank's batch: the mean `loss` (language modelling's unless given)
+        over its count on ranks holding the last stage.
 
         `on_logits(logits, targets)` (give it on every rank: tp gathers the logits) is called where
         `reports_logits`, once per microbatch, with its logits [b, s, vocab_size] over the whole
         vocab (gathered over tp, vocab padding columns dropped; in the compute precision)."""
         n = self.par.microbatches
-        self._refresh()
+        self.refresh()
         # Compiled blocks over DTensors fail without autograd (torch 2.13: "'Tensor' object has no
         # attribute '_local_tensor'"), so there autograd stays on; nothing calls backward.
         grad = self.par.compile and self.tp_mesh is not None
         with adapter_dropout_off(self.parts), torch.set_grad_enabled(grad), loss_context(self.tp_mesh):
-            counted = self._counted(targets, positions)
+            loss = loss or self.token_loss
+            counted = self._count(loss, targets, positions)
             tokens, targets, inputs = self._local(tokens, targets, positions)
             self._batch_targets = targets
             if self.schedule is None:
-                chunks = _chunks(n, tokens, targets, inputs)
-                return self._mean([self._loss(x, y, kw, on_logits) for x, y, kw in chunks], counted)
+                chunks = enumerate(_chunks(n, tokens, targets, inputs))
+                losses = [self._loss(Microbatch(i, x, y, kw), loss, on_logits) for i, (x, y, kw) in chunks]
+                return self._mean(losses, counted, loss)
             if self.par.spec.schedule == "zbv":
-                last = partial(self._microbatch_loss, on_logits=on_logits)
+                last = partial(self._microbatch_loss, on_logits=on_logits, loss=loss)
                 losses = self._forward_stages(_chunks(n, tokens, targets, inputs), last)
             else:
-                losses = self._scheduled(self.schedule.eval, tokens, targets, inputs, on_logits=on_logits)
-            return self._mean(losses, counted) if self.has_last else None
+                losses = self._scheduled(
+                    self.schedule.eval, tokens, targets, inputs, on_logits=on_logits, loss=loss
+                )
+            return self._mean(losses, counted, loss) if self.has_last else None
+
+    @torch.no_grad()
+    def microbatch_logits(self, mb: Microbatch) -> torch.Tensor:
+        """This rank's logits [b, s, V_local] of a microbatch's tokens as the loss sees them (its part
+        of the rows under cp, its vocab shard under tp), without autograd: a frozen model's forward
+        beside another's microbatch, in the same layout (one stage: no pipeline)."""
+        return self.parts[0](mb.tokens, **mb.inputs)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Forward only over rows `tokens` [b, s], the same on every rank (generation, scoring): their
@@ -473,7 +425,7 @@ class ParallelModel:
         sequence parallel's shards), which changes no earlier position's logits; LoRA's dropout off."""
         s, got = tokens.shape[1], []
         tokens = F.pad(tokens, (0, -s % self.dims.seq_multiple(self.par.spec.sequence_parallel)))
-        self._refresh()
+        self.refresh()
         grad = self.par.compile and self.tp_mesh is not None  # as `evaluate`
         with adapter_dropout_off(self.parts), torch.set_grad_enabled(grad):
             chunk = self._local(tokens, torch.zeros_like(tokens), None)  # targets: `_report` gathers them too
@@ -499,13 +451,25 @@ class ParallelModel:
             }
         return shard_sequence(tokens, cp, rank), shard_sequence(targets, cp, rank), inputs
 
-    def _mean(
-        self, losses: list[torch.Tensor], counted: torch.Tensor, weight: torch.Tensor | float = 1.0
+    def _count(
+        self, loss: Loss, targets: torch.Tensor | None, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        """The mean loss over the `counted` targets of this rank's rows from microbatches' summed
-        losses (each times `weight`); under cp the row's parts are summed over the cp ranks."""
+        """What this rank's mean divides by (`Loss.count`; 0 where it holds no targets)."""
+        if targets is None:
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        return loss.count(targets, positions)
+
+    def _mean(
+        self,
+        losses: list[torch.Tensor],
+        counted: torch.Tensor,
+        loss: Loss,
+        weight: torch.Tensor | float = 1.0,
+    ) -> torch.Tensor:
+        """The mean loss over this rank's `counted` from microbatches' summed losses (each times
+        `weight`); a token loss's row parts summed over the cp ranks (a row loss is whole rows')."""
         total = torch.stack([x.detach().float() for x in losses]).sum() / weight
-        if self.cp_mesh is not None and self.rows_loss is None:  # a rows loss is whole rows' already
+        if self.cp_mesh is not None and loss.per_token:
             dist.all_reduce(total, group=self.cp_mesh.get_group())
         return total / counted.clamp(min=1)
 
@@ -518,7 +482,7 @@ class ParallelModel:
         **loss_inputs: object,
     ) -> list[torch.Tensor]:
         """One call of the pipeline schedule (`step` or `eval`), its loss given `loss_inputs`
-        (`_microbatch_loss`'s weight, on_logits); the last stage's microbatch losses (else empty).
+        (`_microbatch_loss`'s weight, on_logits, loss); the last stage's microbatch losses (else empty).
         torch's schedules take their loss function when built and call it with (output, target)
         only, so the call's inputs are bound here, for this call alone."""
         self.schedule._loss_fn = partial(self._microbatch_loss, **loss_inputs)
@@ -561,71 +525,25 @@ class ParallelModel:
 
     def _loss(
         self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        inputs: dict[str, torch.Tensor],
+        mb: Microbatch,
+        loss: Loss,
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """A microbatch's summed loss without a pipeline: fused with the output projection unless
-        the logits are vocab-parallel (tp: `lm_loss` under `loss_parallel`) or wanted (`on_logits`),
-        or packed pairs' sides are summed apart (`layout.fused_loss`)."""
+        """A microbatch's summed loss without a pipeline: fused with the output projection where the
+        layout allows (`layout.fused_loss`: not when the logits are vocab-parallel, tp's `lm_loss`
+        under `loss_parallel`), the loss takes it (`Loss.fused`) and the logits are not wanted
+        (`on_logits`)."""
         model = self.parts[0]
-        if self.fused_loss and on_logits is None and self.rows_loss is not None:
-            return self.rows_loss(*self._rows(-model(x, y, reduction="rows", **inputs), y))
-        if self.fused_loss and on_logits is None:
-            return model(x, y, reduction="sum", **inputs)
-        return self._microbatch_loss(model(x, **inputs), y, on_logits=on_logits)
+        if self.fused_loss and on_logits is None and loss.fused is not None:
+            return loss.of_fused(mb, model(mb.tokens, mb.targets, reduction=loss.fused, **mb.inputs))
+        logits = model(mb.tokens, **mb.inputs)
+        return self._microbatch_loss(logits, mb.targets, on_logits=on_logits, loss=loss, mb=mb)
 
     def _microbatch(self, targets: torch.Tensor) -> int:
         """Which microbatch of this rank's batch `targets` are (they are a view of its rows)."""
         batch = self._batch_targets
         row = (targets.data_ptr() - batch.data_ptr()) // (batch.stride(0) * batch.element_size())
         return row // targets.shape[0]
-
-    def _token_logps(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Each target's log-probability [b, s] from logits, 0 where it does not count (tp: the
-        vocab-parallel cross entropy)."""
-        return -lm_loss(logits, targets, self.config.vocab_size, self.tp_mesh, "none").reshape(targets.shape)
-
-    def _counted(self, targets: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
-        """This rank's counted targets, or under `rows_loss` its pairs (`_pair_slots`)."""
-        if targets is None:
-            return torch.zeros((), dtype=torch.int64, device=self.device)
-        if self.rows_loss is None:
-            return (targets != IGNORE).sum()
-        return self._pair_slots(targets, positions)
-
-    def _pair_slots(self, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Where `_rows` sums each target of whole rows [B, S]: its side's slot, the side's number
-        in its row (document ids from `positions`; `row_slots` past the last, padding's), kept as
-        this rank's part of the rows (cp) in `_slots`; each slot's counted targets [B, row_slots]
-        in `_slot_counted`. Returns the pairs among the rows: chosen sides that count a target."""
-        m = self.row_slots
-        sides = torch.zeros_like(targets) if positions is None else document_ids(positions) - 1
-        slots = sides.clamp(max=m)
-        counted = targets.new_zeros(targets.shape[0], m + 1)
-        self._slot_counted = counted.scatter_add_(1, slots, (targets != IGNORE).long())[:, :m]
-        if self.cp_mesh is not None:
-            slots = shard_sequence(slots, self.cp_mesh.size(), self.cp_mesh.get_local_rank())
-        self._slots = slots
-        return (self._slot_counted.reshape(-1)[0::2] > 0).sum()
-
-    def _rows(self, logps: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """`rows_loss`'s inputs for a microbatch: each side's summed log-probability and counted
-        targets, [b x row_slots] each, from its targets' log-probabilities [b, s] (or, one side per
-        row, their rows' sums [b]), and its number. Under cp each rank holds part of every row:
-        the parts' sums are added over cp, and the gradient flows back to this rank's part alone
-        (each rank's backward then gives its part's gradient, as with language modelling)."""
-        i, b, m = self._microbatch(targets), targets.shape[0], self.row_slots
-        rows = slice(i * b, (i + 1) * b)
-        if logps.dim() == 2:
-            logps = logps.new_zeros(b, m + 1).scatter_add(1, self._slots[rows], logps)[:, :m]
-        logps, counted = logps.reshape(-1), self._slot_counted[rows].reshape(-1)
-        if self.cp_mesh is None:
-            return logps, counted, i
-        whole = logps.detach().clone()
-        dist.all_reduce(whole, group=self.cp_mesh.get_group())
-        return logps + (whole - logps.detach()), counted, i
 
     def _report(
         self,
@@ -685,16 +603,3 @@ def _chunks(
     ys = targets.chunk(n) if targets is not None else [None] * n
     parts = {k: v.chunk(n) for k, v in inputs.items()}
     return ((x, y, {k: v[i] for k, v in parts.items()}) for i, (x, y) in enumerate(zip(xs, ys, strict=True)))
-
-
-def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
-    """(global offset, local shape, local tensor) of a DTensor's shard on this rank, or of a plain tensor."""
-    if isinstance(t, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return tuple(offset), tuple(shape), t.to_local()
-    return (0,) * t.ndim, tuple(t.shape), t
-
-
-def box_slice(t: torch.Tensor, box: Box) -> torch.Tensor:
-    offset, shape = box
-    return t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
