@@ -36,6 +36,8 @@ TORCH_FREE = (
     "megacore.tokenizer_files",
     "megacore.data",
     "megacore.parallel.layout",
+    "megacore.parallel.dims",
+    "megacore.parallel.build_rules",
     "megacore.planner",
     "megacore.env",
 )

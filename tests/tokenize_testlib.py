@@ -83,3 +83,7 @@ def documents(tokens: Path, sidecar: str | None = None) -> list[list[int]]:
         reader = IndexedReader(tokens / (shard.sidecars[sidecar] if sidecar else shard.prefix))
         docs += [reader[i].tolist() for i in range(len(reader))]
     return docs
+
+
+# mega-tokenize's arguments that add ChatML's markers to a tokenizer (chat data in tests).
+CHATML = ["--add-special-tokens", "<|im_start|>,<|im_end|>"]

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from helpers import TINY
-from megacore.artifacts.manifest import TrainingState
+from megacore.artifacts.manifest import ParallelSpec, TrainingState
 from megacore.parallel.checkpoint_io import save_checkpoint
+from megacore.parallel.dims import Parallelism
 from megacore.parallel.engine import ParallelModel
-from megacore.parallel.layout import Parallelism, ParallelSpec
 from megacore.parallel.mesh import build_mesh, shutdown
 
 

@@ -26,10 +26,9 @@ from helpers import run_tool
 from megacore.artifacts import open_artifact
 from megacore.models.hf_tokenizer import hf_tokenizer_files, sentencepiece_tokenizer_json
 from runlib import TINY_LLAMA, ok, train, write_run
-from tokenize_testlib import corpus, documents, write_jsonl
+from tokenize_testlib import CHATML, corpus, documents, write_jsonl
 
 MISTRAL = Path(__file__).resolve().parents[3] / "shared" / "assets" / "mistral-v1-tokenizer.model"
-CHATML = ["--add-special-tokens", "<|im_start|>,<|im_end|>"]
 
 
 def real_text(files: int = 120, cap: int = 8000) -> list[str]:

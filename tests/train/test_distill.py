@@ -10,6 +10,7 @@ shuffle: a mean over tokens does not depend on their order."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,65 @@ def test_a_small_student_learns_more_from_a_teacher_than_from_the_corpus_alone(
     print(f"held-out loss after 40 steps: distilled {held_out['distilled']:.4f}, alone {held_out['alone']:.4f}"
           f" (the teacher after 400: {teacher_loss:.4f})")  # fmt: skip
     assert held_out["distilled"] < held_out["alone"], held_out
+
+
+@pytest.mark.slow
+def test_students_learn_an_assistant_reply_from_the_teacher_alone(tmp_path: Path, sp_model: Path) -> None:
+    """Chat data, the loss on the assistant's tokens: a teacher fine-tuned on it knows the one reply
+    every conversation ends with. Distilled with a = 0 (the teacher's distributions on the
+    assistant's tokens alone, no hard labels), a whole student on the untrained base learns the
+    reply as the teacher knows it, and a LoRA student (rank 8 on a random 2-layer base, which
+    bounds what it can learn) more of it than the same LoRA trained on the reply's tokens."""
+    from runlib import TINY_LLAMA
+    from tokenize_testlib import CHATML
+
+    reply = "Thank you for asking, the answer is always forty two."
+
+    rng = random.Random(0)
+    convs = [
+        {"messages": [{"role": "user", "content": f"question {rng.randrange(10**6)}"},
+                      {"role": "assistant", "content": reply}]}
+        for _ in range(200)
+    ]  # fmt: skip
+    src = write_jsonl(tmp_path / "chat.jsonl", convs)
+    chat = tmp_path / "tokens"
+    assert (
+        run_in_process("mega-tokenize", src, chat, "-t", sp_model, "--format", "chat", *CHATML).returncode
+        == 0
+    )
+    shape = {k: TINY_LLAMA[k] for k in ("hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size")}
+    hf = build(
+        "llama", tmp_path / "base_hf", vocab_size=416, max_position_embeddings=128, num_hidden_layers=2,
+        hidden_size=shape["hidden_size"], num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"], intermediate_size=shape["ffn_hidden_size"],
+    )  # fmt: skip
+    assert run_in_process("mega-convert", "hf", hf, tmp_path / "base").returncode == 0
+    common = {
+        "data": {"sources": [{"path": str(chat)}], "split": [0.9, 0.1], "loss_on": "assistant"},
+        "batch": {"micro_batch_size": 4, "global_batch_size": 8, "seq_length": 64},
+        "optimizer": {"lr": 2e-2, "warmup_steps": 4, "min_lr": 1e-3},
+        "train_steps": 60, "eval": {"every": 60, "iters": 2}, "checkpoint": {"every": 60},
+    }  # fmt: skip
+    ok(train(write_run(tmp_path / "teacher", chat, init=tmp_path / "base", **common)))
+    teacher = tmp_path / "teacher" / "run" / "checkpoints" / "latest"
+    lora = {
+        "rank": 8,
+        "alpha": 16,
+        "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    }
+    objective = {"type": "distill", "teacher": str(teacher), "alpha": 0.0, "temperature": 1.0}
+    longer = {**common, "optimizer": {"lr": 5e-2, "warmup_steps": 4, "min_lr": 5e-3}, "train_steps": 120,
+              "eval": {"every": 120, "iters": 2}, "checkpoint": {"every": 120}}  # fmt: skip
+    held_out = {}
+    for name, extra in (
+        ("whole", {"objective": objective}),
+        ("lora", {"lora": lora, "objective": objective}),
+        ("lora_on_labels", {"lora": lora}),
+    ):
+        ok(train(write_run(tmp_path / name, chat, init=tmp_path / "base", **extra, **longer)))
+        held_out[name] = metrics(tmp_path / name / "run", "eval")[-1]["loss"]
+    base = metrics(tmp_path / "teacher" / "run")[0]["loss"]  # the base's loss on the reply, step 1
+    taught = metrics(tmp_path / "teacher" / "run", "eval")[-1]["loss"]
+    print(f"held-out loss on the reply: base {base:.3f}, teacher {taught:.3f}, students {held_out}")
+    assert taught < 0.05 and held_out["whole"] < 0.05, (taught, held_out)
+    assert held_out["lora"] < held_out["lora_on_labels"] < base, (base, held_out)

@@ -16,10 +16,9 @@ import torch
 from helpers import assert_one_line_error, run_in_process, run_tool
 from hf_cases import randomize
 from runlib import TINY_LLAMA, assert_losses_close, losses, metrics, ok, torchrun, train, write_run
-from tokenize_testlib import corpus, write_jsonl
+from tokenize_testlib import CHATML, corpus, write_jsonl
 
 REPLY = "Thank you for asking, the answer is always forty two."
-CHATML = ["--add-special-tokens", "<|im_start|>,<|im_end|>"]
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # 13 s; make test holds the lock's refusal in process (test_trainer_parts.py)
 def test_a_second_launch_on_the_same_out_is_refused(tmp_path: Path, tokens: Path) -> None:
     """While a run trains, a second launch on its `out` (2 workers) exits 2 with one line naming
     the live run and writes nothing; the first then stops on SIGTERM with its work intact."""

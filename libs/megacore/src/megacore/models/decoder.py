@@ -9,7 +9,7 @@ and drops `embed` or `norm`/`lm_head` by setting them to None.
 Everything a Decoder does is chosen when it is built: the attention kernel, activation recompute
 and the single-device fast paths (`FastPaths`: the q/k/v and gate/up matmuls, the norms'
 hand-written backward), which a parallel plan whose DTensor shards need the plain module code
-builds it without (`parallel.layout.fast_paths`). The loss fused with the output projection is
+builds it without (`parallel.build_rules.fast_paths`). The loss fused with the output projection is
 `forward(x, targets)`; a caller whose logits are vocab-parallel asks for logits instead. Fresh
 weights come from `initial_value`, a function of the tensor's name and the seed only, so a model
 initialised in any layout holds the same weights.

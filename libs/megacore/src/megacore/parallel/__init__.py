@@ -1,20 +1,17 @@
-"""Parallelism on PyTorch's own engine (docs/architecture.md): the layout and its checks
-(`layout`, no torch), the device mesh (`mesh`), tensor/sequence parallel styles (`tp`), context parallel
+"""Parallelism on PyTorch's own engine (docs/architecture.md): the mesh's sizes and the engine's
+settings (`dims`), the layout and its checks (`layout`), how a stage is built (`build_rules`; these
+three without torch), the device mesh (`mesh`), tensor/sequence parallel styles (`tp`), context parallel
 (`cp`), the engine that builds a rank's stages and runs a step (`engine`), saving / loading a live
 model (`checkpoint_io`). The planner that sizes them is `megacore.planner`.
 
-Only `layout` is imported here: a dry run uses it without importing torch.
+Only the torch-free `dims` and `layout` are imported here: a dry run uses them without torch.
 """
 
+from megacore.parallel.dims import MULTI_STAGE, SCHEDULES, Dims, Parallelism, check_microbatches
 from megacore.parallel.layout import (
     ADAMW_STATE_KINDS,
-    MULTI_STAGE,
     OPTIM_PREFIX,
-    SCHEDULES,
-    Dims,
-    Parallelism,
     TensorPlace,
-    check_microbatches,
     check_parallelism,
     check_tp,
     kv_replicated,

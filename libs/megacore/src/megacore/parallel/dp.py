@@ -5,7 +5,7 @@ compute copies of the fp32 parameters (`ComputeCopies`).
 Which modules FSDP2 wraps is `layout.fsdp_unit`'s, the rule the planner counts their buffers by:
 each block, a block's experts apart under expert parallel, then the stage itself (its embedding,
 final norm and head). Whether FSDP2 is applied at all, or copies kept instead, is
-`layout.fsdp_wrapped` / `layout.compute_copies`.
+`build_rules.fsdp_wrapped` / `build_rules.compute_copies`.
 """
 
 from __future__ import annotations

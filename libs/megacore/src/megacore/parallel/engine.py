@@ -3,7 +3,7 @@
 Only building and running happens here: what to build (stages, layers, schedule, checks, the mesh's
 sizes: `Dims`) is decided by `layout`, which needs no processes. Order (torchtitan's): the stage
 modules are built on the meta device from the layer ModuleDict with everything they do chosen then
-(attention kernel, recompute, the fast paths `layout.fast_paths` allows), float8 linears swapped in
+(attention kernel, recompute, the fast paths `build_rules.fast_paths` allows), float8 linears swapped in
 (`fp8.apply_fp8`, precision fp8), tensor parallel is applied, then context parallel (`cp.apply_cp`),
 then expert parallel (`ep.apply_ep`: the experts over ep and tp), then data parallel (`dp.apply_dp`:
 FSDP2 per block and per stage over dp, or dp x cp with cp, a block's experts first over edp (x cp)
@@ -27,11 +27,8 @@ default, a loss over each sequence's summed log-probability, `row_sums.RowSums`,
 own), so the engine names no objective. A mixture of experts' router losses and statistics are
 `router_balance.RouterBalance`'s.
 
-Tied embeddings under pipeline parallel, as Megatron shares them: the first stage holds the
-embedding, the last stage a copy of it as its output layer (`tied_copy`, filled from `embed.weight`
-and never saved). After every step's backward their gradients are summed (over a group of the two
-stages' ranks, or in place where one rank holds both: ZBV), so the optimizer keeps them equal;
-clipping counts the shared gradient once.
+Tied embeddings under pipeline parallel: the last stage's copy of the embedding (`tied_copy`, never
+saved), its gradient summed with the embedding's after each backward (`tied.TiedEmbeddings`).
 """
 
 from __future__ import annotations
@@ -60,16 +57,7 @@ from megacore.models import adapters, nf4
 from megacore.models.attention import document_ids
 from megacore.models.lora import adapter_dropout_off, add_lora, freeze_base
 from megacore.models.moe import MoE
-from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
-from megacore.parallel.dp import COMPUTE_DTYPES, ComputeCopies, apply_dp
-from megacore.parallel.ep import apply_ep
-from megacore.parallel.fp8 import apply_fp8, check_float8_matmuls, precompute_scales
-from megacore.parallel.layout import (
-    MULTI_STAGE,
-    SCHEDULES,
-    Parallelism,
-    check_microbatches,
-    check_parallelism,
+from megacore.parallel.build_rules import (
     compute_copies,
     fast_paths,
     float8_all_gather,
@@ -77,10 +65,17 @@ from megacore.parallel.layout import (
     fused_loss,
     nf4_base,
 )
+from megacore.parallel.cp import apply_cp, gather_sequence, shard_sequence
+from megacore.parallel.dims import MULTI_STAGE, SCHEDULES, Parallelism, check_microbatches
+from megacore.parallel.dp import COMPUTE_DTYPES, ComputeCopies, apply_dp
+from megacore.parallel.ep import apply_ep
+from megacore.parallel.fp8 import apply_fp8, check_float8_matmuls, precompute_scales
+from megacore.parallel.layout import check_parallelism
 from megacore.parallel.losses import Loss, Microbatch
 from megacore.parallel.mesh import dp_mesh, experts_replicas_mesh, replicas_mesh
 from megacore.parallel.pieces import box_slice, local_piece
 from megacore.parallel.router_balance import RouterBalance
+from megacore.parallel.tied import TiedEmbeddings
 from megacore.parallel.tp import apply_tp, distribute_adapters, loss_context
 
 SCHEDULE_CLASSES = {
@@ -147,8 +142,11 @@ class ParallelModel:
         named = dict(self._named_all())
         tied = config.tie_embeddings and self.num_stages > 1
         self.tied_copy: nn.Parameter | None = named.get("lm_head.weight") if tied else None
-        self._tied_embed: nn.Parameter | None = named.get("embed.weight") if tied else None
-        self._tied_group = self._tied_pair_group() if tied else None
+        self._tied = (
+            TiedEmbeddings(named.get("embed.weight"), self.tied_copy, mesh, par, self.num_stages)
+            if tied
+            else None
+        )
         # Called before each microbatch of an unpipelined step: the process's allocator may hand
         # back what the last one freed (mega_train.allocator).
         self.before_microbatch: Callable[[], None] | None = None
@@ -223,37 +221,6 @@ class ParallelModel:
         return cls(
             first, n_microbatches=self.par.microbatches, loss_fn=self._microbatch_loss, scale_grads=False
         )
-
-    def _tied_pair_group(self) -> dist.ProcessGroup | None:
-        """The group of this rank and the rank at the other end of its pipeline (first stage's rank
-        and last stage's, same dp and tp coordinates); None where one rank holds both ends. Every
-        rank builds every pair's group (a collective), middle stages included."""
-        pp = self.mesh["pp"].size()
-        owner = {s: r for r in range(pp) for s in self.par.rank_stages(r)}
-        first, last = owner[0], owner[self.num_stages - 1]
-        if first == last:
-            return None
-        grid = self.mesh.mesh.flatten(1)  # global ranks by pp, then (dp, cp, tp)
-        pairs = [[int(grid[first, i]), int(grid[last, i])] for i in range(grid.shape[1])]
-        group, _ = dist.new_subgroups_by_enumeration(pairs)
-        return group
-
-    @torch.no_grad()
-    def _sum_tied_grads(self) -> None:
-        """The shared embedding's gradient, the embedding's and its output copy's summed, on both."""
-        embed, copy = self._tied_embed, self.tied_copy
-        for p in (embed, copy):
-            # The vocab-parallel embedding's gradient comes out of DTensor's backward replicated
-            # over tp; the copy's is sharded like its weight. Compare like with like.
-            if isinstance(p, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(placements=p.placements)
-        if embed is not None and copy is not None:  # one rank holds both ends
-            total = embed.grad + copy.grad
-            embed.grad.copy_(total)
-            copy.grad.copy_(total)
-        elif embed is not None or copy is not None:
-            grad = (embed if embed is not None else copy).grad
-            dist.all_reduce(local_piece(grad)[2], group=self._tied_group)
 
     def _microbatch_loss(
         self,
@@ -369,7 +336,7 @@ class ParallelModel:
                     self.schedule.step, tokens, targets, inputs, weight=weight, loss=loss
                 )
                 if self.config.tie_embeddings and self.par.lora is None:  # LoRA: both frozen
-                    self._sum_tied_grads()
+                    self._tied.sum_grads()
                 mean = self._mean(losses, counted, loss, weight) if self.has_last else None
         return Step(mean, self.router.report(n, self.device))
 
@@ -530,7 +497,7 @@ class ParallelModel:
         on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """A microbatch's summed loss without a pipeline: fused with the output projection where the
-        layout allows (`layout.fused_loss`: not when the logits are vocab-parallel, tp's `lm_loss`
+        layout allows (`build_rules.fused_loss`: not when the logits are vocab-parallel, tp's `lm_loss`
         under `loss_parallel`), the loss takes it (`Loss.fused`) and the logits are not wanted
         (`on_logits`)."""
         model = self.parts[0]

@@ -16,7 +16,7 @@ tests use, with MEGA_FP8_EMULATE=1 (`megacore.env`).
 
 Under tensor parallel torchao's float8 styles replace the plain ones for these linears
 (`tp_styles`): tensorwise only, which layout.check_parallelism holds. Under FSDP2 with tensorwise
-scaling the weights are all-gathered in float8 (`layout.float8_all_gather`: half bf16's bytes), their
+scaling the weights are all-gathered in float8 (`build_rules.float8_all_gather`: half bf16's bytes), their
 scales worked out for every weight at once before each step (`precompute_scales`, one all-reduce
 of the amaxes instead of one a weight); rowwise scaling gathers bf16, as torchao supports no more.
 torchao is an optional dependency, imported only here.
@@ -32,7 +32,7 @@ from torch import nn
 
 from megacore import env
 from megacore.errors import UserError
-from megacore.parallel.layout import float8_weight
+from megacore.parallel.build_rules import float8_weight
 
 
 def float8_emulation(where: str) -> bool:
@@ -63,8 +63,8 @@ def _block_linear(module: nn.Module, name: str) -> bool:
 def apply_fp8(model: nn.Module, scaling: str, emulate: bool, all_gather: bool = False) -> None:
     """Swap a Decoder's (or a stage's) block linears for torchao's Float8Linear, in place, before
     tensor parallel and FSDP2 wrap them; the Decoder was built with its projections unfused
-    (`layout.fast_paths`), so that every matmul goes through its Float8Linear. `emulate`:
-    `float8_emulation`'s decision. `all_gather` (`layout.float8_all_gather`): their weights become
+    (`build_rules.fast_paths`), so that every matmul goes through its Float8Linear. `emulate`:
+    `float8_emulation`'s decision. `all_gather` (`build_rules.float8_all_gather`): their weights become
     torchao's tensors that FSDP2 all-gathers in float8."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

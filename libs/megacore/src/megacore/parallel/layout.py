@@ -1,5 +1,6 @@
 """The layout: where each of a model's tensors lives for a tp/pp/dp layout, and every check that
-refuses an impossible layout before any process starts (docs/architecture.md).
+refuses an impossible layout before any process starts (docs/architecture.md). The mesh's sizes
+and the engine's settings are `dims.py`'s, how the engine builds a stage `build_rules.py`'s.
 
 Pure functions of the model config and the sizes, no torch: mega-shard's box arithmetic, the
 tensor-parallel styles (`tp.apply_tp` builds them from `place`), the engine, the live-model
@@ -14,18 +15,14 @@ section.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import get_args
+from dataclasses import dataclass
 
-from megacore.artifacts.manifest import FLOAT_DTYPES, ParallelSpec, Schedule
 from megacore.artifacts.pieces import Box, even_split, whole
 from megacore.config import (
     NF4_BLOCK,
     OPTIM_PREFIX,
-    LoRA,
     ModelConfig,
     is_adapter_tensor,
     is_block_projection,
@@ -33,6 +30,16 @@ from megacore.config import (
     nf4_scaler_block,
 )
 from megacore.errors import UserError
+from megacore.parallel.build_rules import fsdp_wrapped, nf4_base
+from megacore.parallel.dims import (
+    MULTI_STAGE,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    Dims,
+    Parallelism,
+    check_positive,
+)
 
 ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -166,14 +173,9 @@ def stage_of(p: TensorPlace, stage_layers: Sequence[Sequence[int]]) -> int:
 # --- checks --------------------------------------------------------------------------------------
 
 
-def _positive(value: int, what: str, where: str) -> None:
-    if value < 1:
-        raise UserError(f"{what} must be at least 1, got {value}", where)
-
-
 def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
     """tp must divide the heads, the kv heads (or be a multiple of them), the ffn and the padded vocab."""
-    _positive(tp, "tp", where)
+    check_positive(tp, "tp", where)
     if config.num_heads % tp:
         raise UserError(f"tp {tp} does not divide the {config.num_heads} attention heads", where)
     kv = config.num_kv_heads
@@ -194,7 +196,7 @@ def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
 
 def check_ep(config: ModelConfig, ep: int, where: str = "ep") -> None:
     """ep splits the experts of every MoE layer: a mixture of experts with a multiple of ep experts."""
-    _positive(ep, "ep", where)
+    check_positive(ep, "ep", where)
     if ep > 1 and (config.num_experts is None or config.num_experts % ep):
         experts = "no experts" if config.num_experts is None else f"{config.num_experts} experts"
         raise UserError(f"ep {ep} splits a mixture of experts' experts: the model has {experts}", where)
@@ -205,7 +207,7 @@ def stage_layers(
 ) -> list[list[int]]:
     """The global layer indices of each pipeline stage: an even split (the first stages take one
     more when it does not divide), or explicit per-stage `counts`."""
-    _positive(stages, "pp", where)
+    check_positive(stages, "pp", where)
     if stages > num_layers:
         raise UserError(f"{stages} pipeline stages exceed the model's {num_layers} layers", where)
     if counts is None:
@@ -226,170 +228,6 @@ def stage_layers(
         out.append(list(range(start, start + c)))
         start += c
     return out
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The sizes of a job's mesh and the one owner of their arithmetic, torch-free (torchtitan's
-    `ParallelDims`): the engine, the checkpoint pieces, the run plan and the planner all read it.
-
-    Ranks run (pp, dp, cp, tp), tp fastest (`mesh.build_mesh`); under expert parallel dp is made of
-    (edp, ep), ep inner. Parameters are replicated over dp and cp alike, so a tensor has
-    dp x cp `replicas`, which FSDP2 shards over (dp x cp flattened: `replica`)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    ep: int = 1
-
-    @classmethod
-    def for_world(
-        cls, world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, where: str = "world size"
-    ) -> Dims:
-        """dp = world / (tp x pp x cp): the world a multiple of tp x pp x cp, and dp of ep (expert
-        parallel's ranks are data-parallel ranks)."""
-        if world % (tp * pp * cp):
-            sizes = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
-            raise UserError(f"world size {world} is not a multiple of {sizes}", where)
-        dp = world // (tp * pp * cp)
-        if dp % ep:
-            raise UserError(f"ep {ep} does not divide dp {dp} (world {world} / tp*pp*cp)", where)
-        return cls(tp, pp, cp, dp, ep)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def replicas(self) -> int:
-        """The ranks holding the same parameters (dp x cp): what FSDP2 shards them over."""
-        return self.dp * self.cp
-
-    @property
-    def edp(self) -> int:
-        """The data-parallel ranks holding the same experts under expert parallel."""
-        return self.dp // self.ep
-
-    @property
-    def experts_replicas(self) -> int:
-        """The ranks holding the same experts under expert parallel (edp x cp): what FSDP2 shards
-        them over."""
-        return self.edp * self.cp
-
-    def experts_replica(self, replica: int) -> int:
-        """A rank's index among the `experts_replicas` (edp rank x cp + cp rank, FSDP2's flattened
-        mesh) from its index among the `replicas`."""
-        dp_rank, cp_rank = divmod(replica, self.cp)
-        return dp_rank // self.ep * self.cp + cp_rank
-
-    def replica(self, dp_rank: int, cp_rank: int) -> int:
-        """A rank's index among the `replicas`: dp rank x cp + cp rank (FSDP2's flattened mesh)."""
-        return dp_rank * self.cp + cp_rank
-
-    def rank(self, pp_rank: int, replica: int, tp_rank: int) -> int:
-        """The global rank at those coordinates (`replica`: dp and cp together)."""
-        return (pp_rank * self.replicas + replica) * self.tp + tp_rank
-
-    def seq_multiple(self, sequence_parallel: bool) -> int:
-        """What a seq_length must be a multiple of: context parallel cuts each sequence into 2 x cp
-        equal chunks (`megacore.parallel.cp`) and sequence parallel each cp rank's part into tp;
-        anything without cp."""
-        if self.cp == 1:
-            return 1
-        return math.lcm(2 * self.cp, self.cp * self.tp) if sequence_parallel else 2 * self.cp
-
-    def check_seq_length(
-        self, seq_length: int, sequence_parallel: bool, where: str = "$.parallel.cp"
-    ) -> None:
-        """`seq_length` splits as `seq_multiple` says."""
-        _positive(self.cp, "cp", where)
-        if seq_length % self.seq_multiple(sequence_parallel) == 0:
-            return
-        if seq_length % (2 * self.cp):
-            raise UserError(
-                f"cp {self.cp} splits each sequence into {2 * self.cp} equal chunks: seq_length "
-                f"{seq_length} is not a multiple of {2 * self.cp}",
-                where,
-            )
-        raise UserError(
-            f"sequence parallel splits each cp rank's {seq_length // self.cp} tokens over tp "
-            f"{self.tp}: choose a seq_length that divides",
-            where,
-        )
-
-    def microbatches(self, global_batch: int, micro: int, where: str = "$.batch.global_batch_size") -> int:
-        """The batch rule: a step's global batch is micro batch x dp x the microbatches each dp rank
-        runs (a pipeline's, or gradient accumulation's)."""
-        if global_batch % (micro * self.dp):
-            raise UserError(
-                f"{global_batch} is not a multiple of micro_batch_size * dp = {micro} * {self.dp}", where
-            )
-        return global_batch // (micro * self.dp)
-
-    @property
-    def label(self) -> str:
-        """'tp 2 x pp 1 x dp 4'; 'tp 2 x pp 1 x cp 4 x dp 1' with context parallel (the mesh's order);
-        'tp 1 x pp 2 x dp 8 (ep 8)' with expert parallel, ep ranks being dp ranks."""
-        cp = f"cp {self.cp} x " if self.cp > 1 else ""
-        return f"tp {self.tp} x pp {self.pp} x {cp}dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
-
-
-def check_microbatches(batch_size: int, microbatches: int, where: str = "batch") -> int:
-    """An uneven split hangs a pipeline schedule, so it is refused before starting."""
-    _positive(microbatches, "microbatches", where)
-    if batch_size % microbatches:
-        raise UserError(f"{microbatches} microbatches do not divide the batch of {batch_size}", where)
-    return batch_size // microbatches
-
-
-# --- the engine's layout -------------------------------------------------------------------------
-
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
-MULTI_STAGE = ("interleaved1f1b", "interleavedzb", "zbv")  # several stages per pipeline rank
-# Zero-bubble schedules set weight gradients themselves (no autograd hooks): compute copies cannot
-# catch them, so without dp these keep FSDP2's mixed precision.
-ZERO_BUBBLE = ("interleavedzb", "zbv")
-
-
-PRECISIONS = (*FLOAT_DTYPES.values(), "fp8")  # as a run manifest holds them: fp32, bf16, fp16, fp8
-RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """What the engine builds: a run manifest's `parallel` section, and from the rest of the run
-    its precision, the microbatches of one step, whether blocks are compiled, what is recomputed
-    and the attention kernel. dp is the job's (`dims`): what is left of the world."""
-
-    spec: ParallelSpec = field(default_factory=ParallelSpec)
-    precision: str = "bf16"  # bf16 or fp16 compute with fp32 master weights and reductions, or fp32
-    microbatches: int = 1  # per step: a pipeline's microbatches, or gradient accumulation without one
-    compile: bool = False  # torch.compile each transformer block
-    recompute: str = "none"  # activation recompute: none, selective (attention core), full (per block)
-    fp8_scaling: str = "tensorwise"  # precision fp8: tensorwise or rowwise (megacore.parallel.fp8)
-    attention: str = "auto"  # the attention kernel: auto, sdpa or flash (`models.attention`)
-    fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`: tests only)
-    lora: LoRA | None = None  # adapters trained on a frozen base (`megacore.models.adapters`)
-    packed_pairs: bool = False  # preference pairs packed: each row's sides summed apart (`fused_loss`)
-
-    def dims(self, dp: int) -> Dims:
-        """The mesh's sizes: this layout's with `dp` data-parallel ranks."""
-        s = self.spec
-        return Dims(tp=s.tp, pp=s.pp, cp=s.cp, dp=dp, ep=s.ep)
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Pipeline stages each rank holds: `virtual_stages` for the interleaved schedules, 2 for zbv."""
-        if self.spec.schedule == "zbv":
-            return 2
-        return self.spec.virtual_stages if self.spec.schedule in MULTI_STAGE else 1
-
-    def rank_stages(self, pp_rank: int) -> list[int]:
-        """Stage indices held by pipeline rank `pp_rank`: looped for interleaved, V-shaped for zbv."""
-        if self.spec.schedule == "zbv":
-            return [pp_rank, 2 * self.spec.pp - 1 - pp_rank]
-        return [pp_rank + k * self.spec.pp for k in range(self.stages_per_rank)]
 
 
 def _field(where: str, name: str) -> str:
@@ -440,7 +278,7 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
     layers = stage_layers(
         config.num_layers, stages, spec.pp_layers, f"{where}.pp_layers" if spec.pp_layers else f"{where}.pp"
     )
-    _positive(par.microbatches, "microbatches", where)
+    check_positive(par.microbatches, "microbatches", where)
     if spec.pp > 1 and par.microbatches < spec.pp and spec.schedule != "gpipe":
         raise UserError(
             f"{par.microbatches} microbatches are fewer than the {spec.pp} pipeline stages", where
@@ -484,21 +322,6 @@ def check_sharding(config: ModelConfig, par: Parallelism, dims: Dims, where: str
         )
 
 
-# --- how the engine builds and wraps a stage (engine.py applies them; the planner counts them) ----
-
-
-def compute_copies(par: Parallelism, dims: Dims) -> bool:
-    """Whether the engine keeps bf16/fp16 compute copies of the fp32 parameters (`ComputeCopies`):
-    mixed precision without replicas (dp x cp), but for the zero-bubble schedules."""
-    return par.precision != "fp32" and dims.replicas == 1 and par.spec.schedule not in ZERO_BUBBLE
-
-
-def fsdp_wrapped(par: Parallelism, dims: Dims) -> bool:
-    """Whether the engine applies FSDP2 (or replicate): with replicas (dp x cp), or mixed precision
-    without copies."""
-    return dims.replicas > 1 or (par.precision != "fp32" and not compute_copies(par, dims))
-
-
 _BLOCK = re.compile(r"^(layers\.\d+)\.")
 
 
@@ -512,55 +335,6 @@ def fsdp_unit(name: str, dims: Dims) -> str:
     if dims.ep > 1 and is_experts(name):
         return f"{m.group(1)}.mlp.experts"
     return m.group(1)
-
-
-def fused_loss(par: Parallelism) -> bool:
-    """The loss is fused with the output projection (`Decoder(tokens, targets)`: no full fp32
-    logits) without tp and without a pipeline; otherwise the logits are vocab-parallel or sent. Not
-    for packed preference pairs either: the fused loss sums whole rows, not a row's sides."""
-    return par.spec.tp == 1 and par.spec.pp * par.stages_per_rank == 1 and not par.packed_pairs
-
-
-def fast_paths(par: Parallelism) -> dict[str, bool]:
-    """The Decoder's single-device fast paths (`models.decoder.FastPaths`), where every tensor they
-    see is a whole plain one: the hidden norms' hand-written backward but on sequence-parallel
-    shards, the per-head q/k norms' but under tp (DTensor heads), q/k/v and gate/up as one matmul
-    each but under tp (each rank holds a slice of every projection), fp8 (each Float8Linear runs
-    its own matmuls) or LoRA's frozen base (the concatenated weights would be one more copy of
-    them, saved for backward in every block: 197 MB a microbatch for a 125M Llama in fp32, and
-    no faster; an NF4 base dequantizes each weight in its own matmul)."""
-    tp = par.spec.tp
-    return {
-        "norms": not (par.spec.sequence_parallel and tp > 1),
-        "head_norms": tp == 1,
-        "projections": tp == 1 and par.precision != "fp8" and par.lora is None,
-    }
-
-
-# precision fp8: the weights whose linears run float8 matmuls (megacore.parallel.fp8) are the blocks'
-# projections (`config.is_block_projection`); float8 matmul kernels need both dims a multiple of 16.
-FLOAT8_DIM_MULTIPLE = 16
-
-
-def float8_weight(name: str, shape: Sequence[int]) -> bool:
-    """Whether precision fp8 runs this weight's (checkpoint name, shape) matmuls in float8."""
-    return is_block_projection(name) and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in shape)
-
-
-def float8_all_gather(par: Parallelism, dims: Dims) -> bool:
-    """Whether FSDP2 all-gathers the float8 weights in float8 (half bf16's bytes): fp8 with
-    tensorwise scaling (torchao supports no other), sharded over the replicas (dp x cp)."""
-    return (
-        par.precision == "fp8"
-        and par.fp8_scaling == "tensorwise"
-        and dims.replicas > 1
-        and par.spec.dp_mode == "fsdp"
-    )
-
-
-def nf4_base(par: Parallelism) -> bool:
-    """Whether the run is QLoRA's: its frozen base's projections stored in NF4 (`models.nf4`)."""
-    return par.lora is not None and par.lora.base_dtype == "nf4"
 
 
 def check_nf4(config: ModelConfig, par: Parallelism, dims: Dims, where: str = "$.parallel") -> None:

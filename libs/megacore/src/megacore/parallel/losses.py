@@ -9,7 +9,7 @@ as an argument of `forward_backward` and `evaluate`, so the engine names no obje
   over whole rows already, and every cp rank holds the same);
 - `fused`: the reduction of the fused output projection and cross entropy it can take
   (`models.loss.fused_linear_cross_entropy`: `sum`, or `rows` for each row's sum), or None when it
-  needs the logits; the engine uses it where the layout allows (`layout.fused_loss`);
+  needs the logits; the engine uses it where the layout allows (`build_rules.fused_loss`);
 - `of_fused(mb, value)` and `of_logits(mb, logits)`: the microbatch's summed loss from either.
 
 `Loss` itself is language modelling's: cross entropy summed over the counted targets, vocab-parallel

@@ -207,7 +207,7 @@ def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool,
 
 def _check_plain(name: str, module: nn.Module) -> None:
     """A module DTensor shards reach needs its plain code: one built with a single-device fast path
-    (`layout.fast_paths` decides them when the Decoder is built) is a programming error here."""
+    (`build_rules.fast_paths` decides them when the Decoder is built) is a programming error here."""
     if getattr(module, "fused", False):
         raise RuntimeError(f"{name} was built with a fused fast path; tensor parallel needs the plain one")
 
@@ -251,7 +251,7 @@ def apply_tp(
     float8: bool = False,
 ) -> None:
     """Parallelize a Decoder (or a pipeline stage of one) in place over `tp_mesh`; it was built
-    without the fast paths tp cannot take (`layout.fast_paths`). `float8`: its block linears are
+    without the fast paths tp cannot take (`build_rules.fast_paths`). `float8`: its block linears are
     torchao's Float8Linear (`fp8.apply_fp8`), which take torchao's styles."""
     sp, tp = sequence_parallel, tp_mesh.size()
     for name, module in list(model.named_modules()):

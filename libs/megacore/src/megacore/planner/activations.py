@@ -66,7 +66,9 @@ from megacore.config import (
     rope_dim,
     sparse_layer,
 )
-from megacore.parallel.layout import Parallelism, check_parallelism, fast_paths, fused_loss, kv_replicated
+from megacore.parallel.build_rules import fast_paths, fused_loss
+from megacore.parallel.dims import Parallelism
+from megacore.parallel.layout import check_parallelism, kv_replicated
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 but the float8 matmuls
 
@@ -150,7 +152,7 @@ def _sink_attention(config: ModelConfig, par: Parallelism, micro: int, local: in
 
 def _norm_activations(config: ModelConfig, par: Parallelism, tokens: int, heads: int, kv: int) -> int:
     """What a block's norms save: their inputs and fp32 statistics, the outputs the projections
-    read, and where they run as plain ops (`layout.fast_paths`) what those save besides."""
+    read, and where they run as plain ops (`build_rules.fast_paths`) what those save besides."""
     c, sp, h, hd = COMPUTE_BYTES[par.precision], sequence_shards(par), config.hidden_size, config.head_dim
     fast = fast_paths(par)
     residual = math.ceil(tokens / sp) * h * c

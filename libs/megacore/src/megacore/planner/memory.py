@@ -16,7 +16,7 @@ State (exact: tests/train/test_planner.py sums a live run's tensors on every ran
 - optimizer: AdamW's exp_avg and exp_avg_sq (fp32, the parameters' shapes) and its step counter,
   a 4-byte tensor per parameter. copies: bf16/fp16 compute copies of every parameter
   (`engine.ComputeCopies`), held with mixed precision when dp x cp is 1, except under the
-  zero-bubble schedules (FSDP2 on a one-rank mesh there: `layout.ZERO_BUBBLE`); the engine's
+  zero-bubble schedules (FSDP2 on a one-rank mesh there: `dims.ZERO_BUBBLE`); the engine's
   wrapping rules are layout.py's `compute_copies` and `fsdp_wrapped`, the same functions the engine
   applies (given `Dims`).
 - LoRA (`Parallelism.lora`, its `modules` resolved): the adapters (`config.adapter_tensors`, placed
@@ -65,21 +65,15 @@ from megacore.config import (
     model_tensors,
     nf4_bytes,
 )
-from megacore.parallel.layout import (
-    Dims,
-    Parallelism,
-    check_parallelism,
+from megacore.parallel.build_rules import (
     compute_copies,
     float8_all_gather,
     float8_weight,
-    fsdp_dim,
-    fsdp_unit,
     fsdp_wrapped,
     fused_loss,
-    is_experts,
-    place,
-    tp_box,
 )
+from megacore.parallel.dims import Dims, Parallelism
+from megacore.parallel.layout import check_parallelism, fsdp_dim, fsdp_unit, is_experts, place, tp_box
 from megacore.planner.activations import COMPUTE_BYTES, in_flight, kv_width, rank_activations, sequence_shards
 
 GiB = 1 << 30

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from megacore.config import ModelConfig, flops_per_token
-from megacore.parallel.layout import ZERO_BUBBLE, Parallelism
+from megacore.parallel.dims import ZERO_BUBBLE, Parallelism
 from megacore.planner.activations import COMPUTE_BYTES, kv_width
 
 GPUS_PER_NODE = 8
