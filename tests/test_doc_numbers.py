@@ -214,6 +214,7 @@ def literals(relative: str) -> dict[str, object]:
 
 
 PLANNER_TEST = "tests/train/test_planner.py"
+PLANNER_CASES = "tests/planner_cases.py"  # the planner tests' shapes, conditions and searches
 FP8_TEST = "tests/train/test_fp8.py"
 CONTEXT_TEST = "tests/train/test_context.py"
 QLORA_TEST = "tests/train/test_qlora.py"
@@ -225,7 +226,7 @@ GPU_MEMORY = "80GB"  # what the pages' planner figures are planned for (test_pla
 
 def planner_test(name: str) -> object:
     """test_planner's conditions and published shapes (its shapes are built by code, hence imported)."""
-    return getattr(_load(PLANNER_TEST), name)
+    return getattr(_load(PLANNER_CASES), name)
 
 
 def gib(n: float) -> str:

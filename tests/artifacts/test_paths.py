@@ -11,9 +11,14 @@ added later cannot escape the check.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
 import re
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -200,16 +205,66 @@ def test_every_file_and_prefix_field_is_confined(kind: str, artifacts, tmp_path:
     assert checked >= 3 * len(declared)
 
 
+_OPENED: list[list[str]] = []  # while `opened_paths` runs: every path the process opens or lists
+
+
+def _audit(event: str, args: tuple) -> None:
+    if (
+        _OPENED
+        and event in ("open", "os.listdir", "os.scandir")
+        and isinstance(args[0], str | bytes | os.PathLike)
+    ):
+        _OPENED[-1].append(os.fsdecode(args[0]))
+
+
+@functools.cache
+def _install_audit_hook() -> None:
+    sys.addaudithook(_audit)  # for the life of the process; it records nothing outside `opened_paths`
+
+
+@contextlib.contextmanager
+def opened_paths() -> Iterator[list[Path]]:
+    """The paths the process opens (builtin `open`, `os.open`) or lists (`os.listdir`, `os.scandir`)
+    inside the block, as Python's audit events report them, made absolute and resolved."""
+    _install_audit_hook()
+    seen: list[str] = []
+    resolved: list[Path] = []
+    _OPENED.append(seen)
+    try:
+        yield resolved
+    finally:
+        _OPENED.pop()
+        resolved += [Path(os.path.abspath(p)).resolve() for p in seen]
+
+
 @pytest.mark.parametrize("kind", ["tokens", "checkpoint", "hf"])
-def test_record_paths_are_never_opened(kind: str, artifacts, tmp_path: Path):
+def test_record_paths_are_never_opened(kind: str, artifacts, tmp_path: Path, monkeypatch):
+    """A record path says where a parent or an input was: history, not a file of the artifact.
+    Record paths that a `file` field would refuse (absolute through `..`, a relative `..` escape,
+    one naming nothing) and that name, from the artifact's directory (the working directory too), a
+    real directory and file outside it whose contents fail any reading (a manifest that is not
+    JSON): `open_artifact`, every file's sha256 verified, accepts them, hands them back as written,
+    and opens or lists nothing under them, while it is seen opening the artifact's own manifest."""
+    decoy = tmp_path / "elsewhere"
+    (decoy / "parent").mkdir(parents=True)
+    (decoy / "parent" / MANIFEST_NAME).write_text("not a manifest")
+    (decoy / "input.jsonl").write_text("not an input\n")
     work = tmp_path / "a"
     shutil.copytree(artifacts[kind], work)
     doc = json.loads((work / MANIFEST_NAME).read_text())
-    doc["parents"] = [{"path": "/no/such/../place", "kind": "checkpoint", "manifest_sha256": "0" * 64}]
-    for item in doc.get("inputs", []):
-        item["path"] = "../../anywhere.jsonl"
+    parents = [f"{decoy}/../{decoy.name}/parent", f"../{decoy.name}/parent", "/no/such/../place"]
+    doc["parents"] = [{"path": p, "kind": "checkpoint", "manifest_sha256": "0" * 64} for p in parents]
+    want = {f"$.parents[{i}].path": p for i, p in enumerate(parents)}
+    for i, item in enumerate(doc.get("inputs", [])):
+        item["path"] = want[f"$.inputs[{i}].path"] = f"../{decoy.name}/input.jsonl"
+    assert (kind == "tokens") == ("$.inputs[0].path" in want), "the tokens artifact records its inputs"
     (work / MANIFEST_NAME).write_text(json.dumps(doc))
-    open_artifact(work, kind)
+    monkeypatch.chdir(work)
+    with opened_paths() as seen:
+        manifest = open_artifact(work, kind, verify="sha256")
+    assert {at: value for at, k, value in path_fields(manifest) if k == "record"} == want
+    assert (work / MANIFEST_NAME).resolve() in seen, seen  # the audit hook sees the reader's opens
+    assert [p for p in seen if p.is_relative_to(decoy.resolve())] == []
 
 
 def test_run_refs_resolve_against_the_manifest_not_the_working_directory(

@@ -39,12 +39,13 @@ Buffers (transient or bookkeeping, counted at once, so an upper bound; T, h, c a
   accumulates unsharded;
 - without dp, the largest parameter's compute-dtype gradient; the loss's scratch (fused) or its
   fp32 logits copies.
-Measured on CPU (a 4-layer, hidden-256 Llama, 2 processes): one process within 8% below the peak
-(activations alone, the test's bound is 25%); with tp, pp or dp activations + buffers within 20%
-of the peak of a step, except sequence parallel with accumulation (30% under: DTensor collectives'
-transients); cp 2 (planner_worker.py, a hidden-256 Llama at S 256): activations within 5% of the
-tensors autograd saves, activations + buffers 5-24% over the peak (which varies by some 6% from run
-to run with gloo's all-gathers). ALLOWANCE, a fixed 4 GiB per GPU, covers what is not modelled:
+Measured on CPU (a 4-layer, hidden-256 Llama, 2 processes): one process never over the peak and
+at most 12% under it in fp32, 18% in bf16 (activations alone; the test's bounds 15% and 25%,
+tests/train/test_planner.py); with tp, pp or dp activations + buffers within 20% of the peak of a
+step, except sequence parallel with accumulation (30% under: DTensor collectives' transients);
+cp 2 (planner_worker.py, a hidden-256 Llama at S 256): activations 1% under to 9% over the tensors
+autograd saves (the test's bounds 3% and 10%), activations + buffers 2-24% over the peak (which
+varies from run to run with gloo's all-gathers). ALLOWANCE, a fixed 4 GiB per GPU, covers what is not modelled:
 the CUDA context and kernels, NCCL buffers, allocator fragmentation.
 """
 
