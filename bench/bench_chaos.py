@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
+from benchlib import ROOT, launch
 from run import Row
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(quick: bool) -> list[Row]:
     if quick:
         return [Row("chaos", "kills and resumes", "-", "-", None, note="skipped with --quick")]
-    p = subprocess.run(
+    p = launch(
         [sys.executable, "-m", "pytest", "-m", "slow", "-q", "-s", "tests/train/test_chaos.py"],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("chaos: ")), None)
     if line is None:
@@ -42,7 +39,7 @@ def run(quick: bool) -> list[Row]:
             "0",
             None,
             target="<= 1e-4, steps exact, no checkpoint lost",
-            passed=p.returncode == 0,
+            passed=p.code == 0,
             note=note,
         )
     ]

@@ -12,7 +12,7 @@ row switches `megacore.checkpoint.PIECE_SHA256` the same way (the file's own sum
 way).
 
 Two checkpoints, written random into bench-out/checkpoint/ as one file each (the tp1/pp1 layout of
-mega-convert and of a one-rank training save; `bench_shard.write_source`): bf16 weights, and bf16
+mega-convert and of a one-rank training save; benchlib's `write_checkpoint`): bf16 weights, and bf16
 weights + fp32 AdamW moments (10 bytes per parameter, a training checkpoint), Llama-2-7B tensor
 shapes with one layer (`--quick`: small shapes). Measured, each in a fresh child process:
 - export: `mega_export.export.export_hf` to bf16, of each checkpoint (of a training checkpoint only
@@ -21,7 +21,8 @@ shapes with one layer (`--quick`: small shapes). Measured, each in a fresh child
   ParallelModel (gloo, fp32) and its AdamW state: what a resuming run does;
 - save: `megacore.parallel.checkpoint_io.save_checkpoint` of that model and AdamW state (fp32 weights and
   moments, one process), piece sums recorded or not.
-Rounds are paired and interleaved (on then off, then off then on, ...); the ratio is the median
+Rounds are paired and interleaved (benchlib's `paired_rounds`: on then off, then off then on,
+...); the ratio is the median
 over rounds of off / on in the same round (1.0: free; >= 0.91: at most 10% slower, the target), the
 times shown each side's best. The page cache is warm (the files were just written): the check's CPU
 cost in full; reading from a cold disk costs both sides the same read.
@@ -29,19 +30,25 @@ cost in full; reading from a cold disk costs both sides the same read.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-from bench_shard import LLAMA2_7B, QUICK, write_source
+from benchlib import (
+    LLAMA2_7B,
+    SMALL_DIMS,
+    launch,
+    logger,
+    main,
+    median_ratio,
+    paired_rounds,
+    write_checkpoint,
+)
+from benchlib import OUT as BENCH_OUT
 from megacore.config import ModelConfig
 from run import Row
 
-OUT = Path(__file__).resolve().parents[1] / "bench-out" / "checkpoint"
+OUT = BENCH_OUT / "checkpoint"
 FULL_DIMS = {**LLAMA2_7B, "num_layers": 1}
 
 EXPORT = """
@@ -95,35 +102,22 @@ print(json.dumps({"seconds": seconds}))
 """
 
 
-def log(msg: str) -> None:
-    print(f"   checkpoint: {msg}", file=sys.stderr, flush=True)
+log = logger("checkpoint")
 
 
 def child(script: str, *args: object) -> float:
     """Seconds of the measured call, run in a fresh interpreter."""
-    p = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
-    if p.returncode:
-        raise RuntimeError(f"child failed ({p.returncode}): {p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+    child = launch([sys.executable, "-c", script, *args], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return child.result()["seconds"]
 
 
-def paired(measure, rounds: int) -> dict[str, list[float]]:
-    """`measure(side)` for side on and off, `rounds` times, the order swapped every round."""
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    for r in range(rounds):
-        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
-            times[side].append(measure(side))
-    return times
+def paired(script: str, rounds: int, *args: object) -> dict[str, list[float]]:
+    """`child(script, *args, side)` for side on and off, `rounds` paired rounds."""
+    return paired_rounds(("on", "off"), rounds, lambda side, _: child(script, *args, side))
 
 
 def row(metric: str, times: dict[str, list[float]], note: str, switch: str = "check") -> Row:
-    ratio = statistics.median(off / on for on, off in zip(times["on"], times["off"], strict=True))
+    ratio = median_ratio(times["off"], times["on"])
     rounds = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times["on"], times["off"], strict=True))
     return Row(
         "checkpoint",
@@ -139,25 +133,25 @@ def row(metric: str, times: dict[str, list[float]], note: str, switch: str = "ch
 def run(quick: bool) -> list[Row]:
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
-    dims, shape = (QUICK, "quick sizes") if quick else (FULL_DIMS, "llama2-7b shapes, 1 layer")
+    dims, shape = (SMALL_DIMS, "quick sizes") if quick else (FULL_DIMS, "llama2-7b shapes, 1 layer")
     cfg = ModelConfig(family="llama", **dims)
     rounds = 2 if quick else 4
     rows = []
     for optim in (False, True):
         src = OUT / ("training" if optim else "weights")
-        size = write_source(src, cfg, optim)
+        size = write_checkpoint(src, cfg, optim)
         what = "weights + AdamW state" if optim else "weights"
         note = f"{shape}, {what}, {size / 1e9:.2f} GB in one file"
         log(f"wrote {src.name}: {note}")
-        times = paired(lambda side, src=src: child(EXPORT, src, OUT / "hf", side), rounds)
+        times = paired(EXPORT, rounds, src, OUT / "hf")
         rows.append(row(f"export ({what}) wall", times, note))
         shutil.rmtree(OUT / "hf", ignore_errors=True)
         log(f"export of {src.name} done: {times}")
         if optim:
-            times = paired(lambda side, src=src: child(LOAD, src, side), rounds)
+            times = paired(LOAD, rounds, src)
             rows.append(row("training load (load_checkpoint, 1 process) wall", times, note))
             log(f"load of {src.name} done: {times}")
-            times = paired(lambda side, src=src: child(SAVE, src, OUT / "saved", side), rounds)
+            times = paired(SAVE, rounds, src, OUT / "saved")
             rows.append(row("training save (save_checkpoint, 1 process) wall", times, note, "piece sums"))
             shutil.rmtree(OUT / "saved", ignore_errors=True)
             log(f"save of {src.name} done: {times}")
@@ -166,6 +160,4 @@ def run(quick: bool) -> list[Row]:
 
 
 if __name__ == "__main__":
-    from run import table
-
-    print(table(run("--quick" in sys.argv)))
+    main(run)

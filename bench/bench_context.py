@@ -15,9 +15,9 @@ The sequence stands for "the longest that fits a fixed cap at cp 1": cp 1's acti
 length are the cap, and cp 2 / cp 4 must hold that sequence in less.
 
 Step time: cp 2 on 2 processes of 1 thread against cp 1 on one process of 2 threads, the same 2
-cores, median of 3 steps after 1 warm-up; cp 1 and cp 2 interleaved over 2 rounds (`--quick`: 1),
-median ratio. A goal to read (cp trades a kv all-gather per layer for half the tokens per rank),
-not checked.
+cores, median of 3 steps after 1 warm-up; cp 1 and cp 2 interleaved over 2 rounds (`--quick`: 1;
+benchlib's `paired_rounds`), median ratio. A goal to read (cp trades a kv all-gather per layer for
+half the tokens per rank), not checked.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchlib import launch, median_ratio, paired_rounds
 from run import Row
 
 HERE = Path(__file__).resolve().parent
@@ -89,22 +89,15 @@ def measure(cp: int, threads: int, seq: int, layers: int, steps: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
     cmd += [__file__, "--worker", str(seq), str(layers), str(steps)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if p.returncode:
-        raise RuntimeError(p.stderr[-3000:])
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return launch(cmd, env=env, timeout=3600).result()
 
 
 def run(quick: bool) -> list[Row]:
     seq, layers, rounds = (2048, 4, 1) if quick else (4096, 12, 2)
     shape = f"{layers} layers, seq {seq:,}"
-    acts: dict[int, int] = {}
-    ratios = []
-    for r in range(rounds):
-        order = (1, 2) if r % 2 == 0 else (2, 1)
-        got = {cp: measure(cp, 2 if cp == 1 else 1, seq, layers, 3) for cp in order}
-        acts.update({cp: m["activations"] for cp, m in got.items()})
-        ratios.append(got[1]["step_s"] / got[2]["step_s"])
+    got = paired_rounds((1, 2), rounds, lambda cp, _: measure(cp, 2 if cp == 1 else 1, seq, layers, 3))
+    acts = {cp: runs[-1]["activations"] for cp, runs in got.items()}
+    ratio = median_ratio(*([m["step_s"] for m in got[cp]] for cp in (1, 2)))
     acts[4] = measure(4, 1, seq, layers, 1)["activations"]
     gib = 2**30
     rows = []
@@ -119,7 +112,7 @@ def run(quick: bool) -> list[Row]:
         ))  # fmt: skip
     rows.append(Row(
         "context", f"step time, cp 2 (2 procs x 1 thread) vs cp 1 (1 x 2) ({shape})", "", "",
-        statistics.median(ratios), "", f"{rounds} interleaved rounds",
+        ratio, "", f"{rounds} interleaved rounds",
     ))  # fmt: skip
     return rows
 

@@ -2,7 +2,8 @@
 
 The benchmark writes its own random bf16 Llama-2-7B-shaped HF checkpoint (32 layers, hidden 4096,
 ffn 11008, vocab 32000: 13.5 GB in 3 safetensors shards + index) into bench-out/convert/ (git-ignored;
-kept for reruns). Conversion and copy each run in a child process; peak RSS is the child's ru_maxrss.
+kept for reruns). Conversion and copy each run in a child process; peak RSS is the child's own
+(benchlib's `launch`).
 The copy baseline fsyncs its files, as the artifact writer does. When the disk has less free space than
 two copies need (the source and one output at a time), the layer count is scaled down (said in the note). --quick: 2 layers, hidden 1024.
 """
@@ -12,28 +13,25 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from benchlib import OUT, launch, main
 from run import Row
 
-ROOT = Path(__file__).resolve().parents[1] / "bench-out" / "convert"
+ROOT = OUT / "convert"
 SHARD_BYTES = 5 << 30
 
-# Peak RSS from /proc/self/status VmHWM: it starts at exec, whereas ru_maxrss would include the
-# forked parent's pages (this process, torch loaded) before exec.
-HWM = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
-CONVERT = f"""
+CONVERT = """
 import sys, json, time
 from mega_convert.convert import convert_hf
 t = time.perf_counter()
 s = convert_hf(sys.argv[1], sys.argv[2], force=True, log=lambda _: None, progress=False)
-print(json.dumps({{"seconds": time.perf_counter() - t, "maxrss_kb": {HWM}, "tensors": s["tensors"]}}))
+print(json.dumps({"seconds": time.perf_counter() - t, "tensors": s["tensors"]}))
 """
-COPY = f"""
+COPY = """
 import os, shutil, sys, json, time
 from pathlib import Path
 t = time.perf_counter()
@@ -43,7 +41,7 @@ for f in sorted(src.glob("*.safetensors")):
     shutil.copyfile(f, dst / f.name)
     with open(dst / f.name, "rb") as h:
         os.fsync(h.fileno())
-print(json.dumps({{"seconds": time.perf_counter() - t, "maxrss_kb": {HWM}}}))
+print(json.dumps({"seconds": time.perf_counter() - t}))
 """
 
 
@@ -99,15 +97,10 @@ def write_random_hf(out: Path, config: dict) -> int:
     return total
 
 
-def _child(script: str, *args: Path) -> tuple[float, dict]:
-    """Run `script` in a fresh interpreter; (seconds of the work itself, its report)."""
-    p = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, check=False
-    )
-    if p.returncode:
-        raise RuntimeError(f"child failed ({p.returncode}): {p.stderr[-2000:]}")
-    info = json.loads(p.stdout.strip().splitlines()[-1])
-    return info["seconds"], info
+def _child(script: str, *args: Path) -> tuple[float, int]:
+    """Run `script` in a fresh interpreter: (seconds of the work itself, its peak RSS in bytes)."""
+    child = launch([sys.executable, "-c", script, *args])
+    return child.result()["seconds"], child.rss
 
 
 def run(quick: bool) -> list[Row]:
@@ -129,24 +122,22 @@ def run(quick: bool) -> list[Row]:
     src = ROOT / ("hf-quick" if quick else "hf")
     total = write_random_hf(src, config)
     out, copy_dir = ROOT / "ckpt", ROOT / "copy"
-    copy_s, copy_info = _child(COPY, src, copy_dir)
+    copy_s, copy_rss = _child(COPY, src, copy_dir)
     shutil.rmtree(copy_dir)
-    conv_s, conv_info = _child(CONVERT, src, out)
+    conv_s, conv_rss = _child(CONVERT, src, out)
     shutil.rmtree(out)
     copy2_s, _ = _child(COPY, src, copy_dir)
     shutil.rmtree(copy_dir)
     copy_mean = (copy_s + copy2_s) / 2
     largest = 32000 * config["hidden_size"] * 2
-    rss_gb = conv_info["maxrss_kb"] / 2**20
+    rss_gb = conv_rss / 2**30
     return [
         Row("convert", "wall time (s) vs copying the bytes", f"{conv_s:.1f}", f"{copy_mean:.1f}",
             copy_mean / conv_s, ">= 0.67x (1.5x copy time)", f"{note}, {total / 2**30:.1f} GiB, copy runs {copy_s:.1f}/{copy2_s:.1f}s"),
-        Row("convert", "peak RSS (GiB)", f"{rss_gb:.2f}", f"{copy_info['maxrss_kb'] / 2**20:.2f}", None,
+        Row("convert", "peak RSS (GiB)", f"{rss_gb:.2f}", f"{copy_rss / 2**30:.2f}", None,
             "< 1.5 GB", f"largest tensor {largest / 2**20:.0f} MiB; peer column = the copy process"),
     ]  # fmt: skip
 
 
 if __name__ == "__main__":
-    from run import table
-
-    print(table(run("--quick" in sys.argv)))
+    main(run)

@@ -1,15 +1,16 @@
 """A DPO step against TRL's DPOTrainer on the same pairs, the reference precomputed on both sides.
 
-The same 125M Llama as bench_lora (its base, random weights saved by transformers and converted;
-`--quick`: 2 layers, hidden 128, seq 128), fully fine-tuned. The pairs come from bench_train's
-corpus (Python's standard library sources), one per file: the prompt its first characters, the
-chosen completion the next ones, the rejected one the same span of the next file (PROMPT and
-COMPLETION characters per token of the row), so the sequences vary in length as real pairs do
-(TRL's mean pair length in the note). TRL's standard rows
-(`{"prompt", "chosen", "rejected"}` strings): `mega-tokenize --format preference --prepend-bos`
-for us, the same rows for TRL, which tokenizes them itself (BOS from the tokenizer, EOS added to
-each completion as ours is). Micro batch 4 pairs x 2 accumulation, seq 512, one process, 2 threads,
-bf16 where the CPU multiplies bf16 (`bench_train.cpu_precision`), else fp32 on both sides.
+The same 125M Llama as bench_lora (its base, benchlib's `lora_base`: random weights saved by
+transformers and converted; `--quick`: 2 layers, hidden 128, seq 128), fully fine-tuned. The pairs
+come from the CPU training benchmarks' corpus (benchlib's `train_data`: the Python standard
+library's sources), one per file: the prompt its first characters, the chosen completion the next
+ones, the rejected one the same span of the next file (PROMPT and COMPLETION characters per token
+of the row), so the sequences vary in length as real pairs do (TRL's mean pair length in the
+note). TRL's standard rows (`{"prompt", "chosen", "rejected"}` strings): `mega-tokenize --format
+preference --prepend-bos` for us, the same rows for TRL, which tokenizes them itself (BOS from the
+tokenizer, EOS added to each completion as ours is). Micro batch 4 pairs x 2 accumulation, seq
+512, one process, 2 threads, bf16 where the CPU multiplies bf16 (benchlib's `cpu_precision`), else
+fp32 on both sides.
 
 - mega-train: `"objective": {"type": "dpo", "beta": 0.1}` beside `"model": {"init": BASE}`; its
   reference's log-probabilities computed before the first step (not timed); pairs/s from the
@@ -20,39 +21,41 @@ bf16 where the CPU multiplies bf16 (`bench_train.cpu_precision`), else fp32 on b
   sequence); pairs/s from the wall time between its step ends (a `TrainerCallback`).
 
 Each configuration in a fresh subprocess, 1 warm-up step then 3 timed (`--quick`: 1 and 2), in
-interleaved rounds (the order reversed every other round), ROUNDS of them (`--quick`: 1): pairs/s
-shown are each side's best round, the ratio the median over rounds of ours / theirs.
+interleaved rounds (benchlib's `paired_rounds`: the order reversed every other round), ROUNDS of
+them (`--quick`: 1): pairs/s shown are each side's best round, the ratio the median over rounds of
+ours / theirs.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-import sys
-import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
-import bench_lora
-from bench_train import (
-    BIN,
-    FULL,
+from benchlib import (
+    LLAMA_125M,
+    LLAMA_TINY,
     OUT,
-    QUICK,
     THREADS,
     Setup,
-    child_main,
-    corpus,
     cpu_precision,
-    measure,
+    failure,
+    logger,
+    lora_base,
+    main,
+    measure_child,
     measure_mega_train,
+    median_ratio,
+    paired_rounds,
     prepare_data,
-    tokenizer,
+    rounds_note,
+    tokenize,
+    train_data,
     trainer_feed,
 )
 from run import Row
 
-WORK = OUT.parent / "dpo"
+WORK = OUT / "dpo"
 ROUNDS = 3
 # Characters of Python source per token of the row (seq): the prompt 1.2, each completion 1.0 (at
 # some 3.5 characters a token, sequences of about 60% of a row, varying with the file).
@@ -64,7 +67,7 @@ def pairs_jsonl(setup: Setup) -> Path:
     path = WORK / f"pairs-{setup.steps * setup.global_batch}x{setup.seq}.jsonl"
     if path.exists():
         return path
-    texts = [json.loads(line)["text"] for line in corpus(OUT / "corpus.jsonl").read_text().splitlines()]
+    texts = [json.loads(line)["text"] for line in train_data().corpus.read_text().splitlines()]
     p, c = int(PROMPT * setup.seq), int(COMPLETION * setup.seq)
     texts = [t for t in texts if len(t) >= p + c]
     rows = []
@@ -142,33 +145,26 @@ def measure_ours(setup: Setup, pairs: Path, ckpt: Path, work: Path, precision: s
 def measure_rounds(
     setup: Setup, pairs: Path, tokens: Path, rows: Path, hf: Path, ckpt: Path, precision: str
 ) -> dict:
-    results: dict[str, list[dict]] = {"mega": [], "trl": []}
-    tok = hf_tokenizer(tokenizer(OUT, corpus(OUT / "corpus.jsonl")))
-    for r in range(setup.rounds):
-        for kind in ("mega", "trl") if r % 2 == 0 else ("trl", "mega"):
-            t, work = time.perf_counter(), WORK / "work" / f"{kind}-{r}"
-            if kind == "mega":
-                res = measure_ours(setup, tokens, ckpt, work, precision)
-            else:
-                res = measure(kind, setup, rows, Path(sys.executable), work, Path(__file__), hf=str(hf),
-                              precision=precision, pairs=str(pairs), tokenizer=str(tok))  # fmt: skip
-            results[kind].append(res)
-            shown = {k: v for k, v in res.items() if k != "rss"}
-            print(f"   dpo: round {r + 1}/{setup.rounds} {kind}: {shown} ({time.perf_counter() - t:.0f}s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    return results
+    tok = hf_tokenizer(train_data().tokenizer)
+
+    def measure(kind: str, r: int) -> dict:
+        work = WORK / "work" / f"{kind}-{r}"
+        if kind == "mega":
+            return measure_ours(setup, tokens, ckpt, work, precision)
+        return measure_child(Path(__file__), kind, setup, rows, work, hf=str(hf), precision=precision,
+                             pairs=str(pairs), tokenizer=str(tok))  # fmt: skip
+
+    return paired_rounds(("mega", "trl"), setup.rounds, measure, log=logger("dpo"))
 
 
 def rows_of(results: dict[str, list[dict]], note: str) -> list[Row]:
     metric, target = "DPO step pairs/s, mega-train vs TRL DPOTrainer", ">= 1.3x"
-    for side, runs in results.items():
-        failed = [r["error"] for r in runs if "error" in r]
-        if failed:
-            why = f"{'mega-train' if side == 'mega' else 'TRL'} failed: {failed[0]}"
-            return [Row("dpo", metric, "-", "-", None, target, why, False if side == "mega" else None)]
+    if failed := failure(results):
+        side, error = failed
+        why = f"{'mega-train' if side == 'mega' else 'TRL'} failed: {error}"
+        return [Row("dpo", metric, "-", "-", None, target, why, False if side == "mega" else None)]
     ours, theirs = ([r["pairs_per_s"] for r in results[k]] for k in ("mega", "trl"))
-    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
-    rounds = f"rounds {'/'.join(f'{x:.2f}' for x in ours)} vs {'/'.join(f'{x:.2f}' for x in theirs)}"
+    ratio, rounds = median_ratio(ours, theirs), rounds_note(ours, theirs, 2)
     length = f"TRL's mean pair length {results['trl'][0]['mean_length']:.0f} tokens"
     return [
         Row(
@@ -185,22 +181,16 @@ def rows_of(results: dict[str, list[dict]], note: str) -> list[Row]:
 
 def run(quick: bool, rounds: int = ROUNDS) -> list[Row]:
     setup = replace(
-        QUICK if quick else FULL, rounds=1 if quick else rounds, warmup=1, timed=2 if quick else 3
+        LLAMA_TINY if quick else LLAMA_125M, rounds=1 if quick else rounds, warmup=1, timed=2 if quick else 3
     )
     precision = cpu_precision()
     _, rows, vocab = prepare_data(setup)  # the corpus and tokenizer (rows: what trainer_feed reads)
-    setup = Setup(**{**asdict(setup), "vocab": vocab})
+    setup = replace(setup, vocab=vocab)
     WORK.mkdir(parents=True, exist_ok=True)
-    hf, ckpt = bench_lora.base(setup)
+    hf, ckpt = lora_base(setup)
     pairs = pairs_jsonl(setup)
     tokens = WORK / f"tokens-{pairs.stem}"
-    import subprocess
-
-    subprocess.run(
-        [BIN / "mega-tokenize", pairs, tokens, "--tokenizer", tokenizer(OUT, corpus(OUT / "corpus.jsonl")),
-         "--format", "preference", "--prepend-bos", "--no-progress"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    tokenize(pairs, tokens, train_data().tokenizer, "--format", "preference", "--prepend-bos")
     note = (
         f"{'quick: tiny Llama' if quick else '125M Llama'}, {setup.micro}x{setup.accum} pairs/step, seq {setup.seq}, "
         f"full fine-tuning, {precision}, {THREADS} threads, {setup.timed} timed steps"
@@ -214,9 +204,4 @@ def check(rounds: int) -> list[Row]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        child_main(sys.argv[2], sys.argv[3], {"trl": child_trl})
-    else:
-        from run import main
-
-        sys.exit(main(["dpo", *sys.argv[1:]]))
+    main(run, {"trl": child_trl})

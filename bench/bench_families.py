@@ -2,9 +2,10 @@
 fused AdamW) of megacore's Decoder as a small DeepSeek V3 and a small gpt-oss against transformers'
 DeepseekV3ForCausalLM and GptOssForCausalLM (same config, weights, batch, dtype, loss and optimizer),
 one process, 2 threads, steps interleaved one by one so that load from other processes hits both
-alike; tokens/s are each side's fastest step, ratios the median over rounds of the two sides' times
-in the same round. transformers as its users run it: its default attention (SDPA; eager for gpt-oss,
-whose sinks have no SDPA path there) and experts implementation.
+alike (benchlib's `paired_rounds`, after a warm-up step of each); tokens/s are each side's fastest
+step, ratios the median over rounds of the two sides' times in the same round. transformers as its
+users run it: its default attention (SDPA; eager for gpt-oss, whose sinks have no SDPA path there)
+and experts implementation.
 
 Full size, DeepSeek V3: hidden 512, 4 layers (the first dense), 8 heads of latent attention (q rank
 256, kv rank 128, 64 + 32 rotated dims, v 64), 16 experts of ffn 512 in 4 groups (the best 2
@@ -15,16 +16,10 @@ top-4 with biases and the clamped SwiGLU, YaRN. Both: vocab 32000, batch 4 x 512
 
 from __future__ import annotations
 
-import statistics
-import tempfile
-from pathlib import Path
-
 import torch
 
-from bench_moe import paired_rounds, stepper
+from benchlib import THREADS, main, median_ratio, ours_from_hf, step_rounds, train_step
 from run import Row
-
-THREADS = 2
 
 
 def _deepseek(quick: bool) -> dict:
@@ -67,9 +62,6 @@ FAMILIES = {
 def _models(family: str, quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, object]:
     """(ours, transformers' model of `family` with the same weights), and the HF config."""
     import transformers
-    from safetensors.torch import load_file
-
-    from megacore.models import Decoder, config_from_hf, hf_state_dict_to_ours
 
     config_cls, model_cls, sizes, _ = FAMILIES[family]
     torch.manual_seed(0)
@@ -79,12 +71,7 @@ def _models(family: str, quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Modu
         for name, p in peer.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 0.02)
-    with tempfile.TemporaryDirectory() as tmp:  # the checkpoint names (per-expert projections)
-        peer.save_pretrained(tmp)
-        state = load_file(Path(tmp) / "model.safetensors")
-    cfg = config_from_hf(hf_config)
-    ours = Decoder(cfg)
-    ours.load_state_dict(hf_state_dict_to_ours(cfg, state))
+    ours = ours_from_hf(peer, hf_config)
     return ours.to(dtype).train(), peer.to(dtype).train(), hf_config
 
 
@@ -99,10 +86,10 @@ def run(quick: bool) -> list[Row]:
             ids = torch.randint(
                 0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
             )
-            steppers = {"ours": stepper(ours, False, ids), "peer": stepper(peer, True, ids)}
-            times = paired_rounds(steppers, 2 if quick else 7)
+            steppers = {"ours": train_step(ours, False, ids), "peer": train_step(peer, True, ids)}
+            times = step_rounds(steppers, 2 if quick else 7)
             tps = {k: batch * seq / min(v) for k, v in times.items()}
-            paired = statistics.median(t / o for t, o in zip(times["peer"], times["ours"], strict=True))
+            paired = median_ratio(times["peer"], times["ours"])
             rows.append(
                 Row("families", f"train step tokens/s {name} vs transformers' {family}", f"{tps['ours']:.0f}",
                     f"{tps['peer']:.0f}", paired, ">= 1.5x",
@@ -113,8 +100,4 @@ def run(quick: bool) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from run import table
-
-    print(table(run("--quick" in sys.argv)))
+    main(run)

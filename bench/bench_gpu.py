@@ -13,41 +13,23 @@ the GPU: 989 TFLOP/s dense bf16 for an H100 or H200); memory is torch.cuda's pea
 which); `sdpa` lets PyTorch choose. Then the faster of the two once more with `"compile": true`
 (every block torch.compiled). The `flash` row's ratio is flash against sdpa in the same run.
 
-Data: token ids mega-tokenize wrote from the standard library's sources (bench_train's corpus),
+Data: token ids mega-tokenize wrote from the standard library's sources (benchlib's `gpu_data`),
 made on the first run and reused: a GPU machine with no tokenizer at hand is given this directory
 (bench-out/gpu/tokens) ready made.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 from dataclasses import replace
-from pathlib import Path
 
-from bench_train import BIN, Setup, corpus, log, measure_mega_train, tokenizer
+from benchlib import LLAMA_1B, OUT, Setup, gpu_data, logger, measure_mega_train
 from run import Row
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench-out" / "gpu"
-FULL = Setup(
-    hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, seq=2048, micro=8, accum=2, warmup=4, timed=20
-)
+FULL = LLAMA_1B
 QUICK = replace(FULL, layers=2, warmup=2, timed=3)
-
-
-def tokens_artifact() -> Path:
-    tokens = OUT / "tokens"
-    if (tokens / "manifest.json").is_file():
-        return tokens
-    OUT.mkdir(parents=True, exist_ok=True)
-    text = corpus(OUT / "corpus.jsonl", size=8 << 20)
-    subprocess.run(
-        [BIN / "mega-tokenize", text, tokens, "--tokenizer", tokenizer(OUT, text), "--no-progress", "--on-error", "skip"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return tokens
+WORK = OUT / "gpu" / "work"
+log = logger("gpu")
 
 
 def flash_kernel() -> str:
@@ -81,16 +63,13 @@ def run(quick: bool) -> list[Row]:
 
     if not torch.cuda.is_available():
         return [Row("gpu", "mega-train ~1.1B bf16 on a GPU", "-", "-", None, note="skipped: no CUDA device")]
-    setup = QUICK if quick else FULL
-    tokens = tokens_artifact()
-    setup = replace(
-        setup, vocab=json.loads((tokens / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    )
+    data = gpu_data()
+    setup, tokens = replace(QUICK if quick else FULL, vocab=data.vocab), data.tokens
     log(f"{torch.cuda.get_device_name()}; flash = {flash_kernel()}")
     results = {}
     for attention in ("sdpa", "flash"):
         log(f"1.1B, attention {attention} ...")
-        results[attention] = measure_mega_train(setup, tokens, OUT / "work" / attention, attention=attention)
+        results[attention] = measure_mega_train(setup, tokens, WORK / attention, attention=attention)
         log(f"  {results[attention].get('tokens_per_s', results[attention].get('error'))}")
     rows = [
         row("attention sdpa", results["sdpa"], setup),
@@ -102,6 +81,6 @@ def run(quick: bool) -> list[Row]:
     if speeds:
         best = max(speeds, key=speeds.get)
         log(f"1.1B, attention {best}, compiled ...")
-        res = measure_mega_train(setup, tokens, OUT / "work" / "compiled", compile=True, attention=best)
+        res = measure_mega_train(setup, tokens, WORK / "compiled", compile=True, attention=best)
         rows.append(row(f'attention {best} "compile": true', res, setup))
     return rows

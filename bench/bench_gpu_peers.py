@@ -4,7 +4,7 @@ run: the same Llama, batch, data and precision (bf16) for every configuration.
 Configurations, each in its own fresh subprocess (no memory or compile state carries over):
 - mega-train eager and mega-train `"compile": true` (every block torch.compiled): `mega-train
   --manifest run.json`, bf16 compute copies of fp32 master weights, AdamW, clipping 1.0, recompute
-  none, attention sdpa (bench_train's `measure_mega_train`).
+  none, attention sdpa (benchlib's `measure_mega_train`).
 - mega-train fp8 `"compile": true`: `"precision": "fp8"` (float8 matmuls in the blocks' linears,
   tensorwise scaling: megacore.parallel.fp8), against compiled bf16 (target 1.2x on the 3B). It
   needs torchao and a GPU of compute capability 8.9 or newer (an H200 is 9.0); elsewhere its row
@@ -23,7 +23,7 @@ Configurations, each in its own fresh subprocess (no memory or compile state car
   Where it is installed it is still not driven (its TOML job configs and model flavours change
   between releases): the row says so.
 
-Models. On a GPU: a 1.1B Llama (TinyLlama's shape, bench_gpu's FULL: hidden 2048, 22 layers, 32
+Models. On a GPU: a 1.1B Llama (TinyLlama's shape, benchlib's LLAMA_1B: hidden 2048, 22 layers, 32
 heads, 4 kv heads, ffn 5632), micro batch 8 x 2 accumulation, and a 3B Llama (Llama 3.2 3B's shape:
 hidden 3072, 28 layers, 24 heads, 8 kv heads, ffn 8192; untied, 3.0B parameters), micro batch 4 x 2
 (the Trainer's fp32 weights, grads and moments take 48 GB, its activations ~9 GB a sequence by
@@ -54,7 +54,8 @@ every configuration; MFU against mega-train's peak table (`mega_train.metrics.pe
 for an H100/H200 in bf16; none on a CPU: '-'); peak memory: torch.cuda.max_memory_allocated on a
 GPU, the child's ru_maxrss on a CPU. Ratios: mega-train compiled vs the Trainer (target >= 1.3x)
 and vs the compiled plain loop (target >= 1.0x), mega-train eager vs the Trainer. With more than
-one round (`ROUNDS`), configurations run interleaved, the order reversed every other round;
+one round (`ROUNDS`), configurations run interleaved (benchlib's `paired_rounds`), the order
+reversed every other round;
 tokens/s is the median over rounds and a ratio is the quotient of the two medians shown.
 
 Run it on a GPU machine that has torch and transformers but not our console scripts, from the
@@ -69,37 +70,39 @@ without a tokenizer can be given bench-out/gpu/tokens ready made, shared with be
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
-import bench_gpu
-from bench_train import (
+from benchlib import (
+    LLAMA_1B,
+    ROOT,
     Setup,
-    child_env,
-    corpus,
-    last_line,
-    launch,
+    Text,
+    gpu_data,
+    hf_llama,
     load_rows,
+    logger,
+    main,
+    measure_child,
     measure_mega_train,
     ours_config,
-    tokenizer,
+    paired_rounds,
+    rows_file,
+    text_data,
     tokens_per_s,
+    trainer_feed,
 )
 from run import Row
 
-ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench-out" / "gpu-peers"
 BENCH = "gpu_peers"
 ROUNDS = 1  # the GPU budget holds one; the figures of an H200 vary far less than this CPU's
 MODELS = {
-    "1.1B": replace(bench_gpu.FULL, warmup=2, timed=8, rounds=ROUNDS),
+    "1.1B": replace(LLAMA_1B, warmup=2, timed=8, rounds=ROUNDS),
     "3B": Setup(
         hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, seq=2048, micro=4, accum=2, warmup=2,
         timed=8, rounds=ROUNDS,
@@ -129,68 +132,16 @@ RATIOS = (  # (ours, peer, target)
 )
 
 
-def log(msg: str) -> None:  # bench_train's, under this benchmark's name
-    print(f"   {BENCH}: {msg}", file=sys.stderr, flush=True)
+log = logger(BENCH)
 
 
-# --- data ----------------------------------------------------------------------------------------
-
-
-def tool_command(tool: str) -> list:
-    """The console script, or its entry point through this python (sources on PYTHONPATH)."""
-    script = Path(sys.executable).parent / tool
-    module = tool.replace("-", "_")
-    return [script] if script.exists() else [sys.executable, "-c", f"from {module}.cli import main; main()"]
-
-
-def tokens_artifact(quick: bool) -> Path:
-    """bench_gpu's artifact (bench-out/gpu/tokens, 8 MB of text) for the GPU models; for the tiny
+def data(quick: bool) -> Text:
+    """benchlib's `gpu_data` (bench-out/gpu/tokens, 8 MB of text) for the GPU models; for the tiny
     one 1 MB of text in OUT. Made on the first run, then reused."""
-    out, size = (OUT / "quick", 1 << 20) if quick else (bench_gpu.OUT, 8 << 20)
-    tokens = out / "tokens"
-    if (tokens / "manifest.json").is_file():
-        return tokens
-    out.mkdir(parents=True, exist_ok=True)
-    text = corpus(out / "corpus.jsonl", size=size)
-    cmd = [*tool_command("mega-tokenize"), text, tokens, "--tokenizer", tokenizer(out, text), "--no-progress"]
-    subprocess.run([*cmd, "--on-error", "skip"], check=True, stdout=subprocess.DEVNULL)
-    return tokens
-
-
-def rows_file(setup: Setup, tokens: Path, work: Path) -> Path:
-    """steps x global batch rows of seq + 1 token ids from the start of the artifact (int64 .npy):
-    what the Trainer and the plain loop read (mega-train reads the artifact itself)."""
-    import numpy as np
-
-    from megacore.data.indexed import IndexedReader
-
-    n = setup.steps * setup.global_batch
-    shards = sorted(tokens.glob("shards/*.idx"))
-    stream = np.concatenate([IndexedReader(p.with_suffix("")).tokens for p in shards])
-    if len(stream) < n * (setup.seq + 1):
-        raise RuntimeError(f"{len(stream)} tokens in {tokens}, need {n * (setup.seq + 1)}")
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / f"rows-{n}x{setup.seq + 1}.npy"
-    np.save(path, stream[: n * (setup.seq + 1)].astype(np.int64).reshape(n, setup.seq + 1))
-    return path
+    return text_data(OUT / "quick", 1 << 20, workers=None) if quick else gpu_data()
 
 
 # --- the children: `bench_gpu_peers.py --child KIND SPEC` ----------------------------------------
-
-
-def hf_model(setup: Setup, device: str):
-    """transformers' Llama of the same shape (untied output, sdpa), random init, on `device`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=setup.vocab, hidden_size=setup.hidden, intermediate_size=setup.ffn,
-        num_hidden_layers=setup.layers, num_attention_heads=setup.heads, num_key_value_heads=setup.kv_heads,
-        max_position_embeddings=setup.seq, tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised where it trains: a 3B init on the CPU takes a while
-        return LlamaForCausalLM(config)
 
 
 def step_end() -> float:
@@ -212,39 +163,26 @@ def finish(setup: Setup, model, ends: list[float], **extra) -> dict:
 
 def child_hf(setup: Setup, spec: dict) -> dict:
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
-    rows, cuda = load_rows(spec), torch.cuda.is_available()
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return len(rows)
-
-        def __getitem__(self, i: int) -> dict:  # the model shifts the labels itself
-            return {"input_ids": rows[i, : setup.seq], "labels": rows[i, : setup.seq]}
-
-    ends: list[float] = []
-
-    class StepEnds(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(step_end())
-
-    model = hf_model(setup, "cuda" if cuda else "cpu")
+    dataset, callback = trainer_feed(setup, spec, clock=step_end)
+    cuda = torch.cuda.is_available()
+    model = hf_llama(setup, "cuda" if cuda else "cpu")
     args = TrainingArguments(
         output_dir=spec["work"], max_steps=setup.steps, per_device_train_batch_size=setup.micro,
         gradient_accumulation_steps=setup.accum, learning_rate=3e-4, bf16=True, use_cpu=not cuda,
         optim="adamw_torch_fused", max_grad_norm=1.0, report_to="none", dataloader_num_workers=0,
         lr_scheduler_type="cosine", save_strategy="no", eval_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
-    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[StepEnds()]).train()
-    return finish(setup, model, ends)
+    Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback]).train()
+    return finish(setup, model, callback.ends)
 
 
 def child_plain(setup: Setup, spec: dict) -> dict:
     import torch
 
     rows, device = load_rows(spec), "cuda" if torch.cuda.is_available() else "cpu"
-    model = hf_model(setup, device)
+    model = hf_llama(setup, device)
     compiled = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, setup.steps)
@@ -266,12 +204,6 @@ def child_plain(setup: Setup, spec: dict) -> dict:
 CHILDREN = {"hf": child_hf, "plain": child_plain}
 
 
-def child_main(kind: str, spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    result = CHILDREN[kind](Setup(**spec["setup"]), spec)
-    Path(spec["result"]).write_text(json.dumps(result))
-
-
 # --- running the configurations ------------------------------------------------------------------
 
 
@@ -283,20 +215,6 @@ def missing(kind: str) -> str | None:
         return None
     what = "transformers' Trainer needs " if kind == "hf" else ""
     return f"not installed: {what}{' and '.join(absent)} (import failed in {sys.executable})"
-
-
-def measure_child(kind: str, setup: Setup, rows: Path, work: Path) -> dict:
-    """One peer in a fresh subprocess (this file with `--child KIND SPEC`): its result plus the
-    child's peak RSS, or {"error": ...}."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    spec = {"setup": asdict(setup), "rows": str(rows), "work": str(work), "result": str(work / "result.json")}
-    (work / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, __file__, "--child", kind, work / "spec.json"]
-    rc, rss = launch(cmd, work / "log.txt", child_env(), work)
-    if rc or not (work / "result.json").is_file():
-        return {"error": f"exit {rc}: {last_line((work / 'log.txt').read_text(errors='replace'))}"}
-    return {**json.loads((work / "result.json").read_text()), "rss": rss}
 
 
 def measure_one(kind: str, setup: Setup, tokens: Path, rows: Path, work: Path) -> dict:
@@ -313,7 +231,12 @@ def measure_one(kind: str, setup: Setup, tokens: Path, rows: Path, work: Path) -
             res["memory"] = max(r["memory_gb"] for r in res.pop("records")) * 1e9 if cuda else res["rss"]
     else:
         why = missing(kind)
-        res = {"error": why} if why else measure_child(kind, setup, rows, work)
+        # One peer in a fresh subprocess (this file with `--child KIND SPEC`).
+        res = (
+            {"error": why}
+            if why
+            else measure_child(Path(__file__), kind, setup, rows, work, distributed=False)
+        )
         if "tokens_per_s" in res and not cuda:
             res["memory"] = res["rss"]
     res["memory_kind"] = "GPU allocated" if cuda else "RSS"
@@ -333,15 +256,11 @@ def fp8_missing() -> str:
 
 def measure_rounds(setup: Setup, tokens: Path, rows: Path, work: Path) -> dict[str, list[dict]]:
     """Every configuration once per round, in ORDER, reversed every other round."""
-    results: dict[str, list[dict]] = {k: [] for k in ORDER}
-    for r in range(setup.rounds):
-        for kind in ORDER if r % 2 == 0 else ORDER[::-1]:
-            t = time.perf_counter()
-            res = measure_one(kind, setup, tokens, rows, work / f"{kind}-{r}")
-            results[kind].append(res)
-            what = res.get("error") or f"{shown(res['tokens_per_s'])} tokens/s"
-            log(f"round {r + 1}/{setup.rounds} {LABELS[kind]}: {what} ({time.perf_counter() - t:.0f}s)")
-    return results
+
+    def measure(kind: str, r: int) -> dict:
+        return measure_one(kind, setup, tokens, rows, work / f"{kind}-{r}")
+
+    return paired_rounds(ORDER, setup.rounds, measure, log=log)
 
 
 # --- rows ----------------------------------------------------------------------------------------
@@ -404,8 +323,8 @@ def model_rows(name: str, setup: Setup, quick: bool) -> list[Row]:
     from mega_train.metrics import peak_tflops
     from megacore.config import ModelConfig, flops_per_token, parameter_counts
 
-    tokens = tokens_artifact(quick)
-    vocab = json.loads((tokens / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    text = data(quick)
+    tokens, vocab = text.tokens, text.vocab
     setup, work = replace(setup, vocab=vocab), OUT / "work" / name
     rows = rows_file(setup, tokens, work)
     config = ModelConfig(**ours_config(setup))
@@ -448,11 +367,4 @@ def run(quick: bool) -> list[Row]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        child_main(sys.argv[2], sys.argv[3])
-    else:
-        from run import table
-
-        result = run("--quick" in sys.argv)
-        print(table(result))
-        sys.exit(1 if any(r.passed is False for r in result) else 0)
+    main(run, CHILDREN)

@@ -16,15 +16,14 @@ Sizes: Llama-7B-like hidden 4096 with 4096 tokens (the loss: 2048 tokens, its ma
 A sample is forward + backward (`torch.autograd.grad` of the output with a fixed output gradient,
 so nothing accumulates) called enough times in a row to last about 0.2 s (`--quick`: 0.05 s). Each
 side runs one warm-up sample, then in every round each side runs one sample, the order rotated
-every round; the ratio is the median over rounds of peer time / ours in the same round (> 1: the
-hand-written one is faster), the times shown are each side's best. Before timing, the outputs and
-gradients of both sides are checked to agree (relative to their largest value: 1e-4 in fp32, 2e-2
-in bf16), else the benchmark fails.
+every round (benchlib's `paired_rounds`); the ratio is the median over rounds of peer time / ours
+in the same round (> 1: the hand-written one is faster), the times shown are each side's best.
+Before timing, the outputs and gradients of both sides are checked to agree (relative to their
+largest value: 1e-4 in fp32, 2e-2 in bf16), else the benchmark fails.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from benchlib import THREADS, main, median_ratio, paired_rounds
 from run import Row
 
-THREADS = 2
 VOCAB = 32000
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 Step = Callable[[], tuple[torch.Tensor, ...]]  # forward + backward: (output, *input grads)
@@ -170,19 +169,12 @@ def sample(step: Step, calls: int) -> float:
     return (time.perf_counter() - t) / calls
 
 
-def paired_rounds(steps: dict[str, Step], rounds: int, sample_s: float) -> dict[str, list[float]]:
-    """One warm-up sample of each side (which also sets how many calls a sample makes, the same
-    for all sides), then `rounds` rounds of one sample each, the order rotated every round."""
+def timed_rounds(steps: dict[str, Step], rounds: int, sample_s: float) -> dict[str, list[float]]:
+    """One call of each side (which sets how many calls a sample makes, the same for all sides),
+    one warm-up sample of each, then `rounds` paired rounds of one sample each, the order rotated."""
     once = max(sample(step, 1) for step in steps.values())
     calls = max(1, round(sample_s / max(once, 1e-9)))
-    for step in steps.values():
-        sample(step, calls)
-    keys, times = list(steps), {k: [] for k in steps}
-    for r in range(rounds):
-        shift = r % len(keys)
-        for k in keys[shift:] + keys[:shift]:
-            times[k].append(sample(steps[k], calls))
-    return times
+    return paired_rounds(steps, rounds, lambda k, _: sample(steps[k], calls), warmup=True, rotate=True)
 
 
 def _ms(t: float) -> str:
@@ -209,10 +201,10 @@ def run(quick: bool) -> list[Row]:
                 raise RuntimeError(
                     f"{kernel} {dname}: results differ from {bad} (tolerance {TOLERANCE[dtype]})"
                 )
-            times = paired_rounds({"ours": ours, **peers}, rounds, s.sample_s)
+            times = timed_rounds({"ours": ours, **peers}, rounds, s.sample_s)
             best = {k: min(v) for k, v in times.items()}
             for label in peers:
-                ratio = statistics.median(p / o for p, o in zip(times[label], times["ours"], strict=True))
+                ratio = median_ratio(times[label], times["ours"])
                 rows.append(
                     Row("kernels", f"{kernel} {'fwd' if 'eval' in kernel else 'fwd+bwd'} {dname} vs {label}", _ms(best["ours"]),
                         _ms(best[label]), ratio, ">= 1x",
@@ -224,8 +216,4 @@ def run(quick: bool) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from run import table
-
-    print(table(run("--quick" in sys.argv)))
+    main(run)

@@ -1,6 +1,7 @@
 """Training-step throughput (forward + backward + AdamW, tokens/s) of megacore's Decoder against
 transformers' LlamaForCausalLM: same config, weights, batch, dtype, loss and optimizer (torch AdamW,
-fused), fp32 and bf16, steps interleaved one by one so that load from other processes hits both.
+fused), fp32 and bf16, steps interleaved one by one so that load from other processes hits both
+(benchlib's `paired_rounds`, after a warm-up step of each).
 Tokens/s are each side's fastest step; ratios are the median over rounds of the two sides' times in
 the same round. Each side also runs with torch.compile applied per block (one compiled graph reused
 by every layer); the rows compare eager with eager, ours compiled with transformers eager, and
@@ -15,15 +16,13 @@ Full size: the issue's 125M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, 
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchlib import THREADS, main, median_ratio, step_rounds, train_step
 from run import Row
-
-THREADS = 2
 
 
 def matmul_peak(quick: bool) -> float:
@@ -59,33 +58,6 @@ def _models(quick: bool, dtype: torch.dtype):
     state = ours.state_dict()
     peer.load_state_dict(dict(export_tensors(ours.config, state.__getitem__)), strict=True)
     return ours.to(dtype).train(), peer.to(dtype).train(), hf_config
-
-
-def _stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor, compile: bool):
-    """One training step as each side runs it: transformers computes logits then the fp32 loss;
-    megacore passes the targets to the model (the loss fused with the output projection)."""
-    if compile:  # per block, both sides alike: one compiled graph reused by every layer
-        if is_hf:
-            for layer in model.model.layers:
-                layer.compile(dynamic=False)
-        else:
-            model.compile_blocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x, y = ids[:, :-1], ids[:, 1:]
-
-    def step() -> float:
-        t = time.perf_counter()
-        loss = (
-            F.cross_entropy(model(x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())
-            if is_hf
-            else model(x, y)
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
-
-    return step
 
 
 def model_flops_per_token(c) -> float:
@@ -147,15 +119,13 @@ def run(quick: bool) -> list[Row]:
         for side, compiled in kinds:
             base = ours if side == "ours" else peer
             model = copy.deepcopy(base) if compiled else base  # compile wraps blocks in place
-            steppers[side, compiled] = _stepper(model, side == "peer", ids, compiled)
+            steppers[side, compiled] = train_step(model, side == "peer", ids, compiled)
         steppers["kernels", False] = _kernels_stepper(hf_config, batch, seq, dtype)
         del ours, peer
-        for step in steppers.values():  # warm-up: compiling, optimizer state, oneDNN kernel selection
-            step()
-        times = {k: [] for k in steppers}
-        for _ in range(2 if quick else (7 if dtype == torch.float32 else 11)):
-            for k, step in steppers.items():  # interleaved: load from other processes hits all alike
-                times[k].append(step())
+        # A warm-up step of each (compiling, optimizer state, oneDNN's kernel choice), then paired
+        # rounds: load from other processes hits all alike.
+        rounds = 2 if quick else (7 if dtype == torch.float32 else 11)
+        times = step_rounds(steppers, rounds)
         peak = max(peak, matmul_peak(quick))
         # Tokens/s from the fastest step of each (load from other processes only ever adds time); the
         # ratio is the median over rounds of peer time / ours in the same round, which is robust to the
@@ -166,9 +136,7 @@ def run(quick: bool) -> list[Row]:
             label = {(False, False): "", (True, False): ", ours compiled vs peer eager",
                      (True, True): ", both compiled"}[ours_c, peer_c]  # fmt: skip
             o, p = tps["ours", ours_c], tps["peer", peer_c]
-            paired = statistics.median(
-                tp / to for tp, to in zip(times["peer", peer_c], times["ours", ours_c], strict=True)
-            )
+            paired = median_ratio(times["peer", peer_c], times["ours", ours_c])
             target = "" if peer_c else ">= 1.3x"
             rows.append(
                 Row("model", f"train step tokens/s {name}{label}", f"{o:.0f}", f"{p:.0f}", paired, target,
@@ -195,8 +163,4 @@ def run(quick: bool) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from run import table
-
-    print(table(run("--quick" in sys.argv)))
+    main(run)

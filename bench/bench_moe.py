@@ -5,24 +5,18 @@ Llama whose MLP is experts_per_token experts wide): what routing and grouping co
 
 Both sides compute the language-model loss only (transformers without output_router_logits; ours
 with the router loss coefficients at 0), one process, 2 threads, steps interleaved one by one so
-that load from other processes hits all alike; tokens/s are each side's fastest step, ratios the
+that load from other processes hits all alike (benchlib's `paired_rounds`, after a warm-up step of
+each: optimizer state, oneDNN's kernel choice); tokens/s are each side's fastest step, ratios the
 median over rounds of the two sides' times in the same round. Full size: hidden 512, 4 layers, 8
 heads, 4 kv heads, 8 experts of ffn 1024, top-2, vocab 32000, batch 4 x 512, fp32 and bf16.
 """
 
 from __future__ import annotations
 
-import statistics
-import tempfile
-import time
-from pathlib import Path
-
 import torch
-import torch.nn.functional as F
 
+from benchlib import THREADS, main, median_ratio, ours_from_hf, step_rounds, train_step
 from run import Row
-
-THREADS = 2
 
 
 def _configs(quick: bool) -> tuple[dict, dict]:
@@ -41,57 +35,18 @@ def _models(
     quick: bool, dtype: torch.dtype
 ) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, object]:
     """(ours Mixtral, transformers' Mixtral with the same weights, ours dense), and the HF config."""
-    from safetensors.torch import load_file
     from transformers import LlamaConfig, MixtralConfig, MixtralForCausalLM
 
-    from megacore.models import Decoder, config_from_hf, hf_state_dict_to_ours
+    from megacore.models import Decoder, config_from_hf
 
     moe, dense = _configs(quick)
     torch.manual_seed(0)
     hf_config = MixtralConfig(**moe, router_aux_loss_coef=0.0)
     peer = MixtralForCausalLM(hf_config)
-    with tempfile.TemporaryDirectory() as tmp:  # the checkpoint names (per-expert w1/w3/w2)
-        peer.save_pretrained(tmp)
-        state = load_file(Path(tmp) / "model.safetensors")
-    cfg = config_from_hf(hf_config)
-    ours = Decoder(cfg)
-    ours.load_state_dict(hf_state_dict_to_ours(cfg, state))
+    ours = ours_from_hf(peer, hf_config)  # the checkpoint names: per-expert w1/w3/w2
     dense_model = Decoder(config_from_hf(LlamaConfig(**dense)))
     dense_model.init_weights()
     return ours.to(dtype).train(), peer.to(dtype).train(), dense_model.to(dtype).train(), hf_config
-
-
-def stepper(model: torch.nn.Module, is_hf: bool, ids: torch.Tensor):
-    """One timed training step of `model` on `ids` (transformers' or ours), fused AdamW over what
-    it trains."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    x, y = ids[:, :-1], ids[:, 1:]
-
-    def step() -> float:
-        t = time.perf_counter()
-        if is_hf:
-            logits = model(x, use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        else:
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
-
-    return step
-
-
-def paired_rounds(steppers: dict, rounds: int) -> dict[str, list[float]]:
-    """Each stepper's times over `rounds` rounds of one step each, after a warm-up step
-    (optimizer state, oneDNN kernel selection): interleaved, so that load hits all alike."""
-    for step in steppers.values():
-        step()
-    times = {k: [] for k in steppers}
-    for _ in range(rounds):
-        for k, step in steppers.items():
-            times[k].append(step())
-    return times
 
 
 def run(quick: bool) -> list[Row]:
@@ -108,13 +63,13 @@ def run(quick: bool) -> list[Row]:
         ids = torch.randint(
             0, hf_config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
         )
-        steppers = {"ours": stepper(ours, False, ids), "peer": stepper(peer, True, ids),
-                    "dense": stepper(dense, False, ids)}  # fmt: skip
-        times = paired_rounds(steppers, 2 if quick else 7)
+        steppers = {"ours": train_step(ours, False, ids), "peer": train_step(peer, True, ids),
+                    "dense": train_step(dense, False, ids)}  # fmt: skip
+        times = step_rounds(steppers, 2 if quick else 7)
         tps = {k: batch * seq / min(v) for k, v in times.items()}
         for other, label, target in (("peer", "vs transformers' Mixtral", ">= 1.5x"),
                                      ("dense", "vs our dense model of the same active parameters", "")):  # fmt: skip
-            paired = statistics.median(t / o for t, o in zip(times[other], times["ours"], strict=True))
+            paired = median_ratio(times[other], times["ours"])
             rows.append(
                 Row("moe", f"train step tokens/s {name} {label}", f"{tps['ours']:.0f}", f"{tps[other]:.0f}",
                     paired, target, f"{note}; ratio: median of {len(times['ours'])} paired rounds")
@@ -124,8 +79,4 @@ def run(quick: bool) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from run import table
-
-    print(table(run("--quick" in sys.argv)))
+    main(run)

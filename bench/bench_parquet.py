@@ -1,15 +1,15 @@
 """mega-tokenize on a Parquet corpus against the same rows as jsonl: wall time and peak memory.
 
-Corpus: bench_tokenize's (real text found on this machine as jsonl rows `{"text", "src"}`, at least
-200 MB; `--quick`: 8 MB) and the same rows written as one Parquet file the way a Hub dataset is
-(pyarrow's defaults: snappy, dictionary encoding; row groups of ROW_GROUP rows, both columns),
-cached in bench-out/parquet/ (git-ignored).
+Corpus: bench_tokenize's (benchlib's `tokenize_inputs`: real text found on this machine as jsonl
+rows `{"text", "src"}`, at least 200 MB; `--quick`: 8 MB) and the same rows written as one Parquet
+file the way a Hub dataset is (pyarrow's defaults: snappy, dictionary encoding; row groups of
+ROW_GROUP rows, both columns), cached in bench-out/parquet/ (git-ignored).
 
 Measured: the `mega-tokenize` command as a user runs it, `--workers 2`, the same engine on both
 sides (the one `--engine auto` picks on the jsonl in the warm-up, then named), each run a child of
-a small launcher process, so its peak RSS is the child's own ru_maxrss (a child forked from this
-process would carry this process's pages until exec). Timing: each path once to warm up, then
-ROUNDS rounds of each once, the order alternated (bench_tokenize's `paired_rounds`). Ratios are the
+a small launcher process, so its peak RSS is the child's own ru_maxrss (benchlib's `launch`: a
+child forked from this process would carry this process's peak). Timing: each path once to warm
+up, then ROUNDS rounds of each once, the order rotated (benchlib's `paired_rounds`). Ratios are the
 median over rounds of jsonl / Parquet (time: > 1 means Parquet is faster) and Parquet / jsonl
 (peak RSS: < 1 means Parquet needs less). Checked (the run exits 1 otherwise): the two artifacts'
 shards are byte-identical (.bin and .idx).
@@ -24,18 +24,15 @@ same way, DATASET_ROUNDS rounds; shards checked byte-identical to the jsonl run'
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench_tokenize import WORKERS, _tokenizer_model, build_corpus, paired, paired_rounds
+from benchlib import OUT as BENCH_OUT
+from benchlib import THREADS, median_ratio, paired_rounds, tokenize_command, tokenize_inputs
 from run import Row
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench-out" / "parquet"
+OUT = BENCH_OUT / "parquet"
 ROW_GROUP = 1000  # rows per row group, as the `datasets` library writes a Hub dataset's files
 ROUNDS = 5
 QUICK_ROUNDS = 2
@@ -44,20 +41,6 @@ CARD = (  # a dataset repository's README.md: one config, its train split in dat
     "---\nconfigs:\n- config_name: default\n  default: true\n  data_files:\n"
     "  - split: train\n    path: data/train-*.parquet\n---\n"
 )
-SUB_ENV = {"OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": str(WORKERS)}
-
-# The launcher: runs one command, prints its exit code, wall seconds, peak RSS (bytes), CPU seconds
-# (user + system: steadier than wall time on a shared machine) and its stdout.
-_LAUNCHER = """
-import json, os, subprocess, sys, time
-t0 = time.perf_counter()
-proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE)
-out = proc.stdout.read()
-_, status, usage = os.wait4(proc.pid, 0)
-seconds = time.perf_counter() - t0
-cpu = usage.ru_utime + usage.ru_stime
-print(json.dumps([os.waitstatus_to_exitcode(status), seconds, usage.ru_maxrss * 1024, cpu, out.decode()]))
-"""
 
 
 def to_parquet(corpus: Path) -> Path:
@@ -87,19 +70,10 @@ def to_parquet(corpus: Path) -> Path:
 
 
 def command(src: Path, model: Path, out: Path, engine: str) -> tuple[float, int, float, dict]:
-    """Wall seconds, peak RSS (bytes), CPU seconds and the --json summary of one `mega-tokenize` run."""
-    exe = Path(sys.executable).parent / "mega-tokenize"
-    args = [str(exe), str(src), str(out), "-t", str(model), "--workers", str(WORKERS), "--engine", engine]
-    p = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, *args, "--force", "--no-progress", "--json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **SUB_ENV},
-    )
-    code, seconds, rss, cpu, stdout = json.loads(p.stdout.strip().splitlines()[-1])
-    if code:
-        raise RuntimeError(f"mega-tokenize {src.name} exited {code}: {p.stderr[-2000:]}")
-    return seconds, rss, cpu, json.loads(stdout)
+    """Wall seconds, peak RSS (bytes), CPU seconds (user + system: steadier than wall time on a
+    shared machine) and the --json summary of one `mega-tokenize` run."""
+    child, summary = tokenize_command(src, model, out, engine)
+    return child.seconds, child.rss, child.cpu, summary
 
 
 def same_shards(a: Path, b: Path) -> list[str]:
@@ -115,26 +89,15 @@ def same_shards(a: Path, b: Path) -> list[str]:
 
 def rounds_of(srcs: dict[str, Path], model: Path, engine: str, rounds: int):
     """Each path once to warm up, then `rounds` paired rounds: times, peak RSS, CPU, documents."""
-    rss: dict[str, list[int]] = {k: [] for k in srcs}
-    cpu: dict[str, list[float]] = {k: [] for k in srcs}
-    docs: dict[str, int] = {}
-
-    def path(k: str):
-        def once() -> float:
-            seconds, peak, used, summary = command(srcs[k], model, OUT / f"tokens-{k}", engine)
-            rss[k].append(peak)
-            cpu[k].append(used)
-            docs[k] = summary["documents"]
-            return seconds
-
-        return once
-
-    paths = {k: path(k) for k in srcs}
-    for k in paths:
-        paths[k]()
-        rss[k].clear()
-        cpu[k].clear()
-    return paired_rounds(paths, rounds), rss, cpu, docs
+    runs = paired_rounds(
+        srcs,
+        rounds,
+        lambda k, _: command(srcs[k], model, OUT / f"tokens-{k}", engine),
+        warmup=True,
+        rotate=True,
+    )
+    times, rss, cpu = ({k: [run[i] for run in v] for k, v in runs.items()} for i in range(3))
+    return times, rss, cpu, {k: v[-1][3]["documents"] for k, v in runs.items()}
 
 
 def run(quick: bool) -> list[Row]:
@@ -142,9 +105,8 @@ def run(quick: bool) -> list[Row]:
 
 
 def run_parquet(quick: bool) -> list[Row]:
-    corpus = build_corpus((8 if quick else 200) << 20)
+    corpus, model = tokenize_inputs(quick)
     srcs = {"jsonl": corpus, "parquet": to_parquet(corpus)}
-    model = _tokenizer_model()
     rounds = QUICK_ROUNDS if quick else ROUNDS
     # The engine --engine auto picks (on the jsonl), named on both sides from then on.
     engine = command(corpus, model, OUT / "tokens-jsonl", "auto")[3]["engine"]
@@ -153,11 +115,14 @@ def run_parquet(quick: bool) -> list[Row]:
     best = {k: min(v) for k, v in times.items()}
     peak = {k: max(v) for k, v in rss.items()}
     mb, pq_mb = (p.stat().st_size / 1e6 for p in srcs.values())
-    t_ratio, c_ratio = paired(times, "jsonl", "parquet"), paired(cpu, "jsonl", "parquet")
-    m_ratio = statistics.median(p / j for p, j in zip(rss["parquet"], rss["jsonl"], strict=True))
+    t_ratio, c_ratio = (
+        median_ratio(times["jsonl"], times["parquet"]),
+        median_ratio(cpu["jsonl"], cpu["parquet"]),
+    )
+    m_ratio = median_ratio(rss["parquet"], rss["jsonl"])
     lines = [
         f"corpus {mb:.0f} MB as jsonl, {pq_mb:.0f} MB as Parquet (row groups of {ROW_GROUP} rows, snappy), "
-        f"{docs['parquet']:,} documents, tokenizer {model.name}, {WORKERS} workers, engine {engine}, "
+        f"{docs['parquet']:,} documents, tokenizer {model.name}, {THREADS} workers, engine {engine}, "
         f"1 warm-up + {rounds} rounds of each",
         *(f"{k}: best {best[k]:.2f}s, rounds {' '.join(f'{t:.2f}' for t in v)}" for k, v in times.items()),
         *(f"{k}: CPU (user+sys) best {min(v):.2f}s, rounds {' '.join(f'{t:.2f}' for t in v)}"
@@ -174,7 +139,7 @@ def run_parquet(quick: bool) -> list[Row]:
         print(f"bench_parquet: {line}", file=sys.stderr, flush=True)
     note = f"{mb:.0f} MB of text, {pq_mb:.0f} MB as Parquet; engine {engine}"
     return [
-        Row("parquet", f"time, {WORKERS} workers, vs the same rows as jsonl", f"{best['parquet']:.1f}s",
+        Row("parquet", f"time, {THREADS} workers, vs the same rows as jsonl", f"{best['parquet']:.1f}s",
             f"{best['jsonl']:.1f}s (jsonl)", t_ratio, "~1x (same parallel speed)",
             f"{note}; median of {rounds} paired rounds; whole commands; CPU ratio {c_ratio:.2f}x"),
         Row("parquet", "peak RSS vs the same rows as jsonl", f"{peak['parquet'] / 2**20:.0f} MiB",
@@ -230,15 +195,14 @@ def run_datasets(quick: bool) -> list[Row]:
                 "datasets", "save_to_disk, repository vs jsonl", "-", "-", None, note="datasets not installed"
             )
         ]
-    corpus = build_corpus((8 if quick else 200) << 20)
+    corpus, model = tokenize_inputs(quick)
     parquet = to_parquet(corpus)
     srcs = {"jsonl": corpus, "saved": to_saved(parquet), "repository": to_repository(parquet)}
-    model = _tokenizer_model()
     rounds = QUICK_ROUNDS if quick else DATASET_ROUNDS
     engine = command(corpus, model, OUT / "tokens-jsonl", "auto")[3]["engine"]
     times, rss, cpu, docs = rounds_of(srcs, model, engine, rounds)
     mb = corpus.stat().st_size / 1e6
-    print(f"bench_parquet: datasets: corpus {mb:.0f} MB as jsonl, {docs['jsonl']:,} documents, {WORKERS} "
+    print(f"bench_parquet: datasets: corpus {mb:.0f} MB as jsonl, {docs['jsonl']:,} documents, {THREADS} "
           f"workers, engine {engine}, 1 warm-up + {rounds} rounds of each", file=sys.stderr, flush=True)  # fmt: skip
     rows = []
     for kind in ("saved", "repository"):
@@ -249,8 +213,8 @@ def run_datasets(quick: bool) -> list[Row]:
 def _dataset_rows(kind: str, times: dict, rss: dict, cpu: dict, rounds: int, same_docs: bool) -> list[Row]:
     """One kind of dataset against the jsonl: its figures printed, its rows."""
     differ = same_shards(OUT / "tokens-jsonl", OUT / f"tokens-{kind}")
-    t_ratio, c_ratio = paired(times, "jsonl", kind), paired(cpu, "jsonl", kind)
-    m_ratio = statistics.median(p / j for p, j in zip(rss[kind], rss["jsonl"], strict=True))
+    t_ratio, c_ratio = median_ratio(times["jsonl"], times[kind]), median_ratio(cpu["jsonl"], cpu[kind])
+    m_ratio = median_ratio(rss[kind], rss["jsonl"])
     peak, peak_jsonl = max(rss[kind]), max(rss["jsonl"])
     what = {"saved": "save_to_disk (pyarrow)", "repository": "repository (datasets, streaming)"}[kind]
     lines = [

@@ -2,7 +2,8 @@
 
 Corpus: real text found on this machine (the Python standard library's sources, then the text of
 /usr/share/doc, then the .py files of the venv's packages) as jsonl, one file per document, at
-least 200 MB (`--quick`: 8 MB). Built once, cached in bench-out/ (git-ignored).
+least 200 MB (`--quick`: 8 MB). Built once, cached in bench-out/ (git-ignored): benchlib's
+`tokenize_inputs`.
 
 Measured in one run, same corpus, same tokenizer (the real 32k SentencePiece model in
 ../shared/assets, else a model trained here), 2 workers:
@@ -30,9 +31,9 @@ Measured in one run, same corpus, same tokenizer (the real 32k SentencePiece mod
   ...; Python >= 3.12 from core_v0.17 on) must be importable by that interpreter; a checkout that
   cannot run shows its error in the row's note.
 Timing: every timed path runs once to warm up, then ROUNDS rounds in which each runs once, the
-order rotated every round, on the same page-cached corpus. Ratios are the median over rounds of
-peer time / ours in the same round (the machine is shared: its speed drifts within minutes); the
-times shown are each path's best.
+order rotated every round (benchlib's `paired_rounds`), on the same page-cached corpus. Ratios are
+the median over rounds of peer time / ours in the same round (the machine is shared: its speed
+drifts within minutes); the times shown are each path's best.
 Agreement (checked, the run exits 1 when one fails): ours against sentencepiece on every document,
 and our shards against the baseline's and Megatron-LM's: the .bin ids and the .idx (dtype,
 sequence lengths, sequence pointers, document indices).
@@ -40,15 +41,12 @@ sequence lengths, sequence pointers, document indices).
 
 from __future__ import annotations
 
-import gzip
 import json
 import multiprocessing
 import os
 import re
-import statistics
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,90 +54,22 @@ from pathlib import Path
 
 import numpy as np
 
+from benchlib import OUT as BENCH_OUT
+from benchlib import (
+    THREADS,
+    TOKENIZE_ENV,
+    launch,
+    median_ratio,
+    paired_rounds,
+    tokenize_command,
+    tokenize_inputs,
+)
 from run import Row
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench-out" / "tokenize"
-MODEL = ROOT.parent / "shared" / "assets" / "mistral-v1-tokenizer.model"
-WORKERS = 2
-MAX_DOC = 1 << 20  # a file larger than this is split into documents at line boundaries
+OUT = BENCH_OUT / "tokenize"
 ROUNDS = 5  # paired rounds after the warm-up (--quick: QUICK_ROUNDS)
 QUICK_ROUNDS = 3
 ENABLE = "MEGATRON_LM=/path/to/Megatron-LM (a checkout) to run its tools/preprocess_data.py"
-# Subprocesses get the thread settings the in-process paths run under.
-SUB_ENV = {"OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": str(WORKERS)}
-
-
-def _text_files() -> list[Path]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
-    files += sorted(p for p in Path("/usr/share/doc").rglob("*") if p.is_file() and not p.is_symlink())
-    files += sorted(Path(sysconfig.get_paths()["purelib"]).rglob("*.py"))
-    venv = ROOT / ".venv" / "lib"
-    if venv.is_dir():
-        files += sorted(venv.rglob("*.py"))
-    return files
-
-
-def _read_text(p: Path) -> str | None:
-    try:
-        data = p.read_bytes()
-        if p.suffix == ".gz":
-            data = gzip.decompress(data)
-        text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
-        return None
-    return text if text.strip() and "\x00" not in text else None
-
-
-def build_corpus(target_bytes: int) -> Path:
-    path = OUT / f"corpus-{target_bytes >> 20}MB.jsonl"
-    if path.is_file():
-        return path
-    OUT.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    size, seen = 0, set()
-    with open(tmp, "w", encoding="utf-8") as f:
-        for p in _text_files():
-            key = os.path.realpath(p)
-            if key in seen:
-                continue
-            seen.add(key)
-            text = _read_text(p)
-            if text is None:
-                continue
-            while text:
-                cut = len(text) if len(text) <= MAX_DOC else text.rfind("\n", 0, MAX_DOC) + 1 or MAX_DOC
-                line = json.dumps({"text": text[:cut], "src": str(p)}, ensure_ascii=False) + "\n"
-                f.write(line)
-                size += len(line.encode())
-                text = text[cut:]
-            if size >= target_bytes:
-                break
-    if size < target_bytes:
-        print(f"bench_tokenize: only {size >> 20} MB of text found on this machine", file=sys.stderr)
-    tmp.rename(path)
-    return path
-
-
-def _tokenizer_model() -> Path:
-    if MODEL.is_file():
-        return MODEL
-    import sentencepiece as spm
-
-    out = OUT / "trained-8k.model"
-    if not out.is_file():
-        files = [p for p in _text_files()[:2000]]
-        lines = [ln for p in files if (t := _read_text(p)) for ln in t.splitlines() if ln.strip()]
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines[:200_000]),
-            model_prefix=str(out.with_suffix("")),
-            vocab_size=8000,
-            model_type="bpe",
-            byte_fallback=True,
-            minloglevel=2,
-        )
-    return out
 
 
 # --- the Megatron-LM baseline (tools/preprocess_data.py's structure) ------------------------------
@@ -171,7 +101,7 @@ def megatron_baseline(corpus: Path, model: Path, prefix: Path) -> float:
     t0 = time.perf_counter()
     encoder = _Encoder(str(model))
     with open(corpus, encoding="utf-8") as fin:
-        pool = multiprocessing.get_context("fork").Pool(WORKERS, initializer=encoder.initializer)
+        pool = multiprocessing.get_context("fork").Pool(THREADS, initializer=encoder.initializer)
         encoded = pool.imap(encoder.encode, fin, 32)
         builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(vocab))
         for doc, lengths, _ in encoded:
@@ -214,8 +144,9 @@ def _megatron_python() -> str:
 
 
 def _megatron_env(checkout: Path) -> dict[str, str]:
+    """Subprocesses get the thread settings the in-process paths run under."""
     path = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, **SUB_ENV, "PYTHONPATH": path}
+    return {**os.environ, **TOKENIZE_ENV, "PYTHONPATH": path}
 
 
 def _checkout_text(checkout: Path, *globs: str) -> str:
@@ -273,16 +204,13 @@ def _why(stderr: str, checkout: Path) -> str:
 
 def megatron_command(checkout: Path, script: str, args: list[str], timeout: float) -> float:
     """Wall seconds of `python tools/<script> ARGS` run from the checkout (PYTHONPATH=checkout)."""
-    cmd = [_megatron_python(), str(checkout / "tools" / script), *args]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=_megatron_env(checkout), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise PeerFailed(f"{script} ran past {timeout:.0f}s") from None
-    dt = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise PeerFailed(f"{script} exited {p.returncode}: {_why(p.stderr, checkout)}")
-    return dt
+    cmd = [_megatron_python(), checkout / "tools" / script, *args]
+    child = launch(cmd, env=_megatron_env(checkout), timeout=timeout)
+    if child.timed_out:
+        raise PeerFailed(f"{script} ran past {timeout:.0f}s")
+    if child.code != 0:
+        raise PeerFailed(f"{script} exited {child.code}: {_why(child.stderr, checkout)}")
+    return child.seconds
 
 
 def megatron_prefix(prefix: Path) -> Path:
@@ -306,7 +234,7 @@ def ours(corpus: Path, model: Path, out: Path, engine: str = "auto") -> tuple[fl
             out=out,
             tokenizer=model,
             engine=engine,
-            workers=WORKERS,
+            workers=THREADS,
             force=True,
             progress=False,
         ),
@@ -317,21 +245,9 @@ def ours(corpus: Path, model: Path, out: Path, engine: str = "auto") -> tuple[fl
     return dt, {"engine": m.engine, "tokens": m.counts.tokens}
 
 
-def ours_command(corpus: Path, model: Path, out: Path, engine: str = "auto") -> tuple[float, dict]:
+def ours_command(corpus: Path, model: Path, out: Path, engine: str = "auto") -> float:
     """The `mega-tokenize` command as a user runs it: interpreter start and imports included."""
-    exe = Path(sys.executable).parent / "mega-tokenize"
-    args = [str(corpus), str(out), "-t", str(model), "--workers", str(WORKERS), "--engine", engine]
-    t0 = time.perf_counter()
-    p = subprocess.run(
-        [str(exe), *args, "--force", "--no-progress", "--json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **SUB_ENV},
-    )
-    dt = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise RuntimeError(f"mega-tokenize failed: {p.stderr}")
-    return dt, json.loads(p.stdout)
+    return tokenize_command(corpus, model, out, engine)[0].seconds
 
 
 def bare_encode_files(corpus: Path, model: Path) -> float:
@@ -341,7 +257,7 @@ def bare_encode_files(corpus: Path, model: Path) -> float:
 
     from mega_tokenize.tokenizer import load_tokenizer, set_threads
 
-    set_threads(WORKERS)
+    set_threads(THREADS)
     tok = gigatoken.Tokenizer.from_json(load_tokenizer(model).tokenizer_json(strip_special=True))
     tok.encode(["warm the thread pool"][0])
     t0 = time.perf_counter()
@@ -358,10 +274,10 @@ def bare_engine(corpus: Path, model: Path, engine: str) -> float:
     from mega_tokenize.pipeline import Options
     from mega_tokenize.tokenizer import load_tokenizer, set_threads
 
-    set_threads(WORKERS)
-    tok = load_tokenizer(model, threads=WORKERS)
+    set_threads(THREADS)
+    tok = load_tokenizer(model, threads=THREADS)
     eng = tok.engine(engine)
-    next_size = batch_sizes([corpus], Options.batch_bytes, WORKERS)[0]
+    next_size = batch_sizes([corpus], Options.batch_bytes, THREADS)[0]
     left = corpus.stat().st_size
     batch_bytes = next_size(left)
     batches, cur, size = [], [], 0
@@ -404,7 +320,7 @@ def agreement(corpus: Path, model: Path, out: Path) -> tuple[int, int]:
     def check(texts: list[str]) -> int:
         nonlocal n
         ok = 0
-        for ids in sp.encode(texts, num_threads=WORKERS):
+        for ids in sp.encode(texts, num_threads=THREADS):
             if n < len(reader):
                 doc = reader[n]
                 ok += len(doc) == len(ids) + 1 and doc[-1] == eos and np.array_equal(doc[:-1], ids)
@@ -482,203 +398,168 @@ def compare_shards(ref: Path, ours: Path) -> ShardDiff:
 # --- the run ------------------------------------------------------------------------------------
 
 
-def paired_rounds(paths: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Every path once to warm up (the caller has done that), then `rounds` rounds of each once,
-    the order rotated every round so that no path always runs right after the same neighbour."""
-    keys, times = list(paths), {k: [] for k in paths}
-    for r in range(rounds):
-        shift = r % len(keys)
-        for k in keys[shift:] + keys[:shift]:
-            times[k].append(paths[k]())
-    return times
+@dataclass
+class Timed:
+    """The timed paths of one run, each one's times per round (`paired_rounds`)."""
+
+    times: dict[str, list[float]]
+    rounds: int
+
+    @property
+    def best(self) -> dict[str, float]:
+        return {k: min(v) for k, v in self.times.items()}
+
+    def ratio(self, peer: str, us: str) -> float:
+        """Median over rounds of peer time / our time in the same round (> 1: we are faster)."""
+        return median_ratio(self.times[peer], self.times[us])
+
+    def note(self, peer: str, us: str) -> str:
+        return f"median of {self.rounds} paired rounds; best-of {self.best[peer] / self.best[us]:.2f}x"
 
 
-def paired(times: dict[str, list[float]], peer: str, ours: str) -> float:
-    """Median over rounds of peer time / our time in the same round (> 1: we are faster)."""
-    return statistics.median(p / o for p, o in zip(times[peer], times[ours], strict=True))
-
-
-def run(quick: bool) -> list[Row]:
-    target = (8 if quick else 200) << 20
-    rounds = QUICK_ROUNDS if quick else ROUNDS
-    corpus = build_corpus(target)
-    model = _tokenizer_model()
-    mb = corpus.stat().st_size / 1e6
-    timeout = 300 if quick else 3600
-    out = {
-        k: OUT / k
-        for k in ("tokens", "tokens-sp", "tokens-cmd", "tokens-cmd-sp", "megatron", "megatron-gigatoken")
-    }
-    base_prefix, fast_prefix = out["megatron"], out["megatron-gigatoken"]
+def warm_paths(
+    corpus: Path, model: Path, out: dict[str, Path]
+) -> tuple[dict[str, Callable[[], float]], dict]:
+    """Our paths, the baseline and the bare engine, each run once to warm up (imports, page cache)
+    before any timed round, and the summary of our first run (its engine, tokens)."""
     paths: dict[str, Callable[[], float]] = {
-        "base": lambda: megatron_baseline(corpus, model, base_prefix),
+        "base": lambda: megatron_baseline(corpus, model, out["megatron"]),
         "ours": lambda: ours(corpus, model, out["tokens"])[0],
         "ours_sp": lambda: ours(corpus, model, out["tokens-sp"], "sentencepiece")[0],
     }
-    # Warm-up of every path (imports, page cache, .pyc of a checkout) before any timed round.
     paths["base"]()
     _, summary = ours(corpus, model, out["tokens"])
     paths["ours_sp"]()
     engine = summary["engine"]
-    gigatoken_files = engine == "gigatoken"
     paths["bare"] = lambda: bare_engine(corpus, model, engine)
-    if gigatoken_files:
+    if engine == "gigatoken":
         paths["files"] = lambda: bare_encode_files(corpus, model)
-    paths["fast"] = lambda: megatron_gigatoken_path(corpus, model, fast_prefix)
-    paths["cmd"] = lambda: ours_command(corpus, model, out["tokens-cmd"])[0]
+    paths["fast"] = lambda: megatron_gigatoken_path(corpus, model, out["megatron-gigatoken"])
+    paths["cmd"] = lambda: ours_command(corpus, model, out["tokens-cmd"])
     for k in ("bare", "files", "fast", "cmd"):
         if k in paths:
             paths[k]()
+    return paths, summary
 
+
+def megatron_paths(
+    checkout: Path | None, corpus: Path, model: Path, out: dict[str, Path], paths: dict, timeout: float
+) -> dict[str, str]:
+    """Megatron-LM's own commands when a checkout is named, added to `paths` (warmed up) with our
+    command on their engine; a peer that cannot run here is left out, its note says why."""
+    if checkout is None:
+        return {}
+    paths["cmd_sp"] = lambda: ours_command(corpus, model, out["tokens-cmd-sp"], "sentencepiece")
+    paths["cmd_sp"]()
+    common, note = ["--input", str(corpus), "--append-eod"], {}
+    try:
+        if not (checkout / "tools" / "preprocess_data.py").is_file():
+            raise PeerFailed(f"no tools/preprocess_data.py in {checkout}")
+        sp_type = megatron_sp_type(checkout)
+        args = [*common, "--output-prefix", str(OUT / "mlm"), "--tokenizer-type", sp_type]
+        args += ["--tokenizer-model", str(model), "--workers", str(THREADS)]
+        note["mlm"] = f"--tokenizer-type {sp_type}"
+        paths["mlm"] = lambda: megatron_command(checkout, "preprocess_data.py", args, timeout)
+        paths["mlm"]()
+    except PeerFailed as e:
+        paths.pop("mlm", None)
+        note["mlm"] = f"not run: {e}"
+    if not (checkout / "tools" / "preprocess_data_fast.py").is_file():
+        return note | {"mlm_fast": "not in this checkout"}
+    try:
+        if "use_gigatoken" not in _checkout_text(checkout, "megatron/training/**/*.py"):
+            raise PeerFailed("the checkout has no --use-gigatoken")
+        fast = [*common, "--output-prefix", str(OUT / "mlm-fast"), "--tokenizer-type"]
+        fast += ["HuggingFaceTokenizer", "--tokenizer-model", str(hf_tokenizer_dir(model)), "--use-gigatoken"]
+        paths["mlm_fast"] = lambda: megatron_command(checkout, "preprocess_data_fast.py", fast, timeout)
+        paths["mlm_fast"]()
+        return note | {
+            "mlm_fast": "HuggingFaceTokenizer --use-gigatoken, tokenizer.json from the same .model"
+        }
+    except (PeerFailed, RuntimeError) as e:  # RuntimeError: no tokenizer.json for this .model
+        paths.pop("mlm_fast", None)
+        return note | {"mlm_fast": f"not run: {e}"}
+
+
+def run(quick: bool) -> list[Row]:
+    corpus, model = tokenize_inputs(quick)
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    mb = corpus.stat().st_size / 1e6
+    out = {
+        k: OUT / k
+        for k in ("tokens", "tokens-sp", "tokens-cmd", "tokens-cmd-sp", "megatron", "megatron-gigatoken")
+    }
+    paths, summary = warm_paths(corpus, model, out)
     # Megatron-LM's own commands, when a checkout is named; a peer that cannot run becomes a note.
     checkout = Path(os.environ["MEGATRON_LM"]).expanduser() if os.environ.get("MEGATRON_LM") else None
-    mlm_note: dict[str, str] = {}
-    mlm_prefix, mlm_fast_prefix = OUT / "mlm", OUT / "mlm-fast"
-    if checkout is not None:
-        paths["cmd_sp"] = lambda: ours_command(corpus, model, out["tokens-cmd-sp"], "sentencepiece")[0]
-        paths["cmd_sp"]()
-        common = ["--input", str(corpus), "--append-eod"]
-        try:
-            if not (checkout / "tools" / "preprocess_data.py").is_file():
-                raise PeerFailed(f"no tools/preprocess_data.py in {checkout}")
-            sp_type = megatron_sp_type(checkout)
-            args = [*common, "--output-prefix", str(mlm_prefix), "--tokenizer-type", sp_type]
-            args += ["--tokenizer-model", str(model), "--workers", str(WORKERS)]
-            mlm_note["mlm"] = f"--tokenizer-type {sp_type}"
-            paths["mlm"] = lambda: megatron_command(checkout, "preprocess_data.py", args, timeout)
-            paths["mlm"]()
-        except PeerFailed as e:
-            paths.pop("mlm", None)
-            mlm_note["mlm"] = f"not run: {e}"
-        if (checkout / "tools" / "preprocess_data_fast.py").is_file():
-            try:
-                if "use_gigatoken" not in _checkout_text(checkout, "megatron/training/**/*.py"):
-                    raise PeerFailed("the checkout has no --use-gigatoken")
-                fast = [*common, "--output-prefix", str(mlm_fast_prefix), "--tokenizer-type"]
-                fast += ["HuggingFaceTokenizer", "--tokenizer-model", str(hf_tokenizer_dir(model))]
-                fast += ["--use-gigatoken"]
-                paths["mlm_fast"] = lambda: megatron_command(
-                    checkout, "preprocess_data_fast.py", fast, timeout
-                )
-                paths["mlm_fast"]()
-                mlm_note["mlm_fast"] = (
-                    "HuggingFaceTokenizer --use-gigatoken, tokenizer.json from the same .model"
-                )
-            except (PeerFailed, RuntimeError) as e:  # RuntimeError: no tokenizer.json for this .model
-                paths.pop("mlm_fast", None)
-                mlm_note["mlm_fast"] = f"not run: {e}"
-        else:
-            mlm_note["mlm_fast"] = "not in this checkout"
-
-    times = paired_rounds(paths, rounds)
-    best = {k: min(v) for k, v in times.items()}
-    t_files = best.get("files")
-    # The limit is measured against the engine's own file path where it has one (it parses too).
-    limit = "files" if t_files is not None else "bare"
+    mlm_note = megatron_paths(checkout, corpus, model, out, paths, 300 if quick else 3600)
+    timed = Timed(paired_rounds(paths, rounds, lambda k, _: paths[k](), rotate=True), rounds)
 
     # Agreement, checked: ids against sentencepiece on every document, and the shards (.bin ids
     # and every .idx array) against the baseline's, whatever engine wrote ours.
     same, n = agreement(corpus, model, out["tokens"])
     idx_problem = index_consistent(out["tokens"] / "shards" / "text")
-    vs_base = {k: compare_shards(base_prefix, out[k] / "shards" / "text") for k in ("tokens", "tokens-sp")}
-    fast_same = compare_shards(out["tokens"] / "shards" / "text", fast_prefix).same_docs
-
-    def r(peer: str, us: str) -> str:
-        return f"median of {rounds} paired rounds; best-of {best[peer] / best[us]:.2f}x"
-
+    vs_base = {
+        k: compare_shards(out["megatron"], out[k] / "shards" / "text") for k in ("tokens", "tokens-sp")
+    }
+    fast_same = compare_shards(out["tokens"] / "shards" / "text", out["megatron-gigatoken"]).same_docs
+    engine = summary["engine"]
     lines = [
         f"corpus {mb:.0f} MB, {n:,} documents, {summary['tokens']:,} tokens, tokenizer {model.name}, "
-        f"{WORKERS} workers, engine {engine}, 1 warm-up + {rounds} rounds of every path",
-        *(f"{k}: best {best[k]:.2f}s, rounds {' '.join(f'{t:.2f}' for t in v)}" for k, v in times.items()),
+        f"{THREADS} workers, engine {engine}, 1 warm-up + {rounds} rounds of every path",
+        *(
+            f"{k}: best {min(v):.2f}s, rounds {' '.join(f'{t:.2f}' for t in v)}"
+            for k, v in timed.times.items()
+        ),
         f"ids equal to sentencepiece on {same:,}/{n:,} documents; .idx: {idx_problem or 'consistent'}",
         *(f"{k} vs baseline: {d.summary()}" for k, d in vs_base.items()),
         f"megatron-style gigatoken fast path: ids equal to ours on {fast_same:,}/{n:,} documents",
     ]
     for line in lines:
         print(f"bench_tokenize: {line}", file=sys.stderr, flush=True)
-    sp_base = vs_base["tokens-sp"]
-    rows = [
-        Row(
-            "tokenize",
-            f"time, {mb:.0f} MB corpus, {WORKERS} workers",
-            f"{best['ours']:.1f}s",
-            f"{best['base']:.1f}s (megatron preprocess_data style)",
-            paired(times, "base", "ours"),
-            ">= 3x",
-            f"engine {engine}; {mb / best['ours']:.1f} vs {mb / best['base']:.1f} MB/s; {r('base', 'ours')}",
-        ),
-        Row(
-            "tokenize",
-            "time, same engine (sentencepiece) both sides",
-            f"{best['ours_sp']:.1f}s",
-            f"{best['base']:.1f}s (megatron preprocess_data style)",
-            paired(times, "base", "ours_sp"),
-            "",
-            f"the pipeline's own gain: --engine sentencepiece; {r('base', 'ours_sp')}",
-        ),
-        Row(
-            "tokenize",
-            "time vs megatron-style gigatoken fast path",
-            f"{best['ours']:.1f}s",
-            f"{best['fast']:.1f}s (gigatoken encode_files + builder)",
-            paired(times, "fast", "ours"),
-            ">= 1x",
-            f"its ids = ours on {fast_same:,}/{n:,} docs; {r('fast', 'ours')}",
-        ),
-        Row(
-            "tokenize",
-            "time vs bare engine",
-            f"{best['ours']:.1f}s",
-            f"{best[limit]:.1f}s (bare {'gigatoken.encode_files' if t_files else engine})",
-            paired(times, limit, "ours"),
-            ">= 0.77x (within 1.3x)",
+    rows = speed_rows(timed, mb, engine, f"its ids = ours on {fast_same:,}/{n:,} docs")
+    rows.append(
+        Row("tokenize", "documents with sentencepiece's ids", f"{same:,}/{n:,}", "sentencepiece", same / max(n, 1),
+            "1.00x (all)", f"engine {engine}; .idx {idx_problem or 'self-consistent'}",
+            passed=same == n and idx_problem is None)
+    )  # fmt: skip
+    for label, d in ((f"engine {engine}", vs_base["tokens"]), ("engine sentencepiece", vs_base["tokens-sp"])):
+        rows.append(
+            Row("tokenize", f"shards = preprocess_data-style baseline ({label})", f"{d.same_docs:,}/{d.documents:,} docs",
+                "baseline .bin/.idx", d.same_docs / max(d.documents, 1), "equal", d.summary(), passed=d.equal)
+        )  # fmt: skip
+    return rows + megatron_rows(checkout, timed, mlm_note, out)
+
+
+def speed_rows(timed: Timed, mb: float, engine: str, fast_same: str) -> list[Row]:
+    """The time rows: ours against the baseline (our default engine, then sentencepiece), the
+    gigatoken fast path and the bare engine; the command against the fast path."""
+    best, r = timed.best, timed.note
+    # The limit is measured against the engine's own file path where it has one (it parses too).
+    limit = "files" if "files" in best else "bare"
+    base = f"{best['base']:.1f}s (megatron preprocess_data style)"
+    fast = f"{best['fast']:.1f}s (gigatoken encode_files + builder)"
+    return [
+        Row("tokenize", f"time, {mb:.0f} MB corpus, {THREADS} workers", f"{best['ours']:.1f}s", base,
+            timed.ratio("base", "ours"), ">= 3x",
+            f"engine {engine}; {mb / best['ours']:.1f} vs {mb / best['base']:.1f} MB/s; {r('base', 'ours')}"),
+        Row("tokenize", "time, same engine (sentencepiece) both sides", f"{best['ours_sp']:.1f}s", base,
+            timed.ratio("base", "ours_sp"), "", f"the pipeline's own gain: --engine sentencepiece; {r('base', 'ours_sp')}"),
+        Row("tokenize", "time vs megatron-style gigatoken fast path", f"{best['ours']:.1f}s", fast,
+            timed.ratio("fast", "ours"), ">= 1x", f"{fast_same}; {r('fast', 'ours')}"),
+        Row("tokenize", "time vs bare engine", f"{best['ours']:.1f}s",
+            f"{best[limit]:.1f}s (bare {'gigatoken.encode_files' if limit == 'files' else engine})",
+            timed.ratio(limit, "ours"), ">= 0.77x (within 1.3x)",
             f"overhead {best['ours'] / best[limit]:.2f}x; {best['ours'] / best['bare']:.2f}x over encoding "
-            f"parsed texts; {r(limit, 'ours')}",
-        ),
-        Row(
-            "tokenize",
-            "mega-tokenize command vs gigatoken fast path",
-            f"{best['cmd']:.1f}s",
-            f"{best['fast']:.1f}s (gigatoken encode_files + builder)",
-            paired(times, "fast", "cmd"),
-            "",
-            f"unlike: incl. interpreter start + imports (peer: warm process); {best['cmd'] / best[limit]:.2f}x bare",
-        ),
-        Row(
-            "tokenize",
-            "documents with sentencepiece's ids",
-            f"{same:,}/{n:,}",
-            "sentencepiece",
-            same / max(n, 1),
-            "1.00x (all)",
-            f"engine {engine}; .idx {idx_problem or 'self-consistent'}",
-            passed=same == n and idx_problem is None,
-        ),
-        *(
-            Row(
-                "tokenize",
-                f"shards = preprocess_data-style baseline ({label})",
-                f"{d.same_docs:,}/{d.documents:,} docs",
-                "baseline .bin/.idx",
-                d.same_docs / max(d.documents, 1),
-                "equal",
-                d.summary(),
-                passed=d.equal,
-            )
-            for label, d in ((f"engine {engine}", vs_base["tokens"]), ("engine sentencepiece", sp_base))
-        ),
-    ]
-    rows += megatron_rows(checkout, times, best, mlm_note, out, rounds)
-    return rows
+            f"parsed texts; {r(limit, 'ours')}"),
+        Row("tokenize", "mega-tokenize command vs gigatoken fast path", f"{best['cmd']:.1f}s", fast,
+            timed.ratio("fast", "cmd"), "",
+            f"unlike: incl. interpreter start + imports (peer: warm process); {best['cmd'] / best[limit]:.2f}x bare"),
+    ]  # fmt: skip
 
 
 def megatron_rows(
-    checkout: Path | None,
-    times: dict[str, list[float]],
-    best: dict[str, float],
-    note: dict[str, str],
-    out: dict[str, Path],
-    rounds: int,
+    checkout: Path | None, timed: Timed, note: dict[str, str], out: dict[str, Path]
 ) -> list[Row]:
     if checkout is None:
         return [
@@ -698,19 +579,15 @@ def megatron_rows(
     except OSError:  # no git: the checkout's name stands for it
         rev = ""
     where = f"Megatron-LM {rev or checkout.name}"
-
-    def r(peer: str, us: str) -> str:
-        return f"median of {rounds} paired rounds; best-of {best[peer] / best[us]:.2f}x"
-
-    rows = []
-    if "mlm" in times:
+    best, r, rows = timed.best, timed.note, []
+    if "mlm" in timed.times:
         mlm = megatron_prefix(OUT / "mlm")
         rows += [
             Row("tokenize", "command vs Megatron-LM preprocess_data.py", f"{best['cmd']:.1f}s",
-                f"{best['mlm']:.1f}s ({where})", paired(times, "mlm", "cmd"), ">= 3x",
+                f"{best['mlm']:.1f}s ({where})", timed.ratio("mlm", "cmd"), ">= 3x",
                 f"both whole commands; ours engine auto, its {note['mlm']}; {r('mlm', 'cmd')}"),
             Row("tokenize", "command, same engine, vs Megatron-LM preprocess_data.py", f"{best['cmd_sp']:.1f}s",
-                f"{best['mlm']:.1f}s ({where})", paired(times, "mlm", "cmd_sp"), "",
+                f"{best['mlm']:.1f}s ({where})", timed.ratio("mlm", "cmd_sp"), "",
                 f"both whole commands, both sentencepiece; {r('mlm', 'cmd_sp')}"),
         ]  # fmt: skip
         for label, key in (("engine auto", "tokens-cmd"), ("engine sentencepiece", "tokens-cmd-sp")):
@@ -722,11 +599,11 @@ def megatron_rows(
             )  # fmt: skip
     else:
         rows.append(Row("tokenize", "vs Megatron-LM preprocess_data.py", "-", where, None, "", note["mlm"]))
-    if "mlm_fast" in times:
+    if "mlm_fast" in timed.times:
         d = compare_shards(out["tokens-cmd"] / "shards" / "text", megatron_prefix(OUT / "mlm-fast"))
         rows.append(
             Row("tokenize", "command vs Megatron-LM preprocess_data_fast.py", f"{best['cmd']:.1f}s",
-                f"{best['mlm_fast']:.1f}s ({where})", paired(times, "mlm_fast", "cmd"), ">= 1x",
+                f"{best['mlm_fast']:.1f}s ({where})", timed.ratio("mlm_fast", "cmd"), ">= 1x",
                 f"{note['mlm_fast']}; its ids = ours on {d.same_docs:,}/{d.documents:,} docs; "
                 f"{r('mlm_fast', 'cmd')}")
         )  # fmt: skip

@@ -1,13 +1,14 @@
 """Training throughput (tokens/s) of a whole training run against the trainers people use instead.
 
 One process, 2 threads, bf16 compute with fp32 master weights where the CPU multiplies bf16
-(`cpu_precision`; elsewhere fp32 on every side, 1 warm-up and 3 timed steps), AdamW, the same Llama for every
-configuration (full size: hidden 768, 12 layers, 12 heads, 4 kv heads, ffn 2048, the tokenizer's
-vocab (32000), about 125M parameters; `--quick`: 2 layers, hidden 128, seq 128), the same batch
-(micro batch 4 x 2 accumulation = 8 sequences of 512 tokens per step; and, for mega-train, the
-bare step and the Trainer, micro batch 4 without accumulation) and the same data: token ids
-that `mega-tokenize` wrote from the Python standard library's sources (the Mistral tokenizer in
-../shared/assets, else a 1k SentencePiece trained here), cut into rows of seq + 1 tokens.
+(benchlib's `cpu_precision`; elsewhere fp32 on every side, 1 warm-up and 3 timed steps), AdamW,
+the same Llama for every configuration (full size: hidden 768, 12 layers, 12 heads, 4 kv heads,
+ffn 2048, the tokenizer's vocab (32000), about 125M parameters; `--quick`: 2 layers, hidden 128,
+seq 128), the same batch (micro batch 4 x 2 accumulation = 8 sequences of 512 tokens per step;
+and, for mega-train, the bare step and the Trainer, micro batch 4 without accumulation) and the
+same data (benchlib's `prepare_data`): token ids that `mega-tokenize` wrote from the Python
+standard library's sources (the Mistral tokenizer in ../shared/assets, else a 1k SentencePiece
+trained here), cut into rows of seq + 1 tokens.
 
 Configurations, each run in its own fresh subprocess (OMP_NUM_THREADS=2 and torch.set_num_threads(2)),
 2 warm-up optimizer steps, then 6 timed steps (`--quick`: 1 and 2); tokens/s = timed steps x 8 x seq /
@@ -38,9 +39,8 @@ their wall time (from the end of the last warm-up step to the end of the last st
 Rows: mega-train against each of the others, its peak RSS per recompute mode, and the bare engine
 step against the peers (the engine's floor). Against litgpt, which compiles its model, the target is
 on the like-for-like row (both compiled); mega-train eager against it is shown without a target.
-Peak RSS of every configuration is `ru_maxrss` of the rusage `os.wait4` returns for that one child:
-its own peak (or that of a process it started and waited for, if larger; not a sum), nothing else
-this process ran, so no helper process is needed.
+Peak RSS of every configuration is that one child's own (benchlib's `launch`: `ru_maxrss` of the
+rusage `os.wait4` returns for it, read by a small launcher process), nothing else this process ran.
 
 The peers need packages the main venv does not have: accelerate for the Trainer; litgpt, which
 pins huggingface_hub < 1.4, with which the main venv's transformers 5 does not import (torchmetrics,
@@ -50,160 +50,61 @@ add the base interpreter's, without torch), pip-installed with torch pinned by a
 installed version, so pip can never replace torch. A peer that cannot be installed or run says why
 in its row's note instead of failing the run.
 
-Rounds are interleaved (every configuration once per round, each of ours next to the peer it is
-compared with, the order reversed every other round), 3 rounds (`--quick`: 1), then the two pairs
-with a target (mega-train and the bare step, compiled mega-train and litgpt) alone, alternating
-which goes first, up to PAIR_ROUNDS (6) rounds: the targets' margins are within the noise of 3. Tokens/s shown are each configuration's best
-round; ratios are the median over the rounds both sides ran of ours / peer in the same round (this
-2-core machine is shared and its speed drifts).
+Rounds are interleaved (benchlib's `paired_rounds`: every configuration once per round, each of
+ours next to the peer it is compared with, the order reversed every other round), 3 rounds
+(`--quick`: 1), then the two pairs with a target (mega-train and the bare step, compiled
+mega-train and litgpt) alone, alternating which goes first, up to PAIR_ROUNDS (6) rounds: the
+targets' margins are within the noise of 3. Tokens/s shown are each configuration's best round;
+ratios are the median over the rounds both sides ran of ours / peer in the same round (this 2-core
+machine is shared and its speed drifts).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 
+from benchlib import (
+    THREADS,
+    TRAIN_OUT,
+    Setup,
+    child_main,
+    cpu_precision,
+    cpu_setup,
+    failure,
+    gb,
+    hf_llama,
+    last_line,
+    load_rows,
+    logger,
+    measure_child,
+    measure_mega_train,
+    median_ratio,
+    ours_config,
+    paired_rounds,
+    prepare_data,
+    rounds_note,
+    tokens_per_s,
+    trainer_feed,
+)
 from run import Row
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench-out" / "train"
-BIN = Path(sys.executable).parent
-SHARED_TOKENIZER = ROOT.parent / "shared" / "assets" / "mistral-v1-tokenizer.model"
-THREADS = 2
-CHILD_TIMEOUT = 1800  # seconds; a configuration taking longer is killed and its row says so
+OUT = TRAIN_OUT
 RECOMPUTE = ("selective", "full")  # besides none, run once each for their peak RSS
 PEER_VENVS = {  # name -> what pip installs there (torch pinned by a constraint)
     "hf": ["accelerate"],
     "litgpt": ["litgpt", "transformers<5"],
 }
-
-
-@dataclass(frozen=True)
-class Setup:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    seq: int
-    micro: int = 4
-    accum: int = 2
-    warmup: int = 2
-    timed: int = 6
-    rounds: int = 3
-    vocab: int = 0  # the tokenizer's, filled in once it is known
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro * self.accum
-
-    @property
-    def steps(self) -> int:
-        return self.warmup + self.timed
-
-    @property
-    def timed_tokens(self) -> int:
-        return self.timed * self.global_batch * self.seq
-
-
-FULL = Setup(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, seq=512)
-QUICK = Setup(hidden=128, layers=2, heads=4, kv_heads=2, ffn=384, seq=128, warmup=1, timed=2, rounds=1)
-NO_ACCUM = {"accum": 1}  # and as many timed tokens as FULL's: accum x its timed steps
+NO_ACCUM = {"accum": 1}  # and as many timed tokens as LLAMA_125M's: accum x its timed steps
 NO_ACCUM_KINDS = ("bare", "mega", "hf")
-
-
-def log(msg: str) -> None:
-    print(f"   train: {msg}", file=sys.stderr, flush=True)
-
-
-def cpu_precision() -> str:
-    """bf16 where this CPU multiplies bf16 in hardware (AMX or AVX512-BF16), else fp32: without
-    either, torch's bf16 matmuls take a fallback 6-200x slower than fp32's (measured on an AVX2
-    EPYC, 2 threads: 17 and 0.5 GFLOP/s against 115 for 2048 x 768 by 768 x 2048), which would
-    measure that fallback, not the trainers. Every CPU benchmark against a peer runs both sides
-    in it, and says which."""
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
-    return "bf16" if "amx_bf16" in flags or "avx512_bf16" in flags else "fp32"
-
-
-# --- data ----------------------------------------------------------------------------------------
-
-
-def corpus(path: Path, size: int = 2 << 20) -> Path:
-    """About `size` bytes of real text as jsonl: the standard library's .py files, one per document."""
-    if path.exists():
-        return path
-    import sysconfig
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    lines, total = [], 0
-    for f in sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts):
-        text = f.read_text(errors="replace")
-        lines.append(json.dumps({"text": text}) + "\n")
-        total += len(text)
-        if total >= size:
-            break
-    path.write_text("".join(lines))
-    return path
-
-
-def tokenizer(out: Path, corpus_path: Path) -> Path:
-    """The real Mistral tokenizer when ../shared has it, else a 1k SentencePiece trained here."""
-    if SHARED_TOKENIZER.is_file():
-        return SHARED_TOKENIZER
-    model = out / "tokenizer.model"
-    if not model.exists():
-        import io
-
-        import sentencepiece as spm
-
-        texts = [json.loads(line)["text"] for line in corpus_path.read_text().splitlines()]
-        buf = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_writer=buf, vocab_size=1000, model_type="bpe",
-            byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, minloglevel=2,
-        )  # fmt: skip
-        model.write_bytes(buf.getvalue())
-    return model
-
-
-def prepare_data(setup: Setup) -> tuple[Path, Path, int]:
-    """The tokens artifact (for mega-train), the rows every other configuration reads (an int64
-    .npy of steps x global batch rows of seq + 1 tokens, from the start of the same tokens) and
-    the vocab size."""
-    import numpy as np
-
-    from megacore.data.indexed import IndexedReader
-
-    OUT.mkdir(parents=True, exist_ok=True)
-    text = corpus(OUT / "corpus.jsonl")
-    tokens = OUT / "tokens"
-    subprocess.run(
-        [BIN / "mega-tokenize", text, tokens, "--tokenizer", tokenizer(OUT, text), "--workers", str(THREADS),
-         "--no-progress"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    vocab = json.loads((tokens / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    stream = np.concatenate(
-        [IndexedReader(p.with_suffix("")).tokens for p in sorted(tokens.glob("shards/*.idx"))]
-    )
-    n = setup.steps * setup.global_batch
-    if len(stream) < n * (setup.seq + 1):
-        raise RuntimeError(f"{len(stream)} tokens in {tokens}, need {n * (setup.seq + 1)}")
-    rows = OUT / f"rows-{n}x{setup.seq + 1}.npy"
-    np.save(rows, stream[: n * (setup.seq + 1)].astype(np.int64).reshape(n, setup.seq + 1))
-    return tokens, rows, vocab
+log = logger("train")
 
 
 # --- peer venvs ----------------------------------------------------------------------------------
@@ -243,143 +144,7 @@ def peer_python(name: str) -> Path | str:
     return python
 
 
-def last_line(text: str, width: int = 160) -> str:
-    """The last meaningful line of an error output, shortened: what a note quotes."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith(("WARNING", "  "))]
-    line = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
-    return line if len(line) <= width else line[: width - 3] + "..."
-
-
-# --- running one configuration -------------------------------------------------------------------
-
-
-def launch(cmd: list, log_path: Path, env: dict[str, str], cwd: Path) -> tuple[int, int]:
-    """Run `cmd` (output to `log_path`); returns (exit code, the child's peak RSS in bytes).
-
-    The peak RSS is ru_maxrss of the rusage `os.wait4` returns for this child alone (and any
-    descendants it waited for), so nothing else this process ran is counted."""
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        timer = threading.Timer(CHILD_TIMEOUT, proc.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; Popen must not wait again
-    return proc.returncode, usage.ru_maxrss * 1024  # kB on Linux
-
-
-def child_env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def measure(
-    kind: str, setup: Setup, rows: Path, python: Path, work: Path, script: Path = Path(__file__), **extra: str
-) -> dict:
-    """One configuration in a fresh subprocess (`script`, this file by default, with `--child KIND
-    SPEC`; `extra`: more fields of SPEC): its result (tokens_per_s, params, ...) plus rss, or
-    {"error": ...}."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    spec = {"setup": asdict(setup), "rows": str(rows), "work": str(work), "result": str(work / "result.json")}
-    spec |= {"precision": cpu_precision()} | extra
-    (work / "spec.json").write_text(json.dumps(spec))
-    env = child_env()
-    # A 1-process torch.distributed group for the engine (what torchrun would set).
-    env.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
-    rc, rss = launch([python, script, "--child", kind, work / "spec.json"], work / "log.txt", env, work)
-    result_path = Path(spec["result"])
-    if rc or not result_path.is_file():
-        return {"error": f"exit {rc}: {last_line((work / 'log.txt').read_text(errors='replace'))}"}
-    return {**json.loads(result_path.read_text()), "rss": rss}
-
-
-def mega_manifest(setup: Setup, tokens: Path, out: Path, recompute: str, compile: bool, **extra) -> dict:
-    return {
-        "kind": "run", "format_version": 1, "out": str(out),
-        "model": {"config": ours_config(setup)},
-        "data": {"sources": [{"path": str(tokens)}], "split": [1, 0]},
-        "batch": {"micro_batch_size": setup.micro, "global_batch_size": setup.global_batch, "seq_length": setup.seq},
-        "train_steps": setup.steps, "precision": cpu_precision(), "recompute": recompute, "compile": compile,
-        "optimizer": {"lr": 3e-4, "warmup_steps": 0}, "logging": {"every": 1}, "checkpoint": {"every": 100000},
-    } | extra  # fmt: skip
-
-
-def mega_train_command() -> list:
-    """The console script, or the same entry point through this python where it is not installed
-    (a GPU machine with the sources on PYTHONPATH)."""
-    script = BIN / "mega-train"
-    return [script] if script.exists() else [sys.executable, "-c", "from mega_train.cli import main; main()"]
-
-
-def measure_mega_train(
-    setup: Setup, tokens: Path, work: Path, recompute: str = "none", compile: bool = False, **extra
-) -> dict:
-    """`mega-train --manifest run.json` as a subprocess (`extra`: more manifest fields); tokens/s
-    from its metrics.jsonl (the `step_time_s` of the steps after the warm-up ones) and those steps'
-    records, or {"error": ...}."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    out = work / "run-out"
-    manifest = mega_manifest(setup, tokens, out, recompute, compile, **extra)
-    (work / "run.json").write_text(json.dumps(manifest, indent=2))
-    rc, rss = launch(
-        [*mega_train_command(), "--manifest", work / "run.json"], work / "log.txt", child_env(), work
-    )
-    text = (work / "log.txt").read_text(errors="replace")
-    metrics = out / "metrics.jsonl"
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # weights and AdamW state: GBs, not needed
-    if rc or not metrics.is_file():
-        return {"error": f"exit {rc}: {last_line(text)}"}
-    steps = sorted(
-        (r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "train"),
-        key=lambda r: r["step"],
-    )[setup.warmup :]
-    if len(steps) < setup.timed:
-        return {"error": f"{len(steps)} train steps after the warm-up in {metrics}, expected {setup.timed}"}
-    return {
-        "tokens_per_s": setup.timed_tokens / sum(r["step_time_s"] for r in steps),
-        "rss": rss,
-        "records": steps,
-    }
-
-
 # --- the children: one configuration each, run as `bench_train.py --child KIND SPEC` -------------
-
-
-def ours_config(setup: Setup) -> dict:
-    return dict(
-        family="llama", vocab_size=setup.vocab, hidden_size=setup.hidden, num_layers=setup.layers,
-        num_heads=setup.heads, num_kv_heads=setup.kv_heads, ffn_hidden_size=setup.ffn, max_seq_len=setup.seq,
-    )  # fmt: skip
-
-
-def load_rows(spec: dict):
-    import numpy as np
-    import torch
-
-    torch.set_num_threads(THREADS)
-    return torch.from_numpy(np.load(spec["rows"]))
-
-
-def tokens_per_s(setup: Setup, step_ends: list[float]) -> float:
-    """Timed tokens over the wall time from the end of the last warm-up step to the end of the last."""
-    if len(step_ends) != setup.steps:
-        raise RuntimeError(f"{len(step_ends)} step ends recorded, expected {setup.steps}")
-    times = [round(b - a, 2) for a, b in itertools.pairwise(step_ends)]
-    print(f"bench_train: step times after the first: {times}", file=sys.stderr, flush=True)  # in log.txt
-    return setup.timed_tokens / (step_ends[-1] - step_ends[setup.warmup - 1])
 
 
 # The bare step's phases, in order: the compute copies' refresh (bf16 casts of the fp32 weights),
@@ -431,51 +196,6 @@ def child_bare(setup: Setup, spec: dict) -> dict:
         "params": sum(p.numel() for p in params),
         "phases": timed,
     }
-
-
-def trainer_feed(setup: Setup, spec: dict) -> tuple:
-    """What the Trainer configurations are given: a dataset of the rows (input and labels alike:
-    the model shifts the labels itself) and a callback recording each step's end and its span from
-    on_step_begin (`ends`, `spans`)."""
-    import torch
-    from transformers import TrainerCallback
-
-    rows = load_rows(spec)
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return len(rows)
-
-        def __getitem__(self, i: int) -> dict:
-            return {"input_ids": rows[i, : setup.seq], "labels": rows[i, : setup.seq]}
-
-    class StepEnds(TrainerCallback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.spans: list[float] = []  # on_step_begin -> on_step_end
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begin = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-            self.spans.append(self.ends[-1] - self.begin)
-
-    return Rows(), StepEnds()
-
-
-def hf_llama(setup: Setup):
-    """transformers' LlamaForCausalLM of the setup's shape, random weights (seed 0)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=setup.vocab, hidden_size=setup.hidden, intermediate_size=setup.ffn,
-        num_hidden_layers=setup.layers, num_attention_heads=setup.heads, num_key_value_heads=setup.kv_heads,
-        max_position_embeddings=setup.seq, tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
 
 
 def child_hf(setup: Setup, spec: dict) -> dict:
@@ -555,13 +275,6 @@ CHILDREN = {"bare": child_bare, "hf": child_hf, "litgpt": child_litgpt}
 LITGPT = {"bf16": "bf16-mixed", "fp32": "32-true"}  # litgpt's names of the precisions
 
 
-def child_main(kind: str, spec_path: str, children: dict | None = None) -> None:
-    """Run child `kind` (of `children`, else this file's) on its spec; its result into the spec's file."""
-    spec = json.loads(Path(spec_path).read_text())
-    result = (children or CHILDREN)[kind](Setup(**spec["setup"]), spec)
-    Path(spec["result"]).write_text(json.dumps(result))
-
-
 # --- the benchmark -------------------------------------------------------------------------------
 
 
@@ -572,10 +285,6 @@ LABELS = {
     "mega": "mega-train",
     "mega-compiled": 'mega-train "compile": true',
 }
-
-
-def gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 OURS = (
@@ -592,17 +301,15 @@ def compare(
     """A tokens/s row: best round of each side; ratio: median over rounds of ours / peer (the
     peer's `peer_key` figure). `suffix`: what sets the row apart (no accumulation, the timing)."""
     metric = f"tokens/s, {LABELS[ours]} vs {LABELS[peer]}{suffix}"
-    for side in (ours, peer):
-        failed = [r["error"] for r in results[side] if "error" in r]
-        if failed:
-            passed = False if side in OURS else None
-            return Row("train", metric, "-", "-", None, target, f"{LABELS[side]} failed: {failed[0]}", passed)
+    if failed := failure(results, (ours, peer)):
+        side, why = failed
+        passed = False if side in OURS else None
+        return Row("train", metric, "-", "-", None, target, f"{LABELS[side]} failed: {why}", passed)
     o = [r["tokens_per_s"] for r in results[ours]]
     p = [r[peer_key] for r in results[peer]]
     n = min(len(o), len(p))  # the rounds both ran (the pairs with a target run PAIR_ROUNDS)
     o, p = o[:n], p[:n]
-    ratio = statistics.median(a / b for a, b in zip(o, p, strict=True))
-    rounds = f"rounds {'/'.join(f'{x:.0f}' for x in o)} vs {'/'.join(f'{x:.0f}' for x in p)}"
+    ratio, rounds = median_ratio(o, p), rounds_note(o, p)
     rss = f"peak RSS {gb(max(r['rss'] for r in results[ours]))} vs {gb(max(r['rss'] for r in results[peer]))}"
     return Row("train", metric, f"{max(o):.0f}", f"{max(p):.0f}", ratio, target, f"{note}; {rounds}; {rss}")
 
@@ -622,7 +329,7 @@ def rss_row(setup: Setup, tokens: Path, results: dict[str, list[dict]], note: st
             note=f"mega-train failed: {results['mega'][0]['error']}",
             passed=False,
         )
-    short = Setup(**{**asdict(setup), "timed": 1})
+    short = replace(setup, timed=1)
     with ThreadPoolExecutor(2) as pool:
         others = pool.map(
             lambda rc: measure_mega_train(short, tokens, OUT / "work" / f"mega-{rc}", rc), RECOMPUTE
@@ -663,24 +370,21 @@ def measure_rounds(
     PAIR_ROUNDS."""
     kinds = tuple(k for k in ORDER if k in kinds)
     pythons = {"bare": Path(sys.executable)} | {k: peer_python(k) for k in PEER_VENVS if k in kinds}
-    results: dict[str, list[dict]] = {k: [] for k in kinds}
     pairs = max(setup.rounds, PAIR_ROUNDS if setup.rounds > 1 and paired else 1)
     tag = "" if setup.accum > 1 else "-noaccum"
-    for r in range(pairs):
-        order = kinds if r < setup.rounds else paired
-        for kind in order if r % 2 == 0 else order[::-1]:
-            t = time.perf_counter()
-            if kind.startswith("mega"):
-                compiled = kind == "mega-compiled"
-                res = measure_mega_train(setup, tokens, OUT / "work" / f"{kind}{tag}-{r}", compile=compiled)
-            elif isinstance(pythons[kind], str):  # its venv could not be made
-                res = {"error": pythons[kind]}
-            else:
-                res = measure(kind, setup, rows, pythons[kind], OUT / "work" / f"{kind}{tag}-{r}")
-            results[kind].append(res)
-            shown = {k: v for k, v in res.items() if k not in ("rss", "records")}
-            log(f"round {r + 1}/{pairs} {kind}{tag}: {shown} ({time.perf_counter() - t:.0f}s)")
-    return results
+
+    def measure(kind: str, r: int) -> dict:
+        work = OUT / "work" / f"{kind}{tag}-{r}"
+        if kind.startswith("mega"):
+            return measure_mega_train(setup, tokens, work, compile=kind == "mega-compiled")
+        if isinstance(pythons[kind], str):  # its venv could not be made
+            return {"error": pythons[kind]}
+        return measure_child(Path(__file__), kind, setup, rows, work, python=pythons[kind])
+
+    say = logger(f"train{tag}")
+    results = paired_rounds(kinds, setup.rounds, measure, log=say)
+    more = paired_rounds(paired, pairs - setup.rounds, measure, first=setup.rounds, log=say)
+    return {k: v + more.get(k, []) for k, v in results.items()}
 
 
 def phase_row(accumulated: dict[str, list[dict]], single: dict[str, list[dict]]) -> Row:
@@ -700,15 +404,6 @@ def phase_row(accumulated: dict[str, list[dict]], single: dict[str, list[dict]])
     )
 
 
-def sized(quick: bool, rounds: int | None = None) -> Setup:
-    """QUICK or FULL (`rounds` of it), and in fp32 (`cpu_precision`) FULL's steps cut to 1 warm-up
-    and 3 timed: an fp32 step takes several times a bf16 one on a CPU that multiplies bf16."""
-    setup = QUICK if quick else FULL
-    if not quick and cpu_precision() == "fp32":
-        setup = Setup(**{**asdict(setup), "warmup": 1, "timed": 3})
-    return setup if rounds is None else Setup(**{**asdict(setup), "rounds": rounds})
-
-
 def note_of(setup: Setup, quick: bool) -> str:
     """The rows' note: the model, the batch, the precision, the threads, the timed steps."""
     precision = cpu_precision()
@@ -722,19 +417,19 @@ def note_of(setup: Setup, quick: bool) -> str:
 def check(rounds: int) -> list[Row]:
     """The guarded row (bench/check.py): mega-train against the Trainer with accumulation, in
     `rounds` paired rounds and nothing else."""
-    setup = sized(False, rounds)
+    setup = cpu_setup(False, rounds)
     tokens, rows, vocab = prepare_data(setup)
-    setup = Setup(**{**asdict(setup), "vocab": vocab})
+    setup = replace(setup, vocab=vocab)
     results = measure_rounds(setup, tokens, rows, ("mega", "hf"), ())
     return [compare(results, "mega", "hf", ">= 1.3x", note_of(setup, False))]
 
 
 def run(quick: bool, peers: tuple[str, ...] = ORDER) -> list[Row]:
-    """Every configuration with accumulation (FULL), and mega-train, the bare step and the Trainer
-    without (NO_ACCUM); `peers`: a subset of ORDER (`--trainer-only`: the Trainer's rows)."""
-    tokens, rows, vocab = prepare_data(sized(quick))
-    setup = Setup(**{**asdict(sized(quick)), "vocab": vocab})
-    single = Setup(**{**asdict(setup), **NO_ACCUM, "timed": setup.timed * setup.accum})
+    """Every configuration with accumulation (LLAMA_125M), and mega-train, the bare step and the
+    Trainer without (NO_ACCUM); `peers`: a subset of ORDER (`--trainer-only`: the Trainer's rows)."""
+    tokens, rows, vocab = prepare_data(cpu_setup(quick))
+    setup = replace(cpu_setup(quick), vocab=vocab)
+    single = replace(setup, **NO_ACCUM, timed=setup.timed * setup.accum)
     paired = tuple(k for k in PAIRED if k in peers)
     results = measure_rounds(setup, tokens, rows, peers, paired)
     _, single_rows, _ = prepare_data(single)
@@ -785,7 +480,7 @@ def run(quick: bool, peers: tuple[str, ...] = ORDER) -> list[Row]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        child_main(sys.argv[2], sys.argv[3])
+        child_main(sys.argv[2], sys.argv[3], CHILDREN)
     else:
         from run import table
 

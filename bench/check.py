@@ -6,11 +6,12 @@ lost there shows in no test (timings drift, so `make test` times nothing), and a
 would have to bisect for it. The guarded rows are the CPU trainer against transformers' `Trainer`
 (bench_train), LoRA against the Trainer with PEFT (bench_lora) and DPO against TRL's `DPOTrainer`
 (bench_dpo), each benchmark's `check(rounds)`: only that comparison, `ROUNDS` interleaved rounds
-(each side once a round, the order reversed every other round), their paired ratios' median.
+(benchlib's `paired_rounds`: each side once a round, the order reversed every other round), their
+paired ratios' median.
 
 The figures are read from the table under "## Guarded ratios" in bench/README.md, one row per
 (benchmark, metric, precision). A CPU with bf16 matmuls (AMX or AVX512-BF16) runs the benchmarks
-in bf16, any other in fp32 (`bench_train.cpu_precision`), and the two give other ratios, so each
+in bf16, any other in fp32 (benchlib's `cpu_precision`), and the two give other ratios, so each
 precision has its own figures; a row of the other precision is skipped, and a guarded metric with
 no figure for this precision is reported without a verdict (record one: the note says so). Exit 1
 when a row falls below its figure x (1 - TOLERANCE) or a side fails; `--rounds N` for more rounds
@@ -25,6 +26,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchlib import cpu_precision
 from run import Row, load, table
 
 HERE = Path(__file__).resolve().parent
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench-check: error: not guarded: {unknown}; guarded: {', '.join(GUARDED)}", file=sys.stderr)
         return 2
     figures = recorded(README.read_text())
-    precision = load(HERE / "bench_train.py").cpu_precision()
+    precision = cpu_precision()
     rows = []
     for name in args.names:
         print(
