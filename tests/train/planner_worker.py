@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from mega_train.trainer import make_optimizer
+from mega_train.optimizer import make_optimizer
 from megacore import planner
 from megacore.artifacts.manifest import OptimizerSpec, ParallelSpec
 from megacore.config import LoRA, ModelConfig

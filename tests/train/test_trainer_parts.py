@@ -18,8 +18,8 @@ import torch
 
 from mega_train.faults import Faults
 from mega_train.lifecycle import LOCK_FILE, RunLock, StopRequest, held_by
+from mega_train.optimizer import make_optimizer, unscale_and_clip
 from mega_train.schedule import LossScale, Schedule
-from mega_train.trainer import make_optimizer, unscale_and_clip
 from megacore.artifacts.manifest import OptimizerSpec
 from megacore.errors import UserError
 
@@ -112,7 +112,7 @@ MIXED = """
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
-from mega_train.trainer import make_optimizer
+from mega_train.optimizer import make_optimizer
 from megacore.artifacts.manifest import OptimizerSpec
 from megacore.parallel.mesh import init_distributed, shutdown
 

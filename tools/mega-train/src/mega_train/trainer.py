@@ -3,24 +3,24 @@
 `Trainer(plan)` on every rank with the same checked `RunPlan`, then:
 
 - `setup`: the mesh, the run directory and its lock (`lifecycle.py`), the stop flag and the
-  launcher watch, the sample index, the `ParallelModel` and AdamW.
-- `resume`: the newest intact checkpoint of this run (damaged ones set aside, `checkpoints.py`),
-  else `init`'s weights, else fresh ones; a changed `train_steps` stretches the schedule
-  (`schedule.py`).
+  launcher watch, the sample index (`train_data.py`), the `ParallelModel` and AdamW (`optimizer.py`).
+- `resume`: the newest intact checkpoint of this run (damaged ones set aside: `resuming.py`,
+  `checkpoints.py`), else `init`'s weights, else fresh ones; a changed `train_steps` stretches the
+  schedule (`schedule.py`).
 - `step`: global batch `step` of the train samples (`megacore.data.Dataset`: the sequence depends
   on the seed and the data only), this rank's dp share as microbatches through
   `ParallelModel.forward_backward` (the loss is the mean over the global batch's counted targets);
   one all-reduce brings every rank the loss and the stop request; then unscale (fp16), the global
-  gradient norm and clipping, and the update, which the optimizer skips on the device when loss or
-  norm is not finite. The step reads one small tensor back to the host, once it is queued: whether
-  to stop and whether loss and norm were finite (`LossScale`, the NaN policy); every other value
-  (loss, norm, counts, router statistics) stays on the device until `flush`.
+  gradient norm and clipping (`optimizer.py`), and the update, which the optimizer skips on the
+  device when loss or norm is not finite. The step reads one small tensor back to the host, once it
+  is queued: whether to stop and whether loss and norm were finite (`LossScale`, the NaN policy);
+  every other value (loss, norm, counts, router statistics) stays on the device until `flush`.
 - `flush` at every logging step (and before an evaluation, a save, a stop or a halt): the pending
-  steps' values read back at once, each step's record written to metrics.jsonl and W&B on rank 0,
-  and the console line when due, with every rank's own work per step and the stragglers named
-  (`stragglers.py`); `evaluate` every `eval.every` steps and after the last one
-  (`evaluation.py`), with lm-eval's `eval.tasks` (`sampling.task_records`, `harness.py`); samples every
-  `eval.samples.every` steps (`sampling.py`); `save` writes an atomic checkpoint.
+  steps' values read back at once (`step_records.py`), each step's record written to metrics.jsonl
+  and W&B on rank 0, and the console line when due, with every rank's own work per step and the
+  stragglers named (`stragglers.py`); `evaluate` every `eval.every` steps and after the last one
+  (`evaluation.py`), with lm-eval's `eval.tasks` (`sampling.task_records`, `harness.py`); samples
+  every `eval.samples.every` steps (`sampling.py`); `save` writes an atomic checkpoint (`saving.py`).
 - `fit` loops over them and stops at `train_steps`, at a stop request (one checkpoint, then exit 0)
   or at `nan.policy: halt` (exit 1).
 
@@ -37,50 +37,45 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from mega_train import __version__
 from mega_train.allocator import configure_allocator
-from mega_train.checkpoints import (
-    PRODUCER,
-    point_latest,
-    resume_point,
-    set_aside,
-)
+from mega_train.checkpoints import PRODUCER, resume_point
 from mega_train.faults import Faults
 from mega_train.lifecycle import RunLock, StopRequest, describe, watch_launcher, watch_signals
 from mega_train.metrics import (
     MetricsLog,
     compile_seconds,
     eval_line,
-    memory_gb,
     peak_tflops,
     say,
     train_line,
 )
 from mega_train.objectives import load as load_objective
-from mega_train.run_plan import RUN_MARK, RunPlan, has_valid_split
+from mega_train.optimizer import make_optimizer, unscale_and_clip
+from mega_train.resuming import Position, load_resumed, newest_intact, set_aside_damaged
+from mega_train.run_plan import RUN_MARK, RunPlan
 from mega_train.sampling import open_generation, sample_line, task_records
 from mega_train.saving import Saver
 from mega_train.schedule import LossScale, Schedule
+from mega_train.step_records import Pending, read_back, train_record
 from mega_train.stragglers import OwnWork, straggler_line, stragglers
+from mega_train.train_data import loss_roles, open_samples
 from mega_train.wandb_run import WandbLog
 from mega_train.watchdog import Watchdog
-from megacore.artifacts.manifest import CheckpointManifest, OptimizerSpec
+from megacore.artifacts.manifest import CheckpointManifest
 from megacore.artifacts.reader import parent_of
 from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token, is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
-from megacore.errors import DamagedFile, Silent, UserError
-from megacore.parallel.checkpoint_io import load_checkpoint, load_rank_state
-from megacore.parallel.clip import clip_grad_norm
+from megacore.errors import Silent, UserError
+from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.mesh import build_mesh, device_type, dp_mesh, shutdown
 from megacore.progress import Progress
@@ -92,56 +87,6 @@ class Halted(UserError):
     """The run stopped itself (nan.policy halt): exit 1, the last checkpoint left as it was."""
 
     exit_code = 1
-
-
-@dataclass
-class Position:
-    """How far the run is: what a checkpoint's `training` section restores besides the weights,
-    the moments, the schedule and the loss scale."""
-
-    step: int = 0
-    optimizer_steps: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)  # the last train_loss, valid_loss
-
-
-def make_optimizer(params: list[torch.nn.Parameter], opt: OptimizerSpec) -> torch.optim.AdamW:
-    """AdamW; norms and biases (1-D) are not decayed. Vocab padding rows get no gradient and so stay
-    zero. DTensor and plain parameters go in groups of their own: the fused kernel takes one kind
-    per group (under tp without sequence parallel the norms are plain, the q/k norms DTensors)."""
-    groups = []
-    for decayed in (True, False):
-        for dtensor in (True, False):
-            mine = [p for p in params if (p.ndim >= 2) == decayed and isinstance(p, DTensor) == dtensor]
-            if mine:
-                groups.append({"params": mine, "weight_decay": opt.weight_decay if decayed else 0.0})
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True)
-
-
-@torch.no_grad()
-def unscale_and_clip(
-    params: list[torch.Tensor],
-    scale: float,
-    clip: float,
-    pp_group=None,
-    uncounted: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Divide the gradients by the loss scale, then clip them to global norm `clip` (0: no clipping);
-    returns the norm before clipping, of the unscaled gradients (what a run reports), on the
-    device. `uncounted`: a tied output copy, clipped but not counted (`clip_grad_norm`)."""
-    if scale != 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(1.0 / scale)
-    return clip_grad_norm(params, clip or math.inf, pp_group, uncounted)
-
-
-@dataclass
-class Pending:
-    """A step's record whose device values (`device`: loss, grad_norm, counted targets, router
-    statistics) are read back at the next `Trainer.flush`."""
-
-    record: dict
-    device: dict[str, torch.Tensor]
 
 
 class Trainer:
@@ -162,7 +107,6 @@ class Trainer:
         self.resumed: Path | None = None  # the checkpoint this run resumed from
         self.last: Path | None = None  # the run's newest checkpoint
         self.saved_at: int | None = None
-        self._rng: dict[str, torch.Tensor] | None = None  # the resumed checkpoint's RNG state of this rank
         self.pending: list[Pending] = []  # steps whose device values are not read back yet
         self.watchdog: Watchdog | None = None
         self.first_step = 1  # of this start (`fit`): the stragglers' report leaves its interval out
@@ -240,35 +184,9 @@ class Trainer:
         plan.checkpoints.mkdir(parents=True, exist_ok=True)
 
     def _open_data(self) -> None:
-        """The train and valid sample indexes: rank 0 builds (or finds) them, the others then load
-        them from the cache."""
-        run, plan = self.run, self.plan
-
-        def build(which: str, samples: int) -> Dataset:
-            return Dataset.build(
-                plan.data, run.data.split, which, self.S, samples, run.seed, plan.out / "data-index",
-                packing=run.data.packing, doc_mask=run.data.doc_mask,
-            )  # fmt: skip
-
-        for turn in (0, 1):
-            if (self.rank == 0) == (turn == 0):
-                self.train_data = build("train", run.train_steps * self.G)
-                held_out = run.eval.every and has_valid_split(run)  # lm-eval's tasks alone need none
-                self.valid_data = build("valid", run.eval.iters * self.G) if held_out else None
-            dist.barrier()
-        if self.rank == 0 and self.train_data.truncated:
-            say(
-                f"mega-train: warning: {self.train_data.truncated} conversations of the train split are "
-                f"longer than seq_length + 1 = {self.S + 1} tokens and are cut to it"
-            )
-        # Loss on the assistant's tokens only: their role code (the plan checked every source has it).
-        self.train_role = plan.data[0][1].roles["assistant"] if run.data.loss_on == "assistant" else None
-        # Chat data trained on every token: evaluation also reports the assistant's tokens alone.
-        valid = self.valid_data
-        chat = valid is not None and valid.has_roles and valid.has_positions
-        self.assistant_code = (
-            plan.data[0][1].roles.get("assistant") if chat and self.train_role is None else None
-        )
+        """The sample indexes (`train_data.py`) and which of their targets count."""
+        self.train_data, self.valid_data = open_samples(self.plan, self.rank, self.G)
+        self.train_role, self.assistant_code = loss_roles(self.plan, self.valid_data)
         # Some targets may not count: chat data or document masking; both come with positions.
         self.masked = self.train_data.has_positions
 
@@ -281,18 +199,19 @@ class Trainer:
         self.objective.start()
         if self.plan.lora is not None:
             self.load_weights(self.plan.init[0], only=lambda name: not is_adapter_tensor(name))
-        while (found := self.on_rank0(self._resume_point)) is not None:
+        trained = is_adapter_tensor if self.plan.lora is not None else None
+        while (found := self.on_rank0(lambda: newest_intact(self.plan.checkpoints))) is not None:
             path, manifest = found
             try:
                 self.plan.check_resume(path, manifest)
             except UserError as e:
                 shutdown()
                 raise e if self.rank == 0 else Silent(e.exit_code) from None
-            damage = self._load(path, manifest)
+            damage, rng = load_resumed(path, manifest, self.pm, self.opt, trained, self.device)
             if damage is None:
-                self._restore(path, manifest)
+                self._restore(path, manifest, rng)
                 return
-            self.on_rank0(lambda path=path, damage=damage: self._set_aside(path, damage))
+            self.on_rank0(lambda path=path, damage=damage: set_aside_damaged(path, damage))
         self.opt.state.clear()  # whatever a damaged checkpoint left there
         lora = self.plan.lora
         if lora is not None and lora.init is not None:
@@ -310,46 +229,17 @@ class Trainer:
         starts a new optimizer, and the run may set another context."""
         load_checkpoint(path, self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=only)
 
-    def _resume_point(self) -> tuple[Path, CheckpointManifest] | None:
-        """Rank 0: the newest complete checkpoint that opens cleanly, newer damaged ones set aside,
-        and `latest` pointing at it."""
-        found, damaged = resume_point(self.plan.checkpoints)
-        for path, why in damaged:
-            self._set_aside(path, why)
-        if found is not None or damaged:
-            point_latest(self.plan.checkpoints, found[0] if found is not None else None)
-        return found
-
-    def _set_aside(self, path: Path, why: str) -> None:
-        moved = set_aside(path)
-        say(f"mega-train: warning: {path} is damaged ({why}); set aside as {moved.name}")
-
-    def _load(self, path: Path, manifest: CheckpointManifest) -> str | None:
-        """Load a checkpoint's slices (and this rank's RNG state) on every rank; the damage any rank
-        found (its files are hashed as they are read), else None. Every rank learns the same."""
-        damage = ""
-        try:
-            trained = is_adapter_tensor if self.plan.lora is not None else None
-            load_checkpoint(path, self.pm, self.opt, only=trained)
-            self._rng = load_rank_state(path, manifest)
-        except DamagedFile as e:
-            damage = str(e)
-        flags = torch.tensor([1 if damage else 0], device=self.device)
-        dist.all_reduce(flags)
-        if not int(flags.item()):
-            return None
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, damage)
-        return next(d for d in every if d)
-
-    def _restore(self, path: Path, manifest: CheckpointManifest) -> None:
+    def _restore(self, path: Path, manifest: CheckpointManifest, rng: dict[str, torch.Tensor] | None) -> None:
+        """The run's state as the checkpoint `path` left it (its weights and moments are loaded):
+        the position, the loss scale, this rank's RNG state and the schedule, stretched when
+        `train_steps` changed."""
         t, run = manifest.training, self.run
         applied = t.step if t.optimizer_steps is None else t.optimizer_steps
         self.position = Position(t.step, applied, dict(t.metrics))
         self.scaler.scale = t.loss_scale
         self.scaler.counters.update(t.counters)
-        if self._rng is not None:
-            torch.set_rng_state(self._rng["cpu"])
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
         saved = Schedule.restored(run.optimizer, t.scheduler, run.train_steps)
         self.schedule = saved.resized(run.train_steps, t.step)
         self.resumed = self.last = path
@@ -468,22 +358,12 @@ class Trainer:
         device = {"loss": loss, "grad_norm": norm, **(out.moe or {}), **objective.metrics()}
         if isinstance(count, torch.Tensor):
             device["counted_tokens"] = count
-        self.pending.append(Pending(self._record(lr, count, dt, compiled), device))
+        record = train_record(
+            pos.step, lr, count, dt, compiled, tokens=self.G * self.S, flops=self.flops,
+            peak=self.peak_flops, scaler=self.scaler, world_size=dist.get_world_size(),
+        )  # fmt: skip
+        self.pending.append(Pending(record, device))
         return stopping
-
-    def _record(self, lr: float, count: torch.Tensor | int, dt: float, compiled: float) -> dict:
-        """A train record's host values; `flush` adds the device ones."""
-        # A compiling step's speed is that of its steps' work: the compile is reported apart.
-        tps, flops, peak = self.G * self.S / max(dt - compiled, 1e-9), self.flops, self.peak_flops
-        c = self.scaler.counters
-        return {
-            "step": self.position.step, "kind": "train", "loss": None, "lr": lr, "grad_norm": None,
-            "tokens_per_s": tps, "counted_tokens": count if isinstance(count, int) else None,
-            "tflops": tps * flops / 1e12, "mfu": tps * flops / 1e12 / peak if peak else None,
-            "skipped": c["skipped"], "nan_steps": c["nan_steps"], "loss_scale": self.scaler.scale,
-            "memory_gb": memory_gb(), "step_time_s": dt, "compile_s": compiled,
-            "world_size": dist.get_world_size(),
-        }  # fmt: skip
 
     def flush(self) -> list[dict]:
         """The pending steps' device values, read back at once on rank 0 with every rank's own
@@ -495,15 +375,8 @@ class Trainer:
         ranks = self.own.gather()
         if self.rank != 0:
             return []
-        device = torch.stack([v.double() for p in pending for v in p.device.values()])
-        read = torch.cat([device, ranks.flatten()]).tolist()  # the flush's one read
-        values, n = iter(read[: device.numel()]), ranks.shape[1]
-        table = [read[device.numel() + r * n : device.numel() + (r + 1) * n] for r in range(ranks.shape[0])]
-        for i, p in enumerate(pending):
-            p.record.update((k, next(values)) for k in p.device)
-            p.record["rank_local_s"] = [row[1 + i] for row in table]
-            if "counted_tokens" in p.device:
-                p.record["counted_tokens"] = int(p.record["counted_tokens"])
+        table = read_back(pending, ranks)  # the flush's one read
+        for p in pending:
             self.report(p.record)
         self.position.metrics["train_loss"] = pending[-1].record["loss"]
         # Not over a start's first step: its update allocates AdamW's moments (and it may compile).

@@ -200,7 +200,7 @@ def _suffix_mask(
 
 
 def _no_flash_sinks(impl: Impl) -> None:
-    if impl == "flash":  # mega-train refuses it before any worker starts (`run_plan._check_schedule`)
+    if impl == "flash":  # mega-train refuses it before any worker starts (`run_checks.check_schedule`)
         raise RuntimeError("attention 'flash' has no kernel with attention sinks; use sdpa or auto")
 
 
