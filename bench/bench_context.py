@@ -45,7 +45,7 @@ def worker(seq: int, layers: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.artifacts.run_spec import ParallelSpec
     from megacore.config import ModelConfig
     from megacore.parallel.engine import ParallelModel
     from megacore.parallel.layout import Parallelism

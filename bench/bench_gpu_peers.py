@@ -321,7 +321,8 @@ def torchtitan_row(name: str) -> Row:
 def model_rows(name: str, setup: Setup, quick: bool) -> list[Row]:
     """Every configuration on one model: a row each, then the ratios."""
     from mega_train.metrics import peak_tflops
-    from megacore.config import ModelConfig, flops_per_token, parameter_counts
+    from megacore.config import ModelConfig
+    from megacore.planner.counts import flops_per_token, parameter_counts
 
     text = data(quick)
     tokens, vocab = text.tokens, text.vocab

@@ -131,7 +131,7 @@ def train_curve(
     the float8 linears it made and whether any emulates float8."""
     import torch
 
-    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.artifacts.run_spec import ParallelSpec
     from megacore.config import ModelConfig
     from megacore.parallel.engine import ParallelModel
     from megacore.parallel.layout import Parallelism

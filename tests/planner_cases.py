@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from megacore import planner
-from megacore.artifacts.manifest import ParallelSpec
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import ModelConfig
 from megacore.parallel.layout import Parallelism
 from megacore.planner import GiB

@@ -300,7 +300,7 @@ def lora_row(name: str, method: str) -> tuple:
 def _state_per_parameter() -> tuple[float]:
     """The planner's bytes a trained parameter of fp32 weights, gradients and AdamW's two moments
     (FSDP2 over 2 ranks: no compute copies; the step counters, a tensor each, left out)."""
-    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.artifacts.run_spec import ParallelSpec
     from megacore.config import ModelConfig, model_tensors
     from megacore.parallel.layout import Parallelism
 
@@ -326,7 +326,8 @@ def moe_row(name: str) -> tuple:
 def mixtral_counts() -> tuple[str, str]:
     """Its parameters and those active per token, as the dry run's first line prints them (46.7B)."""
     from mega_train.cli import _count
-    from megacore.config import ModelConfig, parameter_counts
+    from megacore.config import ModelConfig
+    from megacore.planner.counts import parameter_counts
 
     return tuple(
         _count(n).removesuffix("B") for n in parameter_counts(ModelConfig(**planner_test("MIXTRAL_8X7B")))
@@ -344,7 +345,8 @@ def mixtral_on(gpus: int, ep: bool) -> tuple:
 def mixtral_on_8() -> tuple:
     """Of 8 GPUs none fits: the state alone per GPU (fp32 weights and gradients, AdamW's two fp32
     moments: 16 bytes a parameter, as planner/memory.py counts them), the smallest peak, its layout."""
-    from megacore.config import ModelConfig, parameter_counts
+    from megacore.config import ModelConfig
+    from megacore.planner.counts import parameter_counts
 
     found = plan("mixtral-8x7b", 8, planner_test("S"))[1]
     params = parameter_counts(ModelConfig(**planner_test("MIXTRAL_8X7B")))[0]
@@ -422,7 +424,8 @@ def fp8_capability() -> str:
 def flops_coefficients() -> tuple[float, float]:
     """flops_per_token's two coefficients, recovered from it: per matmul parameter (the output
     projection's included, the embedding lookup not) and per layer x head x head_dim x position."""
-    from megacore.config import ModelConfig, flops_per_token, model_tensors
+    from megacore.config import ModelConfig, model_tensors
+    from megacore.planner.counts import flops_per_token
 
     config = ModelConfig(**planner_test("SHAPES")["llama2-7b"])
     matmul = sum(
@@ -530,7 +533,7 @@ def _shard_size() -> tuple[float]:
 
 
 def _weight_decay() -> tuple[float]:
-    from megacore.artifacts.manifest import OptimizerSpec
+    from megacore.artifacts.run_spec import OptimizerSpec
 
     return (OptimizerSpec().weight_decay,)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from helpers import TINY
-from megacore.artifacts.manifest import ParallelSpec, TrainingState
+from megacore.artifacts.manifest import TrainingState
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.parallel.checkpoint_io import save_checkpoint
 from megacore.parallel.dims import Parallelism
 from megacore.parallel.engine import ParallelModel

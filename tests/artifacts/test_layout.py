@@ -23,7 +23,7 @@ from megacore.artifacts import (
     intersect,
     piece_entry,
 )
-from megacore.artifacts.manifest import FileEntry
+from megacore.artifacts.header import FileEntry
 
 DTYPES = ["float32", "bfloat16", "int32", "uint16"]
 

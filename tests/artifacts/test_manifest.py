@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from megacore.artifacts import FORMAT_VERSION, decode_manifest, encode_manifest, json_schemas
-from megacore.artifacts.manifest import RunManifest
+from megacore.artifacts.run_spec import RunManifest
 from megacore.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 from torchao.quantization import to_nf4
 
-from megacore.artifacts.manifest import Adapter, BaseModel, ParallelSpec, TrainingState
+from megacore.artifacts.manifest import Adapter, BaseModel, TrainingState
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import LoRA, ModelConfig, RopeScaling, is_adapter_tensor, is_block_projection
 from megacore.models import Decoder, adapters
 from megacore.models.decoder import initial_value

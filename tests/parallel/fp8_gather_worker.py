@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from dist_worker import BATCH, FAMILIES, SEQ, load_state, reference_loss
 
-from megacore.artifacts.manifest import ParallelSpec
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.checkpoint import CheckpointReader
 from megacore.models import Decoder
 from megacore.parallel import fp8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from megacore.artifacts.manifest import ParallelSpec
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import ModelConfig, model_tensors
 from megacore.errors import UserError
 from megacore.parallel import (

@@ -1,8 +1,9 @@
-"""Size limits on the source under libs/ and tools/, checked with `ast`, nothing imported: no file over
-700 lines and no function over 60 (a `def`'s lines, decorators not counted; methods and nested
+"""Size limits, checked with `ast`, nothing imported: no file under libs/ and tools/ over 600 lines
+and no function there over 60 (a `def`'s lines, decorators not counted; methods and nested
 functions too). A typer command (`@app.command(...)`) is mostly its option list, one parameter per
 option, so it is held to its body instead: at most 60 lines from the first statement after its
-docstring to its end. Long code is split into functions and modules named after what they hold.
+docstring to its end. No file under tests/ or bench/ over 800 lines. Long code is split into
+functions and modules named after what they hold.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from sources import python_sources
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_FILE_LINES = 700
+MAX_FILE_LINES = 600
+MAX_TEST_FILE_LINES = 800  # tests/ and bench/
 MAX_FUNCTION_LINES = 60
 
 
@@ -36,12 +38,16 @@ def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return fn.end_lineno - first.lineno + 1
 
 
+def _lines(text: str) -> int:
+    """As `wc -l` counts them, and an unended last line too."""
+    return text.count("\n") + int(bool(text) and not text.endswith("\n"))
+
+
 def check_file(path: Path, rel: Path) -> list[str]:
     """The limits `path` breaks, each as "rel:line: what"."""
     text = path.read_text(encoding="utf-8")
     problems = []
-    # As `wc -l` counts them, and an unended last line too.
-    lines = text.count("\n") + int(bool(text) and not text.endswith("\n"))
+    lines = _lines(text)
     if lines > MAX_FILE_LINES:
         problems.append(f"{rel}:1: {lines} lines (at most {MAX_FILE_LINES})")
     for node in ast.walk(ast.parse(text, str(rel))):
@@ -62,10 +68,14 @@ def check_file(path: Path, rel: Path) -> list[str]:
 
 
 def check(root: Path) -> list[str]:
-    """Every limit broken by a .py file under root/libs and root/tools."""
+    """Every limit broken by a .py file under root/libs and root/tools, or root/tests and root/bench."""
     problems = []
     for path, rel in python_sources(root):
         problems += check_file(path, rel)
+    for path, rel in python_sources(root, ("tests", "bench")):
+        lines = _lines(path.read_text(encoding="utf-8"))
+        if lines > MAX_TEST_FILE_LINES:
+            problems.append(f"{rel}:1: {lines} lines (at most {MAX_TEST_FILE_LINES})")
     return problems
 
 
@@ -97,16 +107,20 @@ def test_the_checker_reports_what_is_over(tmp_path: Path) -> None:
     options_only = _function("run", 100, "@app.command()\n", options=60)  # a body of 37 lines
     long_body = _function("go", 100, "@app.command(help='x')\n", options=30)  # a body of 67 lines
     (pkg / "cli.py").write_text(f"import typer\n\napp = typer.Typer()\n\n\n{options_only}\n\n{long_body}")
-    (pkg / "big.py").write_text("x = 1\n" * 701)
-    (pkg / "fits.py").write_text("x = 1\n" * 700)
+    (pkg / "big.py").write_text("x = 1\n" * 601)
+    (pkg / "fits.py").write_text("x = 1\n" * 600)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_big.py").write_text("x = 1\n" * 801)
+    (tmp_path / "tests" / "test_fits.py").write_text("x = 1\n" * 800)
     skipped = tmp_path / "tools" / "t" / "build" / "lib"  # a build's copy is not the source
     skipped.mkdir(parents=True)
-    (skipped / "copy.py").write_text("x = 1\n" * 701)
+    (skipped / "copy.py").write_text("x = 1\n" * 601)
 
     rel = Path("libs/pkg/src/pkg")
     assert check(tmp_path) == [
-        f"{rel / 'big.py'}:1: 701 lines (at most 700)",
+        f"{rel / 'big.py'}:1: 601 lines (at most 600)",
         f"{rel / 'cli.py'}:{_line(pkg / 'cli.py', 'def go(')}: command go's body is 67 lines (at most 60)",
         f"{rel / 'funcs.py'}:{_line(pkg / 'funcs.py', 'def too_long(')}: too_long is 61 lines (at most 60)",
         f"{rel / 'funcs.py'}:{_line(pkg / 'funcs.py', '    def method(')}: method is 61 lines (at most 60)",
+        "tests/test_big.py:1: 801 lines (at most 800)",
     ]

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mega_train.optimizer import make_optimizer
 from megacore import planner
-from megacore.artifacts.manifest import OptimizerSpec, ParallelSpec
+from megacore.artifacts.run_spec import OptimizerSpec, ParallelSpec
 from megacore.config import LoRA, ModelConfig
 from megacore.models import adapters
 from megacore.models.nf4 import is_nf4

@@ -82,7 +82,7 @@ def test_fp8_is_refused_without_float8_matmuls_and_rowwise_under_tp(tmp_path: Pa
 def test_the_engine_never_emulates_float8_unless_told(monkeypatch) -> None:
     """The one decision (`fp8.float8_emulation`) reads MEGA_FP8_EMULATE; an engine built for fp8
     without emulation on a machine without float8 matmuls is refused, not silently emulated."""
-    from megacore.artifacts.manifest import ParallelSpec
+    from megacore.artifacts.run_spec import ParallelSpec
     from megacore.config import ModelConfig
     from megacore.errors import UserError
     from megacore.parallel.engine import ParallelModel

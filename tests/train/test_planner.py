@@ -17,7 +17,7 @@ import pytest
 
 from helpers import assert_one_line_error, dry_run_without_torch, run_in_process, torchrun_script
 from megacore import planner
-from megacore.artifacts.manifest import ParallelSpec
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.parallel.layout import Parallelism

@@ -16,7 +16,7 @@ from torchao.quantization import to_nf4
 
 import hf_cases
 from helpers import assert_one_line_error, run_in_process
-from megacore.artifacts.manifest import ParallelSpec
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import LoRA, is_adapter_tensor
 from megacore.models.loss import IGNORE
 from megacore.models.nf4 import is_nf4

@@ -20,7 +20,7 @@ from mega_train.faults import Faults
 from mega_train.lifecycle import LOCK_FILE, RunLock, StopRequest, held_by
 from mega_train.optimizer import make_optimizer, unscale_and_clip
 from mega_train.schedule import LossScale, Schedule
-from megacore.artifacts.manifest import OptimizerSpec
+from megacore.artifacts.run_spec import OptimizerSpec
 from megacore.errors import UserError
 
 LR, MIN, W, N = 1e-3, 1e-4, 3, 13

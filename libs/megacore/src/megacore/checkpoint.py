@@ -47,15 +47,8 @@ from megacore.artifacts import (
     open_artifact,
     piece_entry,
 )
-from megacore.artifacts.manifest import (
-    Adapter,
-    HFSource,
-    Layout,
-    License,
-    Parent,
-    TrainedTokenizer,
-    TrainingState,
-)
+from megacore.artifacts.header import Parent
+from megacore.artifacts.manifest import Adapter, HFSource, Layout, License, TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import (
     Verify,
     artifact_root,

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from mega_convert import __version__
-from megacore.artifacts.manifest import FloatName
+from megacore.artifacts.header import FloatName
 from megacore.cli import add_group_options, main_for, make_app
 from megacore.config import DEFAULT_PAD_MULTIPLE
 from megacore.progress import plural

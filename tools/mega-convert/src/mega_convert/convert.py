@@ -25,7 +25,8 @@ from safetensors import safe_open
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, whole
-from megacore.artifacts.manifest import FLOAT_DTYPES, HFSource, Layout, License, float_dtype
+from megacore.artifacts.header import FLOAT_DTYPES, float_dtype
+from megacore.artifacts.manifest import HFSource, Layout, License
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import SAFETENSORS_CODES, safetensors_header
 from megacore.artifacts.reader import hub_snapshot

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from mega_convert import __version__
 from megacore.artifacts import TORCH_DTYPES, open_artifact, whole
-from megacore.artifacts.manifest import Adapter, Layout, float_dtype
+from megacore.artifacts.header import float_dtype
+from megacore.artifacts.manifest import Adapter, Layout
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.reader import base_record, parent_of
 from megacore.artifacts.writer import sha256_file

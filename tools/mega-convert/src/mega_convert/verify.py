@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mega_convert.convert import check_hf_tensors, read_hf_config, weight_files
 from megacore.artifacts import TORCH_DTYPES
-from megacore.artifacts.manifest import float_dtype
+from megacore.artifacts.header import float_dtype
 from megacore.checkpoint import CheckpointReader
 from megacore.errors import UserError
 from megacore.models import config_from_hf, mxfp4

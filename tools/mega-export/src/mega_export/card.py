@@ -17,10 +17,12 @@ import msgspec
 
 from mega_export.adapter import BASE_QUANTIZATION
 from megacore.artifacts import CheckpointManifest, TokensManifest, open_artifact
-from megacore.artifacts.manifest import Adapter, Parent, TrainedTokenizer
-from megacore.config import ModelConfig, parameter_counts
+from megacore.artifacts.header import Parent
+from megacore.artifacts.manifest import Adapter, TrainedTokenizer
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.parallel.layout import is_experts
+from megacore.planner.counts import parameter_counts
 
 
 def _name(p: Parent) -> str:

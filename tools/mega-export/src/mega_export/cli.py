@@ -10,7 +10,7 @@ from typing import Any, Literal
 import typer
 
 from mega_export import __version__
-from megacore.artifacts.manifest import FloatName
+from megacore.artifacts.header import FloatName
 from megacore.cli import debug_option, main_for, make_app, version_option
 from megacore.errors import UserError
 from megacore.progress import plural

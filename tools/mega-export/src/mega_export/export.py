@@ -32,7 +32,7 @@ from megacore.artifacts import (
     new_header_fields,
     parent_of,
 )
-from megacore.artifacts.manifest import float_dtype
+from megacore.artifacts.header import float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
 from megacore.config import ModelConfig

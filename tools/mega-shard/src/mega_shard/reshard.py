@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megacore.artifacts import TORCH_DTYPES, parent_of
-from megacore.artifacts.manifest import Layout, Parent, TensorEntry
+from megacore.artifacts.header import Parent
+from megacore.artifacts.manifest import Layout, TensorEntry
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import Box, even_split
 from megacore.background import Background

@@ -27,6 +27,7 @@ from mega_tokenize.shards import Shards
 from mega_tokenize.tokenizer import Engine, Tokenizer, candidate_engine
 from megacore.artifacts import ArtifactWriter, write_artifact
 from megacore.artifacts import manifest as mf
+from megacore.artifacts.header import new_header_fields
 from megacore.artifacts.output import reusable
 from megacore.background import Background
 from megacore.errors import UserError
@@ -136,7 +137,7 @@ def _encode_all(
 def _manifest(job: Job, tok_files: list[str], shards: list[mf.Shard], engine: Engine) -> mf.TokensManifest:
     opts, tok = job.opts, job.tok
     return mf.TokensManifest(
-        **mf.new_header_fields("mega-tokenize", __version__),
+        **new_header_fields("mega-tokenize", __version__),
         tokenizer=mf.TokenizerInfo(
             type=tok.type,
             files=tok_files,

@@ -11,7 +11,8 @@ import typing
 from pathlib import Path
 
 from megacore.artifacts import open_artifact
-from megacore.artifacts.manifest import CheckpointManifest, ParallelSpec
+from megacore.artifacts.manifest import CheckpointManifest
+from megacore.artifacts.run_spec import ParallelSpec
 from megacore.checkpoint import CheckpointReader, adapter_base
 from megacore.config import LoRA, is_adapter_tensor
 from megacore.errors import UserError

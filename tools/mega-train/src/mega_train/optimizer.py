@@ -10,7 +10,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from megacore.artifacts.manifest import OptimizerSpec
+from megacore.artifacts.run_spec import OptimizerSpec
 from megacore.parallel.clip import clip_grad_norm
 
 

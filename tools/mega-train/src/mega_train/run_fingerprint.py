@@ -14,8 +14,8 @@ import msgspec
 
 from mega_train.objectives import kind_of
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest
-from megacore.artifacts.manifest import DISTILL_FIELDS
 from megacore.artifacts.reader import read_manifest_bytes
+from megacore.artifacts.run_spec import DISTILL_FIELDS
 from megacore.artifacts.writer import sha256_bytes
 
 if TYPE_CHECKING:

@@ -37,9 +37,10 @@ from megacore.artifacts.codec import decode_manifest
 from megacore.artifacts.manifest import License, TrainedTokenizer
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, read_manifest_bytes
-from megacore.config import INIT_OVERRIDES, ModelConfig, flops_per_token, parameter_counts
+from megacore.config import INIT_OVERRIDES, ModelConfig
 from megacore.errors import UserError
 from megacore.parallel.layout import Dims, Parallelism, check_sharding
+from megacore.planner.counts import flops_per_token, parameter_counts
 
 # What callers import from here; some of it lives in the modules above.
 __all__ = [

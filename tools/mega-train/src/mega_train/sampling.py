@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from megacore.artifacts.manifest import EvalSpec, SamplesSpec
+from megacore.artifacts.run_spec import EvalSpec, SamplesSpec
 from megacore.models.hf_tokenizer import load_tokenizer, trained_tokenizer_files
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.generate import Generator

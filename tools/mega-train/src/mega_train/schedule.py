@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megacore.artifacts.manifest import OptimizerSpec
+from megacore.artifacts.run_spec import OptimizerSpec
 
 
 @dataclass(frozen=True)

@@ -71,13 +71,14 @@ from mega_train.wandb_run import WandbLog
 from mega_train.watchdog import Watchdog
 from megacore.artifacts.manifest import CheckpointManifest
 from megacore.artifacts.reader import parent_of
-from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, flops_per_token, is_adapter_tensor
+from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import Silent, UserError
 from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.mesh import build_mesh, device_type, dp_mesh, shutdown
+from megacore.planner.counts import flops_per_token
 from megacore.progress import Progress
 
 T = TypeVar("T")

@@ -8,18 +8,15 @@ run, the tokenizer) start without paying for it.
 import importlib
 
 from megacore.artifacts.codec import decode_manifest, encode_manifest, json_schemas
+from megacore.artifacts.header import FORMAT_VERSION, MANIFEST_NAME, new_header_fields
 from megacore.artifacts.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
     CheckpointManifest,
     HFManifest,
     Manifest,
     Piece,
-    RunManifest,
     TensorEntry,
     TokensManifest,
     kind_of,
-    new_header_fields,
 )
 from megacore.artifacts.output import prepare_output, recipe_sha256, reusable, write_artifact
 from megacore.artifacts.pieces import Box, chunk_split, even_split, intersect, piece_entry, whole
@@ -30,6 +27,7 @@ from megacore.artifacts.reader import (
     parent_of,
     resolve_ref,
 )
+from megacore.artifacts.run_spec import RunManifest
 from megacore.artifacts.writer import ArtifactWriter, sha256_file
 
 _LAZY = {"SafetensorsStreamWriter", "TensorReader", "TORCH_DTYPES", "dtype_name"}

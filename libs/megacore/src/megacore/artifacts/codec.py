@@ -10,7 +10,8 @@ import re
 
 import msgspec
 
-from megacore.artifacts.manifest import FORMAT_VERSION, MANIFEST_TYPES, Kind, Manifest
+from megacore.artifacts.header import FORMAT_VERSION, Kind
+from megacore.artifacts.manifest import MANIFEST_TYPES, Manifest
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 

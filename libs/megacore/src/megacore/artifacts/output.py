@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megacore.artifacts.codec import decode_manifest
-from megacore.artifacts.manifest import MANIFEST_NAME, Kind, Manifest, kind_of
+from megacore.artifacts.header import MANIFEST_NAME, Kind
+from megacore.artifacts.manifest import Manifest, kind_of
 from megacore.artifacts.reader import open_artifact
 from megacore.artifacts.writer import STAGING_MARK, ArtifactWriter, sha256_bytes, staging_dir
 from megacore.errors import UserError

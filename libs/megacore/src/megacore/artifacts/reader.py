@@ -24,22 +24,19 @@ import msgspec
 import msgspec.inspect as mi
 
 from megacore.artifacts.codec import decode_manifest
+from megacore.artifacts.header import MANIFEST_NAME, FileEntry, Kind, Parent
 from megacore.artifacts.manifest import (
-    MANIFEST_NAME,
     BaseModel,
     CheckpointManifest,
-    FileEntry,
     HFManifest,
     HFSource,
-    Kind,
     Manifest,
-    Parent,
     Piece,
-    RunManifest,
     TokensManifest,
     kind_of,
 )
 from megacore.artifacts.pieces import check_pieces
+from megacore.artifacts.run_spec import RunManifest
 from megacore.artifacts.writer import sha256_bytes, sha256_file
 from megacore.config import LORA_A, OPTIM_PREFIX, adapter_tensors, model_tensors
 from megacore.errors import DamagedFile, UserError

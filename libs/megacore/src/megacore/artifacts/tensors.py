@@ -31,7 +31,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from megacore.artifacts.codec import decode_manifest
-from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Piece, TensorEntry
+from megacore.artifacts.header import MANIFEST_NAME, FileEntry
+from megacore.artifacts.manifest import Piece, TensorEntry
 from megacore.artifacts.pieces import SAFETENSORS_CODES, Box, intersect, numel, safetensors_layout, whole
 from megacore.artifacts.reader import check_file, check_sha256, confined_path, read_manifest_bytes
 from megacore.artifacts.writer import sha256_file

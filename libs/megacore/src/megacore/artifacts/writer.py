@@ -18,7 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from megacore.artifacts.codec import encode_manifest
-from megacore.artifacts.manifest import MANIFEST_NAME, FileEntry, Kind, Manifest, kind_of
+from megacore.artifacts.header import MANIFEST_NAME, FileEntry, Kind
+from megacore.artifacts.manifest import Manifest, kind_of
 
 _HASH_BLOCK = 8 << 20
 STAGING_MARK = ".mega-staging"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megacore.artifacts.manifest import MANIFEST_NAME, TokensManifest
+from megacore.artifacts.header import MANIFEST_NAME
+from megacore.artifacts.manifest import TokensManifest
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 

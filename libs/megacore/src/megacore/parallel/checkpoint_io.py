@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate
 
 from megacore.artifacts import ArtifactWriter, CheckpointManifest, prepare_output
-from megacore.artifacts.manifest import Adapter, Layout, License, Parent, TrainedTokenizer, TrainingState
+from megacore.artifacts.header import Parent
+from megacore.artifacts.manifest import Adapter, Layout, License, TrainedTokenizer, TrainingState
 from megacore.artifacts.pieces import Box
 from megacore.artifacts.reader import check_file
 from megacore.checkpoint import CheckpointReader, CheckpointWriter, dtype_of, shard_file

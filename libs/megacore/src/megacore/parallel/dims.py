@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import get_args
 
-from megacore.artifacts.manifest import FLOAT_DTYPES, ParallelSpec, Schedule
+from megacore.artifacts.header import FLOAT_DTYPES
+from megacore.artifacts.run_spec import ParallelSpec, Schedule
 from megacore.config import LoRA
 from megacore.errors import UserError
 

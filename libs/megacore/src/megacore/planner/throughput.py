@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import math
 
-from megacore.config import ModelConfig, flops_per_token
+from megacore.config import ModelConfig
 from megacore.parallel.dims import ZERO_BUBBLE, Parallelism
 from megacore.planner.activations import COMPUTE_BYTES, kv_width
+from megacore.planner.counts import flops_per_token
 
 GPUS_PER_NODE = 8
 TP_COST = 0.05  # throughput lost per doubling of tp within a node
