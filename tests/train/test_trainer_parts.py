@@ -113,7 +113,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from mega_train.optimizer import make_optimizer
-from megacore.artifacts.manifest import OptimizerSpec
+from megacore.artifacts.run_spec import OptimizerSpec
 from megacore.parallel.mesh import init_distributed, shutdown
 
 init_distributed()
