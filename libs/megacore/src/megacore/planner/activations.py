@@ -129,13 +129,14 @@ MLP_SAVES = {"swiglu": 4, "geglu_tanh": 4, "clamped_swiglu": 7, "gelu": 2}
 
 def _moe_activations(config: ModelConfig, tokens: int, c: int, tp: int) -> int:
     """What a mixture-of-experts MLP saves (models/moe.py): each routed (token, expert) row's input,
-    its gated MLP's tensors (`MLP_SAVES`, tp-local: each expert's ffn is split over tp), and its
-    output before the routing weight; the router's logits and fp32 probabilities, and the int64
-    indices and fp32 weights of the top-k choices."""
+    its gated MLP's tensors (`MLP_SAVES`, tp-local: each expert's ffn is split over tp), its output
+    before the routing weight and after it (in the compute dtype: `index_add_` keeps its source for
+    backward, torch 2.13; found by tests/families/test_conformance.py); the router's logits and fp32
+    probabilities, and the int64 indices and fp32 weights of the top-k choices."""
     routed, experts = tokens * config.experts_per_token, config.num_experts
     h, f = config.hidden_size, config.ffn_hidden_size // tp
     glu = MLP_SAVES[config.activation] * f
-    return routed * (glu + 2 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
+    return routed * (glu + 3 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
 
 
 def _sink_attention(config: ModelConfig, par: Parallelism, micro: int, local: int, heads: int) -> int:

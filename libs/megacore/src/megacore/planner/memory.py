@@ -40,7 +40,7 @@ Buffers (transient or bookkeeping, counted at once, so an upper bound; T, h, c a
 - without dp, the largest parameter's compute-dtype gradient; the loss's scratch (fused) or its
   fp32 logits copies.
 Measured on CPU (a 4-layer, hidden-256 Llama, 2 processes): one process never over the peak and
-at most 12% under it in fp32, 18% in bf16 (activations alone; the test's bounds 15% and 25%,
+at most 5% under it in fp32, 10% in bf16 (activations alone; the test's bounds 15% and 25%,
 tests/train/test_planner.py); with tp, pp or dp activations + buffers within 20% of the peak of a
 step, except sequence parallel with accumulation (30% under: DTensor collectives' transients);
 cp 2 (planner_worker.py, a hidden-256 Llama at S 256): activations 1% under to 9% over the tensors
