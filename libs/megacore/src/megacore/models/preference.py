@@ -19,7 +19,7 @@ The rewards logged under TRL's names (`rewards/chosen`, ...) are β (logps - ref
 logps / |y| for the reference-free ones, whose `logps/*` are per token too (TRL's CPO and ORPO
 trainers' conventions). Losses and metrics come back per pair, as sums to be divided by the pairs of
 the whole batch: microbatches and data-parallel ranks add them up before the division. A pair whose
-chosen side has no tokens is an empty slot of a packed row (`ParallelModel.rows_loss`): its loss
+chosen side has no tokens is an empty slot of a packed row (`parallel.row_sums.RowSums`): its loss
 and statistics are 0, and no gradient reaches it.
 """
 

@@ -13,7 +13,7 @@ base):
 
 Where the adapters carry the reference (`init`, an adapter), a live reference (`reference_logps`
 live) costs no second copy of the base: the reference adapters' values are kept beside the trained
-ones and swapped in for its forward (`mega_train.preference`). A whole-model reference is
+ones and swapped in for its forward (`mega_train.objectives.preference`). A whole-model reference is
 precomputed only: live, it would be a second model in memory.
 """
 
