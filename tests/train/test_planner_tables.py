@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,15 +283,23 @@ _LORA_ROW = re.compile(
 )
 
 
-def lora_table() -> dict[tuple[str, str], dict]:
-    """The page's LoRA and QLoRA rows by (model, method); every row must parse."""
+def page_rows(header: str, row: re.Pattern, what: str) -> Iterator[tuple[str, ...]]:
+    """The groups of each row of the page's table under `header` (in "How many GPUs"); every row
+    must parse."""
     section = PAGE.read_text().split("## How many GPUs: TP and PP\n", 1)[1].split("\n## ", 1)[0]
-    lines = section[section.index("| model | fine-tuning | GPUs |") :].splitlines()[2:]
-    table = {}
+    lines = section[section.index(header) :].splitlines()[2:]
     for line in itertools.takewhile(lambda line: line.startswith("|"), lines):
-        m = _LORA_ROW.fullmatch(line)
-        assert m, f"docs/mega-train.md LoRA table: cannot parse {line!r}"
-        name, method, gpus, tp, pp, recompute, peak, allowance = m.groups()
+        m = row.fullmatch(line)
+        assert m, f"docs/mega-train.md {what}: cannot parse {line!r}"
+        yield m.groups()
+
+
+def lora_table() -> dict[tuple[str, str], dict]:
+    """The page's LoRA and QLoRA rows by (model, method)."""
+    table = {}
+    for name, method, gpus, tp, pp, recompute, peak, allowance in page_rows(
+        "| model | fine-tuning | GPUs |", _LORA_ROW, "LoRA table"
+    ):
         table[name, method] = {"gpus": int(gpus), "layout": (int(tp), int(pp or 1)), "recompute": recompute,
                                "peak": float(peak), "allowance": int(allowance)}  # fmt: skip
     return table
@@ -384,14 +393,11 @@ _MOE_ROW = re.compile(
 
 
 def moe_table() -> dict[str, dict]:
-    """The page's rows for the largest mixtures of experts, by model; every row must parse."""
-    section = PAGE.read_text().split("## How many GPUs: TP and PP\n", 1)[1].split("\n## ", 1)[0]
-    lines = section[section.index("| model | parameters | GPUs |") :].splitlines()[2:]
+    """The page's rows for the largest mixtures of experts, by model."""
     table = {}
-    for line in itertools.takewhile(lambda line: line.startswith("|"), lines):
-        m = _MOE_ROW.fullmatch(line)
-        assert m, f"docs/mega-train.md mixture of experts table: cannot parse {line!r}"
-        name, params, gpus, layout, recompute, peak, allowance, half = m.groups()
+    for name, params, gpus, layout, recompute, peak, allowance, half in page_rows(
+        "| model | parameters | GPUs |", _MOE_ROW, "mixture of experts table"
+    ):
         table[name] = {"params": params, "gpus": int(gpus), "layout": layout, "recompute": recompute,
                        "peak": peak, "allowance": int(allowance), "half": half}  # fmt: skip
     return table
