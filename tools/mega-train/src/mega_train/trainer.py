@@ -66,7 +66,7 @@ from mega_train.saving import Saver
 from mega_train.schedule import LossScale, Schedule
 from mega_train.step_records import Pending, read_back, train_record
 from mega_train.stragglers import OwnWork, straggler_line, stragglers
-from mega_train.train_data import loss_roles, open_samples
+from mega_train.train_data import open_samples
 from mega_train.wandb_run import WandbLog
 from mega_train.watchdog import Watchdog
 from megacore.artifacts.manifest import CheckpointManifest
@@ -187,7 +187,7 @@ class Trainer:
     def _open_data(self) -> None:
         """The sample indexes (`train_data.py`) and which of their targets count."""
         self.train_data, self.valid_data = open_samples(self.plan, self.rank, self.G)
-        self.train_role, self.assistant_code = loss_roles(self.plan, self.valid_data)
+        self.train_role, self.assistant_code = self.objective.roles(self.valid_data)
         # Some targets may not count: chat data or document masking; both come with positions.
         self.masked = self.train_data.has_positions
 

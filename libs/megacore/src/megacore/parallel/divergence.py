@@ -18,6 +18,7 @@ their part of it). Vocab padding columns (≥ `vocab_size`) are cut off before a
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -52,7 +53,7 @@ def token_divergence(
     elif kind == "reverse_kl":
         terms = log_q.exp() * (log_q - log_p)
     else:
-        log_m = torch.logaddexp(log_p, log_q) - torch.log(torch.tensor(2.0, device=student.device))
+        log_m = torch.logaddexp(log_p, log_q) - math.log(2)
         terms = 0.5 * (log_p.exp() * (log_p - log_m) + log_q.exp() * (log_q - log_m))
     per_token = _vocab_sum(terms.sum(-1), mesh)
     return torch.where(targets != IGNORE, per_token, 0.0).sum()

@@ -5,8 +5,9 @@ The trainer (`trainer.Trainer`) owns the run: the mesh, the data, the model, the
 step's reduction, clipping and update, saving. It hands itself to its objective (`self.t`), and
 calls, in a run's order:
 
-- `open_data()` once the samples are indexed: which role's tokens are targets (`t.train_role`), and
-  the warnings of data the objective leaves out;
+- `roles(valid)` once the samples are indexed: which role's tokens are the targets, and which
+  role evaluation also reports apart; `open_data()` then: the warnings of data the objective
+  leaves out;
 - `setup()` once the model is built: what the objective holds beside it (a teacher);
 - `start()` before the run resumes or starts: what it computes once (a reference's
   log-probabilities);
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megacore.data.dataset import Batch
+from mega_train.train_data import loss_roles
+from megacore.data.dataset import Batch, Dataset
 from megacore.parallel.losses import Loss
 
 if TYPE_CHECKING:
@@ -35,6 +37,11 @@ class Objective:
 
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
+
+    def roles(self, valid: Dataset | None) -> tuple[int | None, int | None]:
+        """The role code whose targets alone count (None: every target), and the one evaluation
+        also reports apart (`train_data.loss_roles`: `loss_on` and chat data)."""
+        return loss_roles(self.t.plan, valid)
 
     def open_data(self) -> None:
         """Once the train and valid samples are indexed."""

@@ -25,7 +25,6 @@ from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.divergence import token_divergence
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.losses import Loss, Microbatch
-from megacore.parallel.tp import lm_loss
 
 
 class DistillLoss(Loss):
@@ -40,9 +39,8 @@ class DistillLoss(Loss):
 
     def of_logits(self, mb: Microbatch, logits: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        with torch.no_grad():
-            theirs = self.teacher.microbatch_logits(mb)
-        ce = lm_loss(logits, mb.targets, self.vocab_size, self.tp_mesh, "sum")
+        theirs = self.teacher.microbatch_logits(mb)  # without autograd
+        ce = super().of_logits(mb, logits)
         d = token_divergence(
             logits, theirs, mb.targets, spec.divergence, spec.temperature, self.vocab_size, self.tp_mesh
         )

@@ -67,10 +67,12 @@ class PreferenceObjective(Objective):
         self.seq_multiple = None if fixed else math.lcm(8, t.plan.dims.seq_multiple(par.sequence_parallel))
         self._sums: dict[int, torch.Tensor] = {}  # each microbatch's metric sums, of a step or evaluation
 
+    def roles(self, valid: Dataset | None) -> tuple[int, None]:
+        """The completions' tokens are the targets; nothing is reported apart."""
+        return self.t.plan.data[0][1].roles["completion"], None
+
     def open_data(self) -> None:
         t = self.t
-        t.train_role = t.plan.data[0][1].roles["completion"]
-        t.assistant_code = None
         self.slots = max(d.pair_slots for d in (t.train_data, t.valid_data) if d is not None)
         if t.rank == 0 and t.train_data.skipped_pairs:
             what = "are, both sides together," if self.packed else "have a side"
