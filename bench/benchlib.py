@@ -722,8 +722,8 @@ OPTIM_KINDS = ("exp_avg", "exp_avg_sq")  # AdamW moments, fp32, one per paramete
 
 def checkpoint_tensors(cfg, optim: bool) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype): the bf16 weights, then (`optim`) each one's fp32 AdamW moments."""
-    from megacore.config import model_tensors
     from megacore.parallel.layout import optim_state_name
+    from megacore.parts import model_tensors
 
     shapes = model_tensors(cfg)
     out = {n: (s, "bfloat16") for n, s in shapes.items()}

@@ -42,7 +42,9 @@ from types import ModuleType
 import pytest
 
 from megacore import planner
+from megacore.config import ModelConfig
 from megacore.parallel.layout import Dims
+from megacore.parts import model_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -249,7 +251,7 @@ def plan(shape: str, gpus: int, seq: int, tp: int = 1, pp: int = 1) -> tuple[int
     from mega_train.cli import parse_size
     from mega_train.run_plan import parallelism
     from megacore.artifacts.codec import decode_manifest
-    from megacore.config import ModelConfig, RopeScaling, with_context
+    from megacore.config import RopeScaling, with_context
 
     micro, batch, trained = planner_test("B"), planner_test("GLOBAL_BATCH"), planner_test("S")
     if shape == "mixtral-8x7b":
@@ -292,7 +294,6 @@ def table_row(shape: str) -> tuple:
 def lora_row(name: str, method: str) -> tuple:
     """docs/mega-train.md's LoRA/QLoRA row: the fewest GPUs that fit, the planner's first pick (its
     layout, its recompute as the page writes it), its peak and the allowance (test_planner's search)."""
-    from megacore.config import ModelConfig
 
     config = ModelConfig(**planner_test("LORA_MODELS")[name])
     gpus, pick = planner_test("fewest_gpus")(config, method == "QLoRA")
@@ -303,7 +304,6 @@ def _state_per_parameter() -> tuple[float]:
     """The planner's bytes a trained parameter of fp32 weights, gradients and AdamW's two moments
     (FSDP2 over 2 ranks: no compute copies; the step counters, a tensor each, left out)."""
     from megacore.artifacts.run_spec import ParallelSpec
-    from megacore.config import ModelConfig, model_tensors
     from megacore.parallel.layout import Parallelism
 
     config = ModelConfig(family="llama", vocab_size=64, hidden_size=8, num_layers=1, num_heads=2,
@@ -328,7 +328,6 @@ def moe_row(name: str) -> tuple:
 def mixtral_counts() -> tuple[str, str]:
     """Its parameters and those active per token, as the dry run's first line prints them (46.7B)."""
     from mega_train.cli import _count
-    from megacore.config import ModelConfig
     from megacore.planner.counts import parameter_counts
 
     return tuple(
@@ -347,7 +346,6 @@ def mixtral_on(gpus: int, ep: bool) -> tuple:
 def mixtral_on_8() -> tuple:
     """Of 8 GPUs none fits: the state alone per GPU (fp32 weights and gradients, AdamW's two fp32
     moments: 16 bytes a parameter, as planner/memory.py counts them), the smallest peak, its layout."""
-    from megacore.config import ModelConfig
     from megacore.planner.counts import parameter_counts
 
     found = plan("mixtral-8x7b", 8, planner_test("S"))[1]
@@ -384,7 +382,7 @@ def yarn_defaults() -> tuple[float | str, float | str]:
     (`truncate: false`, so every other value moves the ramp)."""
     import torch
 
-    from megacore.config import ModelConfig, RopeScaling
+    from megacore.config import RopeScaling
     from megacore.models.rope import inv_freq
 
     def freqs(**beta: float) -> torch.Tensor:
@@ -426,7 +424,6 @@ def fp8_capability() -> str:
 def flops_coefficients() -> tuple[float, float]:
     """flops_per_token's two coefficients, recovered from it: per matmul parameter (the output
     projection's included, the embedding lookup not) and per layer x head x head_dim x position."""
-    from megacore.config import ModelConfig, model_tensors
     from megacore.planner.counts import flops_per_token
 
     config = ModelConfig(**planner_test("SHAPES")["llama2-7b"])

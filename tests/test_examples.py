@@ -210,7 +210,8 @@ def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path
 
     import torch
 
-    from megacore.config import ModelConfig, model_tensors
+    from megacore.config import ModelConfig
+    from megacore.parts import model_tensors
 
     spec = importlib.util.spec_from_file_location("demo", MAKEFILE.parent / "demo.py")
     assert spec is not None and spec.loader is not None

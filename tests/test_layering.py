@@ -32,6 +32,7 @@ MODELS_NOT_PARALLEL = ("models", "parallel")
 # Modules (or packages) that never import torch, with the one exception the doc names.
 TORCH_FREE = (
     "megacore.config",
+    "megacore.parts",
     "megacore.artifacts",
     "megacore.tokenizer_files",
     "megacore.data",

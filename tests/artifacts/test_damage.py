@@ -26,12 +26,12 @@ from megacore.artifacts import MANIFEST_NAME, TensorReader, check_model_tensors,
 from megacore.artifacts.pieces import safetensors_layout
 from megacore.background import Jobs
 from megacore.checkpoint import CheckpointReader, shard_file
-from megacore.config import model_tensors
 from megacore.errors import DamagedFile, UserError
 from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.engine import ParallelModel
 from megacore.parallel.layout import Parallelism
 from megacore.parallel.mesh import build_mesh, shutdown
+from megacore.parts import model_tensors
 
 DATA = shard_file(0, 0)
 

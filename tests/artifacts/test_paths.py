@@ -31,8 +31,8 @@ from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts import MANIFEST_NAME, open_artifact
 from megacore.artifacts.manifest import TrainedTokenizer, TrainingState
 from megacore.artifacts.reader import path_fields
-from megacore.config import model_tensors
 from megacore.errors import UserError
+from megacore.parts import model_tensors
 from tokenize_testlib import write_jsonl
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"

@@ -101,7 +101,8 @@ def export_recording(tmp_path: Path, tokens: Path) -> Path:
     from megacore.artifacts.manifest import Layout, TrainedTokenizer
     from megacore.artifacts.pieces import whole
     from megacore.checkpoint import CheckpointWriter, shard_file
-    from megacore.config import ModelConfig, model_tensors
+    from megacore.config import ModelConfig
+    from megacore.parts import model_tensors
 
     config = ModelConfig(**{**TINY_LLAMA, "vocab_size": 512, "max_seq_len": 128})
     data = open_artifact(tokens, "tokens")

@@ -1,4 +1,4 @@
-"""The model naming contract (`megacore.config.model_tensors`) is the Decoder's state dict: same
+"""The model naming contract (`megacore.parts.model_tensors`) is the Decoder's state dict: same
 names, same order, same shapes, for every family variant and preset, whole and as pipeline stages."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hf_cases import CASES
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
 from megacore.models import Decoder, config_from_hf
+from megacore.parts import model_tensors
 
 
 def _configs() -> dict[str, ModelConfig]:

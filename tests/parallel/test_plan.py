@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from megacore.artifacts.run_spec import ParallelSpec
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.parallel import (
     Dims,
@@ -19,6 +19,7 @@ from megacore.parallel import (
     stage_layers,
     stage_of,
 )
+from megacore.parts import model_tensors
 
 CFG = ModelConfig(
     family="llama", vocab_size=100, padded_vocab_size=128, hidden_size=64, num_layers=10, num_heads=8,

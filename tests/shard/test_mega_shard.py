@@ -12,8 +12,9 @@ import torch
 from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process, run_tool, write_checkpoint
 from megacore.artifacts import TensorReader, open_artifact
 from megacore.artifacts.manifest import TrainingState
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
 from megacore.parallel import optim_state_name
+from megacore.parts import model_tensors
 
 # Heads, ffn and vocab divide by 8; 2 kv heads so tp 8 replicates k/v and tp 2 splits them.
 CFG = ModelConfig(

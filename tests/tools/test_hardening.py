@@ -18,7 +18,8 @@ import torch
 from helpers import BIN, TINY, assert_one_line_error, run_tool, write_checkpoint
 from hf_cases import build
 from megacore.artifacts import MANIFEST_NAME, open_artifact
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
+from megacore.parts import model_tensors
 from tokenize_testlib import corpus, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

@@ -32,8 +32,8 @@ from mega_export.cli import app as export_app
 from megacore.artifacts import MANIFEST_NAME, open_artifact
 from megacore.artifacts.writer import STAGING_MARK
 from megacore.cli import run as run_cli
-from megacore.config import model_tensors
 from megacore.errors import UserError
+from megacore.parts import model_tensors
 from tokenize_testlib import corpus, write_jsonl
 
 TOOLS = ["mega-tokenize", "mega-convert", "mega-shard", "mega-export", "mega-train"]

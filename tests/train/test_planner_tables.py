@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from megacore import planner
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
+from megacore.parts import model_tensors
 from megacore.planner import GiB
 from planner_cases import (
     FAQ,

@@ -19,8 +19,9 @@ from helpers import assert_one_line_error, dry_run_without_torch, run_tool, writ
 from hf_cases import build
 from megacore.artifacts import open_artifact
 from megacore.artifacts.manifest import TrainedTokenizer
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
 from megacore.models.hf_tokenizer import sentencepiece_tokenizer_json
+from megacore.parts import model_tensors
 from megacore.tokenizer_files import first_difference, vocabulary
 from runlib import TINY_LLAMA, write_run
 from tokenize_testlib import corpus, train_bpe, training_text, write_jsonl

@@ -1,4 +1,5 @@
-"""The model config and the tensors it implies, torch-free (docs/architecture.md).
+"""The model config, torch-free (docs/architecture.md); the tensors it implies are its parts'
+(`megacore.parts`).
 
 `ModelConfig` is the `config` section of checkpoint manifests and of a run manifest's `model`. It
 is resolved and checked once, when it is made or decoded: `head_dim` and `padded_vocab_size` are
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -399,38 +399,7 @@ def config_differences(
     return sorted(k for k in fa if k not in ignore and fa[k] != fb[k])
 
 
-# --- the naming contract -------------------------------------------------------------------------
-
-
-def model_tensors(
-    config: ModelConfig, layers: Sequence[int] | None = None, embed: bool = True, head: bool = True
-) -> dict[str, tuple[int, ...]]:
-    """The model naming contract: names and global shapes of the model's tensors, in the Decoder's
-    state-dict order (tested), shared by the parallel layout, the converters, mega-shard and the
-    checkpoints: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.{q,k,v,o}_proj.
-    {weight,bias}", "layers.<i>.attn.{q,k}_norm.weight" (qk_norm: shape (head_dim,)),
-    "layers.<i>.attn_post_norm.weight" (sandwich_norm), "layers.<i>.mlp_norm.weight",
-    "layers.<i>.mlp.{gate,up,down}_proj.{weight,bias}" (or, with experts, "layers.<i>.mlp.router.
-    weight" [experts, hidden] and "layers.<i>.mlp.experts.{gate,up,down}_proj.weight", each expert's
-    matrix stacked on a leading experts dim, with a shared expert "layers.<i>.mlp.shared_expert.
-    {gate,up,down}_proj.weight" and "layers.<i>.mlp.shared_expert_gate.weight" [1, hidden]),
-    "layers.<i>.mlp_post_norm.weight"
-    (sandwich_norm), "norm.weight", "lm_head.weight". `layers`, `embed` and `head` select a pipeline
-    stage's part.
-    Tied embeddings: the model has no "lm_head.weight" (logits use "embed.weight"), but a pipeline
-    stage with the head and not the embedding holds one, a copy of "embed.weight" kept equal to it
-    by the engine (Megatron's shared embedding), never written to a checkpoint."""
-    out: dict[str, tuple[int, ...]] = {}
-    if embed:
-        out["embed.weight"] = (config.padded_vocab_size, config.hidden_size)
-    for i in range(config.num_layers) if layers is None else layers:
-        _layer_tensors(out, config, f"layers.{i}")
-    if head:
-        _norm(out, config, "norm")
-        if not (config.tie_embeddings and embed):
-            out["lm_head.weight"] = (config.padded_vocab_size, config.hidden_size)
-    return out
-
+# --- names of the naming contract (its tensors and shapes: `megacore.parts.model_tensors`) ---------
 
 LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
 OPTIM_PREFIX = "optim."  # optimizer state's tensors: `optim.<kind>.<param>` (`parallel.layout`)
@@ -457,111 +426,9 @@ class LoRA:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-def adapter_tensors(config: ModelConfig, modules: Sequence[str], rank: int) -> dict[str, tuple[int, ...]]:
-    """A LoRA adapter's tensors (PEFT's shapes) on the linear `modules` (contract names, as
-    "layers.3.attn.q_proj"): `<module>.lora_A.weight` [rank, in] and `<module>.lora_B.weight`
-    [out, rank], in `modules`' order."""
-    shapes = model_tensors(config)
-    out: dict[str, tuple[int, ...]] = {}
-    for module in modules:
-        rows, cols = shapes[f"{module}.weight"]
-        out[f"{module}.{LORA_A}"] = (rank, cols)
-        out[f"{module}.{LORA_B}"] = (rows, rank)
-    return out
-
-
 def is_adapter_tensor(name: str) -> bool:
     """Whether a checkpoint tensor name (a moment's too) is a LoRA adapter's."""
     return name.endswith((f".{LORA_A}", f".{LORA_B}"))
-
-
-# model_tensors' parts: each appends to `out`, whose insertion order is the state-dict order.
-
-
-def _linear(out: dict[str, tuple[int, ...]], name: str, rows: int, cols: int, bias: bool) -> None:
-    out[f"{name}.weight"] = (rows, cols)
-    if bias:
-        out[f"{name}.bias"] = (rows,)
-
-
-def _norm(out: dict[str, tuple[int, ...]], config: ModelConfig, name: str) -> None:
-    out[f"{name}.weight"] = (config.hidden_size,)
-    if config.norm == "layernorm" and config.norm_bias:
-        out[f"{name}.bias"] = (config.hidden_size,)
-
-
-def _layer_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
-    """One decoder layer's tensors (`at`: "layers.<i>")."""
-    _norm(out, config, f"{at}.attn_norm")
-    if config.kv_lora_rank is not None:
-        _latent_tensors(out, config, f"{at}.attn")
-    else:
-        _attention_tensors(out, config, f"{at}.attn")
-    if config.sandwich_norm:
-        _norm(out, config, f"{at}.attn_post_norm")
-    if not (config.parallel_attn and config.num_ln_in_parallel_attn == 1):
-        _norm(out, config, f"{at}.mlp_norm")
-    _mlp_tensors(out, config, f"{at}.mlp", int(at.rpartition(".")[2]))
-    if config.sandwich_norm:
-        _norm(out, config, f"{at}.mlp_post_norm")
-
-
-def _latent_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
-    """Latent attention's (`at`: "layers.<i>.attn"): q's projection (or low-rank pair and its
-    norm), the latent's projection (its rope part last), norm and expansion, the output."""
-    hidden, heads, hd = config.hidden_size, config.num_heads, config.head_dim
-    if config.q_lora_rank is None:
-        out[f"{at}.q_proj.weight"] = (heads * hd, hidden)
-    else:
-        out[f"{at}.q_a_proj.weight"] = (config.q_lora_rank, hidden)
-        out[f"{at}.q_a_norm.weight"] = (config.q_lora_rank,)
-        out[f"{at}.q_b_proj.weight"] = (heads * hd, config.q_lora_rank)
-    latent, nope = config.kv_lora_rank, hd - config.qk_rope_head_dim
-    out[f"{at}.kv_a_proj.weight"] = (latent + config.qk_rope_head_dim, hidden)
-    out[f"{at}.kv_a_norm.weight"] = (latent,)
-    out[f"{at}.kv_b_proj.weight"] = (heads * (nope + config.v_head_dim), latent)
-    out[f"{at}.o_proj.weight"] = (hidden, heads * config.v_head_dim)
-
-
-def _attention_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str) -> None:
-    hidden, hd = config.hidden_size, config.head_dim
-    at = at.removesuffix(".attn")
-    _linear(out, f"{at}.attn.q_proj", config.num_heads * hd, hidden, config.attn_bias)
-    _linear(out, f"{at}.attn.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-    _linear(out, f"{at}.attn.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-    _linear(out, f"{at}.attn.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
-    if config.qk_norm:
-        out[f"{at}.attn.q_norm.weight"] = (hd,)
-        out[f"{at}.attn.k_norm.weight"] = (hd,)
-    if config.attn_sinks:
-        out[f"{at}.attn.sinks.weight"] = (config.num_heads,)
-
-
-def _mlp_tensors(out: dict[str, tuple[int, ...]], config: ModelConfig, at: str, layer: int) -> None:
-    """A layer's MLP (`at`: "layers.<i>.mlp"): dense, or the router, the stacked experts and the
-    shared expert with its gate."""
-    hidden, ffn = config.hidden_size, mlp_width(config, layer)
-    if sparse_layer(config, layer):
-        experts = config.num_experts
-        if config.router_bias:  # the MoE's own parameter: before its modules' in a state dict
-            out[f"{at}.router_bias"] = (experts,)
-        _linear(out, f"{at}.router", experts, hidden, config.mlp_bias)
-        for proj, rows, cols in (("gate", ffn, hidden), ("up", ffn, hidden), ("down", hidden, ffn)):
-            out[f"{at}.experts.{proj}_proj.weight"] = (experts, rows, cols)
-            if config.mlp_bias:
-                out[f"{at}.experts.{proj}_proj.bias"] = (experts, rows)
-        if config.shared_expert_size is not None:
-            shared = config.shared_expert_size
-            _linear(out, f"{at}.shared_expert.gate_proj", shared, hidden, False)
-            _linear(out, f"{at}.shared_expert.up_proj", shared, hidden, False)
-            _linear(out, f"{at}.shared_expert.down_proj", hidden, shared, False)
-            if config.shared_expert_gate:
-                out[f"{at}.shared_expert_gate.weight"] = (1, hidden)
-        return
-    if config.activation in GATED_ACTIVATIONS:
-        _linear(out, f"{at}.gate_proj", ffn, hidden, config.mlp_bias)
-    _linear(out, f"{at}.up_proj", ffn, hidden, config.mlp_bias)
-    _linear(out, f"{at}.down_proj", hidden, ffn, config.mlp_bias)
 
 
 # The blocks' dense projections, not a mixture's router or experts, the embedding or the output

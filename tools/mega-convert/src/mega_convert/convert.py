@@ -32,11 +32,12 @@ from megacore.artifacts.pieces import SAFETENSORS_CODES, safetensors_header
 from megacore.artifacts.reader import hub_snapshot
 from megacore.background import Background
 from megacore.checkpoint import CheckpointWriter, shard_file
-from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig, model_tensors
+from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig
 from megacore.errors import UserError
 from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, mxfp4, tensor_maps
 from megacore.models.families.hf_config import read_config_json
 from megacore.models.hf import left_out
+from megacore.parts import model_tensors
 from megacore.progress import Progress
 
 TOKENIZER_FILES = (

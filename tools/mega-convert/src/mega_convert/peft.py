@@ -25,9 +25,10 @@ from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.artifacts.reader import base_record, parent_of
 from megacore.artifacts.writer import sha256_file
 from megacore.checkpoint import CheckpointWriter, dtype_of, shard_file
-from megacore.config import ModelConfig, adapter_tensors
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.adapters import check_targets, modules, peft_names
+from megacore.parts import adapter_tensors
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # adapter_config.json keys whose non-default value LoRA here cannot honour, and what it needs.

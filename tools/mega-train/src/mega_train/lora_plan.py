@@ -14,9 +14,10 @@ from megacore.artifacts import CheckpointManifest, RunManifest, open_artifact, r
 from megacore.artifacts.manifest import Adapter, HFSource, NF4Blocks
 from megacore.artifacts.reader import Verify, base_record, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import NF4_BLOCK, NF4_SCALER_BLOCK, LoRA, ModelConfig, adapter_tensors
+from megacore.config import NF4_BLOCK, NF4_SCALER_BLOCK, LoRA, ModelConfig
 from megacore.errors import UserError
 from megacore.models.adapters import adapter_settings, check_rank, check_targets, modules
+from megacore.parts import adapter_tensors
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ from megacore.artifacts.manifest import (
 from megacore.artifacts.pieces import check_pieces
 from megacore.artifacts.run_spec import RunManifest
 from megacore.artifacts.writer import sha256_bytes, sha256_file
-from megacore.config import LORA_A, OPTIM_PREFIX, adapter_tensors, model_tensors
+from megacore.config import LORA_A, OPTIM_PREFIX
 from megacore.errors import DamagedFile, UserError
+from megacore.parts import adapter_tensors, model_tensors
 
 Verify = Literal["sha256", "size", "none"]
 PREFIX_SUFFIXES = (".bin", ".idx")

@@ -4,7 +4,7 @@ section (`LoRA`), the scale, and the names of the adapter's tensors in PEFT's fi
 
 An adapter on a linear `W` (our contract name `layers.3.attn.q_proj`) adds scale · B A x to its
 output: A is `<module>.lora_A.weight` [rank, in], B `<module>.lora_B.weight` [out, rank]
-(`megacore.config.adapter_tensors`), as PEFT's LoRA computes it. The targetable modules come from
+(`megacore.parts.adapter_tensors`), as PEFT's LoRA computes it. The targetable modules come from
 the family's name map (`tensor_maps`): every layer linear that is one Hugging Face tensor under
 another name; a fused one (Falcon's query_key_value) or a mixture of experts' experts are not.
 `megacore.models.lora` attaches them to a Decoder.
@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from megacore.artifacts.manifest import Adapter
-from megacore.config import LoRA, ModelConfig, model_tensors
+from megacore.config import LoRA, ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import family_of
+from megacore.parts import model_tensors
 
 PEFT_PREFIX = "base_model.model."  # PEFT's prefix of the wrapped model's module names
 

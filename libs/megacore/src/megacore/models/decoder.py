@@ -1,6 +1,6 @@
 """The one decoder every family is built from: a plain nn.Module, no parallel code inside.
 
-Names and shapes follow the model naming contract (`megacore.config.model_tensors`, shared
+Names and shapes follow the model naming contract (`megacore.parts.model_tensors`, shared
 with the parallel layout, mega-shard and the converters; state-dict names are checkpoint tensor
 names). Tensor and pipeline parallelism are applied from outside (docs/architecture.md): heads are
 counted from the (possibly sharded) projection outputs, a pipeline stage keeps a subset of `layers`

@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megacore.config import ModelConfig, model_tensors
+from megacore.config import ModelConfig
 from megacore.errors import UserError
 from megacore.models.families import (
     TensorMap,
     family_of,
 )
+from megacore.parts import model_tensors
 
 VOCAB_TENSORS = ("embed.weight", "lm_head.weight")
 

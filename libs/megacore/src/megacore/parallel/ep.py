@@ -12,7 +12,7 @@ sends the results back the same way, so `MoE` sees the rows it sent come back in
 Backward runs the same all-to-alls the other way (`AllToAll`).
 
 Under tensor parallel the experts are split over tp as well, each expert's ffn (gate/up on their
-rows, down on its columns, `layout.place`), so the weights are DTensors on the (ep, tp) mesh. Every
+rows, down on its columns, `parts.moe.tp_dims`), so the weights are DTensors on the (ep, tp) mesh. Every
 tp rank routes the same whole rows (the router is replicated; with sequence parallel the MoE's
 input is gathered, `tp.apply_tp`), exchanges them with the same tp rank of the other ep ranks, and
 runs its ffn slice: the down projection's partial sums are summed over tp before they go back
@@ -34,8 +34,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 
 from megacore.config import ModelConfig
 from megacore.models.moe import Experts, GroupedLinear
-from megacore.parallel.layout import place
 from megacore.parallel.tp import _SumGradOverGroup, _SumOverGroup
+from megacore.parts import moe
 
 
 class AllToAll(torch.autograd.Function):
@@ -98,7 +98,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, config: ModelConfig) -> None:
         for kind in ("weight", "bias"):
             if (param := getattr(module, kind)) is None:
                 continue
-            dim = place(f"layers.0.mlp.experts.{name}.{kind}", config, 1).tp_dim
+            dim = moe.tp_dims(config, 1)[f"{moe.EXPERTS}{name}.{kind}"]  # the experts' own tp dims
             placements = [
                 Shard(0) if n == "ep" else Replicate() if dim is None else Shard(dim) for n in names
             ]

@@ -6,7 +6,7 @@ Pure functions of the model config and the sizes, no torch: mega-shard's box ari
 tensor-parallel styles (`tp.apply_tp` builds them from `place`), the engine, the live-model
 save/load and mega-train's dry run all use these, so every layout agrees on what a rank holds.
 
-Tensor names follow the model naming contract (`megacore.config.model_tensors`). Optimizer state
+Tensor names follow the model naming contract (`megacore.parts.model_tensors`). Optimizer state
 is stored in the same checkpoint `tensors` map under `optim.<kind>.<param name>` (AdamW:
 `optim.exp_avg.<param>` and `optim.exp_avg_sq.<param>`), with the parameter's global shape, split
 exactly like its parameter; scalar state such as the step count lives in the manifest's `training`
@@ -26,7 +26,6 @@ from megacore.config import (
     ModelConfig,
     is_adapter_tensor,
     is_block_projection,
-    model_tensors,
     nf4_scaler_block,
 )
 from megacore.errors import UserError
@@ -40,33 +39,13 @@ from megacore.parallel.dims import (
     Parallelism,
     check_positive,
 )
+from megacore.parts import layer_tp_dims, model_tensors
+from megacore.parts.attention import kv_replicated
+from megacore.parts.moe import is_expert_tensor
 
 ADAMW_STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-# Contract: dim 0 for q/k/v/gate/up weights and biases; dim 1 for o/down weights; a mixture of experts'
-# stacked [experts, out, in] projections likewise on their ffn dim (1 for gate/up, 2 for down; the
-# experts dim is expert parallel's), its router replicated, a shared expert as a dense MLP and its
-# gate replicated; latent attention's per-head expansions (q_b_proj, kv_b_proj, or q_proj) like q,
-# its latent projections and norms replicated; attention sinks (one per q head) like q; a router's
-# bias replicated, the experts' biases [experts, out] split like their weights' rows (gate/up on
-# their ffn dim 1, down's replicated over tp); the rest replicated,
-# the per-head q/k norms too (each rank applies the same head_dim-wide weight to its own heads), and
-# the sandwich norms on the attention's and the MLP's outputs (Gemma: hidden-wide, like the others).
-_COLWISE = {
-    "attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
-    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "attn.q_b_proj", "attn.kv_b_proj",
-    "attn.sinks",
-}  # fmt: skip
-_ROWWISE = {"attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj"}
-_KV = {"attn.k_proj", "attn.v_proj"}
-_LAYER_REPLICATED = re.compile(
-    r"^(attn_norm|mlp_norm|attn_post_norm|mlp_post_norm)\.(weight|bias)$"
-    r"|^(attn\.o_proj|mlp\.down_proj)\.bias$|^attn\.[qk]_norm\.weight$"
-    r"|^mlp\.(router|shared_expert_gate)\.weight$|^mlp\.router_bias$|^mlp\.router\.bias$"
-    r"|^attn\.(q_a_proj|q_a_norm|kv_a_proj|kv_a_norm)\.weight$"
-)
-_EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.(weight|bias)$")
 
 
 def optim_state_name(kind: str, param: str) -> str:
@@ -83,11 +62,6 @@ def split_optim_name(name: str) -> tuple[str | None, str]:
     if not kind or not param:
         raise UserError(f"optimizer state name {name!r} is not optim.<kind>.<param>", name)
     return kind, param
-
-
-def kv_replicated(config: ModelConfig, tp: int) -> bool:
-    """k/v projections are replicated over tp (not split) when there are fewer kv heads than tp."""
-    return config.num_kv_heads < tp
 
 
 @dataclass(frozen=True)
@@ -118,20 +92,10 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     layer, rest = int(m.group(1)), m.group(2)
     if layer >= config.num_layers:
         raise UserError(f"tensor {name!r}: layer {layer} is beyond num_layers {config.num_layers}", name)
-    module, _, kind = rest.rpartition(".")
-    if _LAYER_REPLICATED.match(rest):
-        return TensorPlace(layer, "layer", None)
-    if e := _EXPERTS.match(rest):
-        if e.group(2) == "bias":  # [experts, out]: the out dim as the weight's rows
-            return TensorPlace(layer, "layer", None if e.group(1) == "down" else 1)
-        return TensorPlace(layer, "layer", 2 if e.group(1) == "down" else 1)
-    if module in _COLWISE and kind in ("weight", "bias"):
-        if module in _KV and kv_replicated(config, tp):
-            return TensorPlace(layer, "layer", None)
-        return TensorPlace(layer, "layer", 0)
-    if module in _ROWWISE and kind == "weight":
-        return TensorPlace(layer, "layer", 1)
-    raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
+    dims = layer_tp_dims(config, layer, tp)  # the layer's parts' own tables
+    if rest not in dims:
+        raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
+    return TensorPlace(layer, "layer", dims[rest])
 
 
 def _adapter_place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
@@ -149,8 +113,7 @@ def _adapter_place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
 def is_experts(name: str) -> bool:
     """Whether a checkpoint tensor is a mixture of experts' stacked experts' weight or bias (dim 0:
     the experts, expert parallel's split)."""
-    m = _LAYER.match(split_optim_name(name)[1])
-    return m is not None and _EXPERTS.match(m.group(2)) is not None
+    return is_expert_tensor(split_optim_name(name)[1])
 
 
 def tp_box(p: TensorPlace, shape: Sequence[int], tp: int, rank: int) -> Box:

@@ -1,27 +1,15 @@
 """What a model counts: its parameters (every one, and those a token passes through: a mixture of
 experts' differ) and its training FLOPs per token, from the naming contract's tensor list
-(`megacore.config.model_tensors`); torch-free. The dry run's summary, the model card, MFU and the
+(`megacore.parts.model_tensors`); torch-free. The dry run's summary, the model card, MFU and the
 planner's step time read them."""
 
 from __future__ import annotations
 
 import math
 
-from megacore.config import ModelConfig, model_tensors
-
-
-def is_expert_tensor(name: str) -> bool:
-    """Whether a contract name is a routed expert's (stacked on a leading experts dim)."""
-    return ".mlp.experts." in name
-
-
-def _experts(config: ModelConfig, tensors: dict[str, tuple[int, ...]]) -> tuple[int, int]:
-    """(the experts' parameters, those of them one token passes through: `experts_per_token` of
-    each layer's experts)."""
-    stacked = sum(math.prod(s) for n, s in tensors.items() if is_expert_tensor(n))
-    if config.num_experts is None:
-        return stacked, stacked
-    return stacked, stacked * config.experts_per_token // config.num_experts
+from megacore.config import ModelConfig
+from megacore.parts import model_tensors
+from megacore.parts.moe import experts_counts, is_expert_tensor
 
 
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:
@@ -29,7 +17,7 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     experts."""
     tensors = model_tensors(config)
     total = sum(math.prod(s) for s in tensors.values())
-    stacked, active = _experts(config, tensors)
+    stacked, active = experts_counts(config, tensors)
     return total, total - stacked + active
 
 
@@ -45,7 +33,7 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> float:
         for n, s in tensors.items()
         if n.endswith(".weight") and len(s) == 2 and n != "embed.weight" and not is_expert_tensor(n)
     )
-    matmul += _experts(config, tensors)[1]  # the experts' biases too: few, and a token's own
+    matmul += experts_counts(config, tensors)[1]  # the experts' biases too: few, and a token's own
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
     qk_v = config.head_dim + (config.v_head_dim or config.head_dim)

@@ -19,7 +19,7 @@ State (exact: tests/train/test_planner.py sums a live run's tensors on every ran
   zero-bubble schedules (FSDP2 on a one-rank mesh there: `dims.ZERO_BUBBLE`); the engine's
   wrapping rules are layout.py's `compute_copies` and `fsdp_wrapped`, the same functions the engine
   applies (given `Dims`).
-- LoRA (`Parallelism.lora`, its `modules` resolved): the adapters (`config.adapter_tensors`, placed
+- LoRA (`Parallelism.lora`, its `modules` resolved): the adapters (`parts.adapter_tensors`, placed
   by `layout.place`) are the trained parameters above; the frozen base has weights alone, fp32 (as
   FSDP2 shards it, casting what it gathers) or, with compute copies, in the compute dtype alone;
   QLoRA's projections in NF4 (`config.nf4_bytes`, plus each tensor's scales' mean and code table).
@@ -60,10 +60,8 @@ from dataclasses import dataclass
 from megacore.config import (
     LOSS_CHUNK_ELEMENTS,
     ModelConfig,
-    adapter_tensors,
     is_adapter_tensor,
     is_block_projection,
-    model_tensors,
     nf4_bytes,
 )
 from megacore.parallel.build_rules import (
@@ -75,7 +73,9 @@ from megacore.parallel.build_rules import (
 )
 from megacore.parallel.dims import Dims, Parallelism
 from megacore.parallel.layout import check_parallelism, fsdp_dim, fsdp_unit, is_experts, place, tp_box
-from megacore.planner.activations import COMPUTE_BYTES, in_flight, kv_width, rank_activations, sequence_shards
+from megacore.parts import adapter_tensors, model_tensors
+from megacore.parts.attention import kv_width
+from megacore.planner.activations import COMPUTE_BYTES, in_flight, rank_activations, sequence_shards
 
 GiB = 1 << 30
 NF4_TABLE = 17  # an NF4 tensor's scales' mean and its 16 codes' values, in its dtype (fp32 here)

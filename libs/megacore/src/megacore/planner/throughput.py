@@ -29,7 +29,8 @@ import math
 
 from megacore.config import ModelConfig
 from megacore.parallel.dims import ZERO_BUBBLE, Parallelism
-from megacore.planner.activations import COMPUTE_BYTES, kv_width
+from megacore.parts.attention import kv_width
+from megacore.planner.activations import COMPUTE_BYTES
 from megacore.planner.counts import flops_per_token
 
 GPUS_PER_NODE = 8

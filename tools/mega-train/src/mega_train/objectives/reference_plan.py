@@ -27,8 +27,8 @@ from mega_train.lora_plan import LoraPlan
 from megacore.artifacts import CheckpointManifest, RunManifest, open_artifact, resolve_ref
 from megacore.artifacts.reader import Verify, check_model_tensors, read_manifest_bytes
 from megacore.artifacts.writer import sha256_bytes
-from megacore.config import model_tensors
 from megacore.errors import UserError
+from megacore.parts import model_tensors
 
 AT = "$.objective.reference"
 
