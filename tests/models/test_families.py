@@ -230,7 +230,6 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "num_experts": lambda c: _EXPERTS,
     "experts_per_token": lambda c: _EXPERTS,
     "renormalize_top_k": lambda c: {**_EXPERTS, "renormalize_top_k": False},
-    "router_aux_loss_coef": lambda c: {**_EXPERTS, "router_aux_loss_coef": 0.01},
     "dense_layers": lambda c: {**_EXPERTS, "dense_layers": [0], "dense_ffn_hidden_size": 2 * c.ffn_hidden_size},
     "dense_ffn_hidden_size": lambda c: {**_EXPERTS, "dense_layers": [0], "dense_ffn_hidden_size": 2 * c.ffn_hidden_size},
     "shared_expert_size": lambda c: {**_EXPERTS, "shared_expert_size": 24, "shared_expert_gate": True},
@@ -251,7 +250,7 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
 # Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 2/3,
 # and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
 _EXPERT_SWITCHES = (
-    "num_experts", "experts_per_token", "renormalize_top_k", "router_aux_loss_coef", "dense_layers",
+    "num_experts", "experts_per_token", "renormalize_top_k", "dense_layers",
     "dense_ffn_hidden_size", "shared_expert_size", "shared_expert_gate", "router_scoring", "router_bias",
     "expert_groups", "expert_groups_chosen", "routed_scaling",
 )  # fmt: skip

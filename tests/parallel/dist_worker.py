@@ -26,7 +26,14 @@ from torchao.quantization import to_nf4
 
 from megacore.artifacts.manifest import Adapter, BaseModel, TrainingState
 from megacore.artifacts.run_spec import ParallelSpec
-from megacore.config import LoRA, ModelConfig, RopeScaling, is_adapter_tensor, is_block_projection
+from megacore.config import (
+    LoRA,
+    ModelConfig,
+    RopeScaling,
+    RouterLosses,
+    is_adapter_tensor,
+    is_block_projection,
+)
 from megacore.models import Decoder, adapters
 from megacore.models.decoder import initial_value
 from megacore.models.lora import add_lora, freeze_base
@@ -111,16 +118,14 @@ FAMILIES = {
     # rows (the router losses are per microbatch): dp x microbatches is 2 in every "mixtral"
     # scenario, 4 in every "mixtral4" one (the same model).
     "mixtral": ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
-                           num_kv_heads=2, ffn_hidden_size=48, num_experts=4, experts_per_token=2,
-                           router_aux_loss_coef=0.05, router_z_loss_coef=0.01),
+                           num_kv_heads=2, ffn_hidden_size=48, num_experts=4, experts_per_token=2),
     # Qwen 2 MoE: layer 0 dense (64 wide), the others 4 experts top-2 beside a gated shared expert
     # (40 wide, split over tp like a dense MLP, its gate replicated); no q/k/v biases (qkv_bias
     # false: k's bias has a zero gradient, whose rounding AdamW turns into lr-sized steps). Under
     # pp 2 the first stage holds the dense layer and a sparse one.
     "qwen2-moe": ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
                              num_kv_heads=2, ffn_hidden_size=24, num_experts=4, experts_per_token=2,
-                             renormalize_top_k=False, router_aux_loss_coef=0.05,
-                             dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=40,
+                             renormalize_top_k=False, dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=40,
                              shared_expert_gate=True),
     # DeepSeek V3: latent attention (q's low-rank pair, 8 of 24 dims rotated, v heads 12 wide),
     # layer 0 dense, then 4 experts in 2 groups (the best 1 chosen) beside a shared one, sigmoid
@@ -129,8 +134,7 @@ FAMILIES = {
                             num_kv_heads=4, ffn_hidden_size=24, head_dim=24, q_lora_rank=16, kv_lora_rank=16,
                             qk_rope_head_dim=8, v_head_dim=12, num_experts=4, experts_per_token=2,
                             dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=24,
-                            router_scoring="sigmoid", router_bias=True, router_bias_update=0.01,
-                            expert_groups=2, expert_groups_chosen=1, routed_scaling=2.5),
+                            router_scoring="sigmoid", router_bias=True, expert_groups=2, expert_groups_chosen=1, routed_scaling=2.5),
     # gpt-oss: a sliding layer (window 4 < SEQ) then a full one, twice; q/k/v/o biases, a sink per
     # head (split over tp with q's heads), 4 experts top-2 with biases (gate/up's split over tp, the
     # down one's added once after the sum over tp) and the clamped SwiGLU (limit 0.5: it binds),
@@ -139,9 +143,18 @@ FAMILIES = {
                            num_kv_heads=2, ffn_hidden_size=24, head_dim=8, attn_bias=True, attn_out_bias=True,
                            mlp_bias=True, attn_sinks=True, activation="clamped_swiglu", swiglu_limit=0.5,
                            sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                           num_experts=4, experts_per_token=2, router_z_loss_coef=0.01),
+                           num_experts=4, experts_per_token=2),
 }  # fmt: skip
+# Their training settings (the run's): Mixtral both router losses, Qwen 2 MoE the load-balancing
+# one, DeepSeek V3 its bias moved 0.01 a step, gpt-oss the z-loss (cp takes no load-balancing loss).
+ROUTERS = {
+    "mixtral": RouterLosses(aux_loss_coef=0.05, z_loss_coef=0.01),
+    "qwen2-moe": RouterLosses(aux_loss_coef=0.05),
+    "deepseek": RouterLosses(bias_update=0.01),
+    "gpt-oss": RouterLosses(z_loss_coef=0.01),
+}
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
+ROUTERS["mixtral4"] = ROUTERS["mixtral-collapsed"] = ROUTERS["mixtral"]
 FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=256, num_layers=2, num_heads=4,
                                     num_kv_heads=2, ffn_hidden_size=512)  # fmt: skip
 # Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
@@ -178,7 +191,7 @@ def packed(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def reference_loss(
-    model: Decoder, cfg: ModelConfig, tokens, targets, positions=None, chunks: int = 1
+    model: Decoder, cfg: ModelConfig, router: RouterLosses, tokens, targets, positions=None, chunks: int = 1
 ) -> torch.Tensor:
     """The language-model loss (mean over the counted targets); a mixture of experts runs the rows
     as `chunks` microbatches, each MoE layer's router losses weighted as one process weighs them
@@ -187,8 +200,8 @@ def reference_loss(
         return lm_loss(model(tokens, positions=positions), targets, cfg.vocab_size)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     for m in moes:
-        m.aux_weight = cfg.router_aux_loss_coef / (len(moes) * chunks)
-        m.z_weight = cfg.router_z_loss_coef / (len(moes) * chunks)
+        m.aux_weight = router.aux_loss_coef / (len(moes) * chunks)
+        m.z_weight = router.z_loss_coef / (len(moes) * chunks)
         m.stats.reset()
     parts = zip(tokens.chunk(chunks), targets.chunk(chunks),
                 positions.chunk(chunks) if positions is not None else [None] * chunks, strict=True)  # fmt: skip
@@ -213,7 +226,7 @@ def add_adapters(model: Decoder, cfg: ModelConfig, lora: LoRA) -> None:
 def reference(family: str, tokens, targets, positions=None, lora: bool | str = False):
     cfg, chunks = FAMILIES[family], MOE_CHUNKS.get(family, 1)
     torch.manual_seed(0)
-    model = Decoder(cfg, attention="sdpa")
+    model, router = Decoder(cfg, attention="sdpa"), ROUTERS.get(family, RouterLosses())
     model.init_weights()
     if lora:
         add_adapters(model, cfg, LORAS[lora])
@@ -232,7 +245,7 @@ def reference(family: str, tokens, targets, positions=None, lora: bool | str = F
     opt = torch.optim.AdamW(trained, lr=LR)
     out = {"init": init}
     for step in range(STEPS):
-        loss = reference_loss(model, cfg, tokens, targets, positions, chunks)
+        loss = reference_loss(model, cfg, router, tokens, targets, positions, chunks)
         loss.backward()
         if step == 0:
             out["loss"] = loss.detach()
@@ -253,26 +266,28 @@ def reference(family: str, tokens, targets, positions=None, lora: bool | str = F
                     p.grad.copy_(out["grads"][n])
         opt.step()
         opt.zero_grad()
-        balance(model, cfg)
+        balance(model, router)
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         out["logits"] = model(tokens, positions=positions)[..., : cfg.vocab_size]
-    reference_loss(model, cfg, tokens, targets, positions, chunks).backward()  # a 4th step, for resumed runs
+    reference_loss(
+        model, cfg, router, tokens, targets, positions, chunks
+    ).backward()  # a 4th step, for resumed runs
     opt.step()
-    balance(model, cfg)
+    balance(model, router)
     out["params4"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 
 @torch.no_grad()
-def balance(model: Decoder, cfg: ModelConfig) -> None:
+def balance(model: Decoder, router: RouterLosses) -> None:
     """DeepSeek V3's auxiliary-loss-free balancing as its paper states it: after each step every
     expert's bias moves by the update rate, up when the expert got fewer of the step's tokens than
     its layer's mean, down when more."""
     for m in model.modules():
         if isinstance(m, MoE) and m.router_bias is not None:
             load = m.stats.totals()[0]
-            m.router_bias += cfg.router_bias_update * torch.sign(load.mean() - load)
+            m.router_bias += router.bias_update * torch.sign(load.mean() - load)
 
 
 def first_step_checks(
@@ -375,7 +390,7 @@ def run_scenario(sc: dict, refs: dict, data) -> list[str]:
         # reference does (k_proj.bias gets a pure rounding-noise gradient that AdamW amplifies).
         microbatches=sc.get("microbatches", 2 if sc.get("pp", 1) > 1 else 1),
         compile=sc.get("compile", False), recompute=sc.get("recompute", "none"), attention="sdpa",
-        lora=LORAS.get(sc.get("lora")),
+        lora=LORAS.get(sc.get("lora")), router=ROUTERS.get(sc["family"], RouterLosses()),
     )  # fmt: skip
     mesh = build_mesh(spec.tp, spec.pp, spec.cp, spec.ep)
     ref = refs[case_of(sc)]

@@ -11,7 +11,13 @@ import pytest
 
 from helpers import assert_one_line_error, run_tool
 from mega_train.cli import app as train_app
-from megacore.artifacts import MANIFEST_NAME, TokensManifest, new_header_fields, write_artifact
+from megacore.artifacts import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    TokensManifest,
+    new_header_fields,
+    write_artifact,
+)
 from megacore.artifacts.manifest import Shard, TokenCounts, TokenizerInfo
 from megacore.cli import run as run_cli
 from megacore.data.indexed import IndexedWriter
@@ -145,7 +151,10 @@ def test_bad_run_manifest(run_dir: Path, edit, fragments: list[str], capsys):
         (lambda d: d["files"][0].update(path="/etc/passwd"), ["$.files[0]", "is absolute"]),
         (lambda d: d["files"][0].update(path="../run.json"), ["$.files[0]", "leaves the artifact directory"]),
         (lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1), ["differs from the manifest's"]),
-        (lambda d: d.update(format_version=2), ["$.format_version: 2 is newer"]),
+        (
+            lambda d: d.update(format_version=FORMAT_VERSION + 1),
+            [f"$.format_version: {FORMAT_VERSION + 1} is newer"],
+        ),
         (
             lambda d: d["shards"][0].update(prefix="../../../etc/passwd"),
             ["$.shards[0].prefix", "leaves the artifact directory"],

@@ -146,8 +146,8 @@ def test_a_run_trains_the_longer_context_and_its_export_matches_transformers(
 
 def test_only_the_context_can_be_set_beside_init(init: Path, tmp_path: Path, tokens: Path) -> None:
     """Beside `init`, a model field other than max_seq_len and rope_scaling is one line naming it; so
-    is the context beside `config`, a scaling missing what it needs, and a longer sequence than the
-    model's context without a new one."""
+    is the context beside `config`, a scaling missing what it needs, a longer sequence than the
+    model's context without a new one, and a mixture's router settings for a dense model."""
     run_json = context_run(tmp_path, tokens, {"init": str(init), "max_seq_len": LONG, "rope_theta": 1e6})
     assert_one_line_error(train(run_json, "--dry-run"), "$.model.rope_theta: a run from `init` keeps")
     config = open_artifact(init, "checkpoint").config
@@ -159,6 +159,11 @@ def test_only_the_context_can_be_set_beside_init(init: Path, tmp_path: Path, tok
         ({"init": str(init), "max_seq_len": LONG, "rope_scaling": {"type": "linear", "factor": 4, "beta_fast": 8}},
          "$.model.rope_scaling: linear rope scaling has no beta_fast"),
         ({"init": str(init)}, "$.batch.seq_length: 1024 exceeds the model's max_seq_len 256"),
+        # A mixture's training settings are the run's, whatever the start; a dense model has none.
+        ({"init": str(init), "max_seq_len": LONG, "router_aux_loss_coef": 0.01},
+         "$.model.router_aux_loss_coef: the model is not a mixture of experts"),
+        ({"config": msgspec.structs.replace(config, max_seq_len=LONG), "router_bias_update": 0.01},
+         "$.model.router_bias_update: the model is not a mixture"),
     ]  # fmt: skip
     for model, fragment in cases:
         run = json.loads(run_json.read_text())

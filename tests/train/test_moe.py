@@ -19,11 +19,13 @@ from runlib import metrics, ok, torchrun, train, write_run
 
 
 def _mixtral(path: Path, **overrides) -> Path:
-    return build("mixtral", path, vocab_size=400, router_aux_loss_coef=0.02, **overrides)
+    return build("mixtral", path, vocab_size=400, router_aux_loss_coef=0.05, **overrides)
 
 
 def _run_json(directory: Path, init: Path, tokens: Path, **overrides) -> Path:
-    return write_run(directory, tokens, init=init, eval={"every": 6, "iters": 1}, **overrides)
+    """A run from `init` whose load-balancing loss weighs 0.02 (the run's setting, not the model's)."""
+    model = {"router_aux_loss_coef": 0.02}
+    return write_run(directory, tokens, init=init, model=model, eval={"every": 6, "iters": 1}, **overrides)
 
 
 @pytest.mark.dist
@@ -63,6 +65,7 @@ def test_mixtral_converts_trains_at_ep2_tp2_and_exports(tmp_path: Path, tokens: 
     assert f"| layout | {layout} |" in card, card
     model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    # config.json's load-balancing weight: the run's (0.02), not the converted config.json's (0.05)
     assert model.config.num_local_experts == 4 and model.config.router_aux_loss_coef == 0.02
     ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -92,8 +95,13 @@ def test_the_chain_on_dense_layers_and_shared_experts(tmp_path: Path, tokens: Pa
     run_in_process("mega-convert", "hf", hf, ckpt, check=True)
     run_in_process("mega-shard", ckpt, ep2tp2, "--tp", "2", "--ep", "2", check=True)
     parallel = {"tp": 2, "ep": 2, "sequence_parallel": True}
-    run_json = _run_json(
-        tmp_path / "train", ep2tp2, tokens, parallel=parallel, model={"init": str(ep2tp2), **beside}
+    run_json = write_run(
+        tmp_path / "train",
+        tokens,
+        init=ep2tp2,
+        parallel=parallel,
+        model=beside,
+        eval={"every": 6, "iters": 1},
     )
     out = ok(torchrun(4, run_json))
     assert not out.stderr.strip(), out.stderr[-3000:]

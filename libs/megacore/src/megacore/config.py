@@ -11,6 +11,7 @@ no consumer re-derives or re-checks them. `msgspec.structs.replace` keeps the re
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -160,15 +161,13 @@ class ModelConfig(Struct):
     # Sparse mixture of experts (Mixtral, Qwen 3 MoE): every block's MLP is `num_experts` SwiGLU
     # experts of ffn_hidden_size each, a bias-free router choosing `experts_per_token` of them per
     # token (softmax, top-k, the chosen probabilities renormalised to sum to 1 unless
-    # `renormalize_top_k` is false, as Qwen 3 MoE's norm_topk_prob); None: the dense MLP. The
-    # load-balancing loss (Mixtral's, per layer, averaged over layers) and the router's z-loss join
-    # the training loss times these coefficients (0: not at all). `mlp_bias` on a mixture (gpt-oss):
-    # the router's linear has a bias and each expert's projections theirs.
+    # `renormalize_top_k` is false, as Qwen 3 MoE's norm_topk_prob); None: the dense MLP. Its
+    # training settings (the router losses' weights, the bias update) are the run's (`RouterLosses`).
+    # `mlp_bias` on a mixture (gpt-oss): the router's linear has a bias and each expert's
+    # projections theirs.
     num_experts: Positive | None = None
     experts_per_token: Positive | None = None
     renormalize_top_k: bool = True
-    router_aux_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    router_z_loss_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # Dense blocks among the sparse ones (Qwen 3 MoE's mlp_only_layers and decoder_sparse_step):
     # these layers' MLP is a dense SwiGLU `dense_ffn_hidden_size` wide (None: ffn_hidden_size).
     dense_layers: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=list)
@@ -180,12 +179,11 @@ class ModelConfig(Struct):
     shared_expert_gate: bool = False
     # DeepSeek V3's routing: sigmoid scores (not softmax); a per-expert bias added to the scores a
     # token chooses by, not to its weights (`router_bias`, "mlp.router_bias", moved towards even
-    # loads by `router_bias_update` per step: auxiliary-loss-free balancing, a training setting);
-    # the choice within the best `expert_groups_chosen` of `expert_groups` groups of experts; the
+    # loads by the run's `RouterLosses.bias_update` per step: auxiliary-loss-free balancing); the
+    # choice within the best `expert_groups_chosen` of `expert_groups` groups of experts; the
     # weights times `routed_scaling`.
     router_scoring: Literal["softmax", "sigmoid"] = "softmax"
     router_bias: bool = False
-    router_bias_update: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     expert_groups: Positive | None = None
     expert_groups_chosen: Positive | None = None
     routed_scaling: PositiveFloat = 1.0
@@ -276,9 +274,8 @@ class ModelConfig(Struct):
                 or self.expert_groups
                 or self.router_scoring != "softmax"
                 or self.routed_scaling != 1.0
-                or self.router_bias_update
             )
-            if self.router_aux_loss_coef or self.router_z_loss_coef or not self.renormalize_top_k or moe_only:
+            if not self.renormalize_top_k or moe_only:
                 raise ValueError("router and expert settings need a mixture of experts (num_experts)")
             if self.family == "mixtral":
                 raise ValueError("a mixtral config needs num_experts and experts_per_token")
@@ -312,8 +309,6 @@ class ModelConfig(Struct):
             )
         if groups is not None and (self.num_experts // groups) * chosen < self.experts_per_token:
             raise ValueError("the chosen groups hold fewer experts than experts_per_token")
-        if self.router_bias_update and not self.router_bias:
-            raise ValueError("router_bias_update needs a router bias (router_bias)")
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -358,14 +353,49 @@ TOKEN_ID_FIELDS = ("bos_id", "eos_id")
 # Neither changes a tensor, so the checkpoint's weights load as they are.
 CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 
-
-# The router losses' weights (a mixture of experts): training settings a run may set on top of
-# its init checkpoint's config, which change no tensor either.
-ROUTER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update")
 # Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe), DeepSeek V3, gpt-oss
 EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss")
-# What a run from a checkpoint may set of its model, beside `init`.
-INIT_OVERRIDES = (*CONTEXT_FIELDS, *ROUTER_LOSS_FIELDS)
+
+# Format version 1's model configs held a run's router settings (`RouterLosses`): their names there.
+V1_ROUTER_FIELDS = {
+    "router_aux_loss_coef": "aux_loss_coef",
+    "router_z_loss_coef": "z_loss_coef",
+    "router_bias_update": "bias_update",
+}
+
+
+@dataclass(frozen=True)
+class RouterLosses:
+    """A mixture of experts' training settings, the run's (its manifest's `model.router_*`), not the
+    model's: the weights with which the load-balancing loss (Mixtral's, per layer, averaged over
+    layers) and the router's z-loss join the training loss, and the step by which DeepSeek V3's
+    balancing bias moves towards even loads after each step (auxiliary-loss-free balancing). 0: off.
+    Megatron's `--moe-aux-loss-coef`, `--moe-z-loss-coeff`, `--moe-router-bias-update-rate`."""
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update: float = 0.0
+
+    def fingerprint(self) -> dict[str, str]:
+        """The settings as a run's fingerprint records them (`TrainingState.fingerprint`, by the run
+        manifest's field): a resume must keep them, and export reads what a model trained with."""
+        return {f"$.model.{name}": json.dumps(getattr(self, ours)) for name, ours in V1_ROUTER_FIELDS.items()}
+
+    @classmethod
+    def from_fingerprint(cls, fingerprint: dict[str, str]) -> RouterLosses | None:
+        """The settings a checkpoint's run trained with, from its fingerprint (None: not recorded)."""
+        keys = {ours: f"$.model.{name}" for name, ours in V1_ROUTER_FIELDS.items()}
+        if not all(key in fingerprint for key in keys.values()):
+            return None
+        return cls(**{ours: float(json.loads(fingerprint[key])) for ours, key in keys.items()})
+
+    def check(self, config: ModelConfig) -> None:
+        """ValueError, naming the run manifest's field, when `config` cannot take these settings."""
+        for name, ours in V1_ROUTER_FIELDS.items():
+            if getattr(self, ours) and config.num_experts is None:
+                raise ValueError(f"$.model.{name}: the model is not a mixture of experts (num_experts)")
+        if self.bias_update and not config.router_bias:
+            raise ValueError("$.model.router_bias_update: the model's router has no bias (router_bias)")
 
 
 def with_context(

@@ -35,7 +35,7 @@ from megacore.artifacts import (
 from megacore.artifacts.header import float_dtype
 from megacore.artifacts.output import recipe_sha256, reusable, write_artifact
 from megacore.checkpoint import CheckpointReader
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, RouterLosses
 from megacore.errors import UserError
 from megacore.models import config_to_hf, export_tensors, hf_shapes
 from megacore.models.hf_tokenizer import checkpoint_tokenizer_files
@@ -177,6 +177,8 @@ def _write_model(
     total = sum(math.prod(s) * TORCH_DTYPES[dtype].itemsize for s in shapes.values())
     shown = Progress("mega-export", "tensors", total=len(shapes), total_bytes=total, enabled=progress)
     files = _write_weights(get, config, w, shapes, dtype, max_shard_bytes, shown)
-    w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+    training = ckpt.manifest.training
+    router = RouterLosses.from_fingerprint(training.fingerprint) if training is not None else None
+    w.path("config.json").write_text(json.dumps(config_to_hf(config, dtype, router), indent=2) + "\n")
     shown.done()
     return files, len(shapes)

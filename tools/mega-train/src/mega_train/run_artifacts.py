@@ -1,6 +1,6 @@
 """The artifacts a run manifest names, opened and checked without torch: the model the run trains
-(`open_init`, `model_config`: a checkpoint as `init`, with the context and the router losses'
-coefficients a run from it may set; a `config`; or a Hugging Face config.json, `read_hf_config`) and
+(`open_init`, `model_config`: a checkpoint as `init`, with the context a run from it may set; a
+`config`; or a Hugging Face config.json, `read_hf_config`) and
 the data sources (`open_sources`), which share one tokenizer, the init checkpoint's where it records
 one (`check_init_tokenizer`). `run_plan.plan_run` calls them in that order.
 """
@@ -9,16 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgspec
-
 from mega_train.objectives import check_data
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest, open_artifact, resolve_ref
 from megacore.artifacts.reader import Verify, check_model_tensors
 from megacore.config import (
     CONTEXT_FIELDS,
     DEFAULT_PAD_MULTIPLE,
-    INIT_OVERRIDES,
-    ROUTER_LOSS_FIELDS,
     ModelConfig,
     RopeScaling,
     with_context,
@@ -64,10 +60,10 @@ def model_config(
 ) -> tuple[ModelConfig, list[str]]:
     """The model the run trains (the config its checkpoints record) and a note when it is not the
     init's: `config`, a Hugging Face config.json's (`hf_config`), or the init's with the context
-    `max_seq_len` and `rope_scaling` set and the router losses' coefficients."""
+    `max_seq_len` and `rope_scaling` set."""
     m = run.model
     if init is None:
-        for name in INIT_OVERRIDES:
+        for name in CONTEXT_FIELDS:
             if getattr(m, name) is not None:
                 raise UserError(
                     f"$.model.{name}: a run from `config` or `hf_config` sets it in the model's config "
@@ -78,10 +74,9 @@ def model_config(
             return m.config, []
         return read_hf_config(resolve_ref(base, m.hf_config), where)
     before = init[1].config
-    routers = {f: getattr(m, f) for f in ROUTER_LOSS_FIELDS if getattr(m, f) is not None}
     try:
-        config = msgspec.structs.replace(with_context(before, m.max_seq_len, m.rope_scaling), **routers)
-    except ValueError as e:  # llama3 / yarn without the original context, router losses of a dense model
+        config = with_context(before, m.max_seq_len, m.rope_scaling)
+    except ValueError as e:  # llama3 / yarn without the original context
         raise UserError(f"$.model: {e}", where) from None
     if all(getattr(config, f) == getattr(before, f) for f in CONTEXT_FIELDS):
         return config, []

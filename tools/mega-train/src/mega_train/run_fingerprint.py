@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from mega_train.objectives import kind_of
+from mega_train.run_layout import router_losses
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest
 from megacore.artifacts.reader import read_manifest_bytes
 from megacore.artifacts.run_spec import DISTILL_FIELDS
@@ -52,6 +53,7 @@ def fingerprint(
             out["$.lora.init"] = sha256_bytes(read_manifest_bytes(lora.init[0])[1])
     if run.objective.type != "lm":  # language modelling's runs keep their fingerprints
         out |= _objective_fingerprint(run, reference, teacher)
+    out |= router_losses(run).fingerprint()  # a mixture's; checkpoints saved before had none: any
     for name, value in msgspec.structs.asdict(run.optimizer).items():
         out[f"$.optimizer.{name}"] = json.dumps(value)
     for i, (path, _, weight) in enumerate(sources):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from mega_train.objectives import kind_of
 from megacore.artifacts import RunManifest
-from megacore.config import LoRA, ModelConfig
+from megacore.config import LoRA, ModelConfig, RouterLosses
+from megacore.errors import UserError
 from megacore.parallel.layout import Dims, Parallelism, check_parallelism, check_tp
 
 
@@ -23,7 +24,12 @@ def check_layout(
     microbatches = dims.microbatches(
         b.global_batch_size, b.micro_batch_size, f"{where}: $.batch.global_batch_size"
     )
-    stages = check_parallelism(config, parallelism(run, microbatches), f"{where}: $.parallel")
+    par = parallelism(run, microbatches)
+    try:
+        par.router.check(config)
+    except ValueError as e:
+        raise UserError(str(e), where) from None
+    stages = check_parallelism(config, par, f"{where}: $.parallel")
     return dims, microbatches, stages
 
 
@@ -42,7 +48,14 @@ def parallelism(
         fp8_emulate,
         lora,
         packs_pairs(run),
+        router_losses(run),
     )
+
+
+def router_losses(run: RunManifest) -> RouterLosses:
+    """A mixture of experts' training settings: the run manifest's `model.router_*`."""
+    m = run.model
+    return RouterLosses(m.router_aux_loss_coef, m.router_z_loss_coef, m.router_bias_update)
 
 
 def packs_pairs(run: RunManifest) -> bool:

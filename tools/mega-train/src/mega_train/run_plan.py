@@ -37,7 +37,7 @@ from megacore.artifacts.codec import decode_manifest
 from megacore.artifacts.manifest import License, TrainedTokenizer
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, read_manifest_bytes
-from megacore.config import INIT_OVERRIDES, ModelConfig
+from megacore.config import CONTEXT_FIELDS, ModelConfig
 from megacore.errors import UserError
 from megacore.parallel.layout import Dims, Parallelism, check_sharding
 from megacore.planner.counts import flops_per_token, parameter_counts
@@ -119,7 +119,7 @@ class RunPlan:
             return f"$.model.hf_config (its config.json's {name})"
         if self.init is None:
             return f"$.model.config.{name}"
-        return f"$.model.{name}" if name in INIT_OVERRIDES else f"$.model.init (its config's {name})"
+        return f"$.model.{name}" if name in CONTEXT_FIELDS else f"$.model.init (its config's {name})"
 
     @property
     def packs_pairs(self) -> bool:

@@ -71,7 +71,7 @@ from mega_train.wandb_run import WandbLog
 from mega_train.watchdog import Watchdog
 from megacore.artifacts.manifest import CheckpointManifest
 from megacore.artifacts.reader import parent_of
-from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS, is_adapter_tensor
+from megacore.config import CONTEXT_FIELDS, TOKEN_ID_FIELDS, is_adapter_tensor
 from megacore.data.dataset import Batch, Dataset
 from megacore.data.packing import IGNORE, inputs_and_targets
 from megacore.errors import Silent, UserError
@@ -228,7 +228,7 @@ class Trainer:
     def load_weights(self, path: Path, only: Callable[[str], bool] | None = None) -> None:
         """A start's weights (`init`'s, an adapter's; `only`: some of them), no moments: fine-tuning
         starts a new optimizer, and the run may set another context."""
-        load_checkpoint(path, self.pm, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES), only=only)
+        load_checkpoint(path, self.pm, ignore=(*TOKEN_ID_FIELDS, *CONTEXT_FIELDS), only=only)
 
     def _restore(self, path: Path, manifest: CheckpointManifest, rng: dict[str, torch.Tensor] | None) -> None:
         """The run's state as the checkpoint `path` left it (its weights and moments are loaded):

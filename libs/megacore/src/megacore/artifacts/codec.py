@@ -1,6 +1,6 @@
 """Manifest bytes <-> structs (`megacore.artifacts.manifest` has the structs): strict decoding, with
 one-line errors naming the field (`$.parallel.tp: expected int, got str`) and, for a value outside
-an enum, the values it takes; stable encoding; the JSON Schemas `schemas/` holds (`make schemas`).
+an enum, the values it takes; earlier format versions upgraded first (`upgrade.py`); stable encoding; the JSON Schemas `schemas/` holds (`make schemas`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import msgspec
 
 from megacore.artifacts.header import FORMAT_VERSION, Kind
 from megacore.artifacts.manifest import MANIFEST_TYPES, Manifest
+from megacore.artifacts.upgrade import upgrade
 from megacore.config import ModelConfig
 from megacore.errors import UserError
 
@@ -96,6 +97,8 @@ def decode_manifest(data: bytes, where: str, kind: Kind | None = None) -> Manife
         )
     if peek.format_version < 1:
         raise UserError(f"$.format_version: {peek.format_version} is not a valid version", where)
+    if peek.format_version < FORMAT_VERSION:  # an earlier release's artifact, read as today's
+        data = msgspec.json.encode(upgrade(msgspec.json.decode(data), peek.format_version))
     try:
         return msgspec.json.decode(data, type=MANIFEST_TYPES[peek.kind])
     except msgspec.ValidationError as e:

@@ -20,7 +20,7 @@ import msgspec
 from megacore.config import Struct
 from megacore.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a mixture of experts' training settings moved from the model config to the run
 MANIFEST_NAME = "manifest.json"
 
 Kind = Literal["tokens", "checkpoint", "run", "hf"]

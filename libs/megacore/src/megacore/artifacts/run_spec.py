@@ -27,20 +27,21 @@ class ModelSpec(Struct):
     model a Hugging Face `config.json` describes (`hf_config`: the file, or a model directory
     holding one; the weights are not read, so a dry run plans a model not downloaded). Beside `init`,
     `max_seq_len` and `rope_scaling` set the context the run trains for (context extension: a
-    longer max_seq_len with a RoPE scaling), the router losses' coefficients their weights and
-    `router_bias_update` the balancing bias's step (a mixture of experts), every other field of the model staying the init's; the run's checkpoints
-    record the config that results (`megacore.config.with_context`)."""
+    longer max_seq_len with a RoPE scaling), every other field of the model staying the init's; the
+    run's checkpoints record the config that results (`megacore.config.with_context`). Whatever the
+    start, a mixture of experts' training settings are the run's: the router losses' weights and
+    the balancing bias's step (`megacore.config.RouterLosses`; 0: off)."""
 
     init: Ref | None = None
     config: ModelConfig | None = None
     hf_config: Ref | None = None
     max_seq_len: Positive | None = None  # None: the init's
     rope_scaling: RopeScaling | None = None  # None: the init's
-    # A mixture of experts' router losses (None: the init's; `ModelConfig` has the meaning).
-    router_aux_loss_coef: NonNegativeFloat | None = None
-    router_z_loss_coef: NonNegativeFloat | None = None
-    # DeepSeek V3's auxiliary-loss-free balancing: the router bias's step (None: the init's, 0 off).
-    router_bias_update: NonNegativeFloat | None = None
+    # A mixture of experts' router losses' weights in the training loss (0: off).
+    router_aux_loss_coef: NonNegativeFloat = 0.0
+    router_z_loss_coef: NonNegativeFloat = 0.0
+    # DeepSeek V3's auxiliary-loss-free balancing: the router bias's step after each step (0: off).
+    router_bias_update: NonNegativeFloat = 0.0
     init_std: PositiveFloat = 0.02  # of fresh weights (with `config`), drawn per tensor from the seed
 
 

@@ -11,7 +11,7 @@ from typing import get_args
 
 from megacore.artifacts.header import FLOAT_DTYPES
 from megacore.artifacts.run_spec import ParallelSpec, Schedule
-from megacore.config import LoRA
+from megacore.config import LoRA, RouterLosses
 from megacore.errors import UserError
 
 
@@ -165,6 +165,7 @@ class Parallelism:
     fp8_emulate: bool = False  # precision fp8 emulated (`fp8.float8_emulation`: tests only)
     lora: LoRA | None = None  # adapters trained on a frozen base (`megacore.models.adapters`)
     packed_pairs: bool = False  # preference pairs packed: each row's sides summed apart (`fused_loss`)
+    router: RouterLosses = field(default_factory=RouterLosses)  # a mixture of experts' training settings
 
     def dims(self, dp: int) -> Dims:
         """The mesh's sizes: this layout's with `dp` data-parallel ranks."""

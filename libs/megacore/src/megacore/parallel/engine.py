@@ -136,7 +136,7 @@ class ParallelModel:
             for i, block in part.layers.items()
             if isinstance(block.mlp, MoE)
         }
-        self.router = RouterBalance(config, moe_layers, par.spec.tp, self.dims.replicas)
+        self.router = RouterBalance(config, par.router, moe_layers, par.spec.tp, self.dims.replicas)
         # Language modelling's loss, `forward_backward`'s and `evaluate`'s unless given another.
         self.token_loss = Loss(config.vocab_size, self.tp_mesh)
         named = dict(self._named_all())

@@ -232,9 +232,9 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         )
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
-    if config.router_aux_loss_coef and spec.cp > 1:  # the rest of a router is per token
+    if par.router.aux_loss_coef and spec.cp > 1:  # the rest of a router is per token
         raise UserError(
-            "a mixture of experts' load-balancing loss takes whole rows: cp 1, or router_aux_loss_coef 0",
+            "a mixture of experts' load-balancing loss takes whole rows: cp 1, or $.model.router_aux_loss_coef 0",
             f"{where}.cp",
         )
     stages = spec.pp * par.stages_per_rank

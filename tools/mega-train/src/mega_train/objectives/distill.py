@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mega_train.objectives.lm import LanguageModelling
-from megacore.config import INIT_OVERRIDES, TOKEN_ID_FIELDS
+from megacore.config import CONTEXT_FIELDS, TOKEN_ID_FIELDS
 from megacore.parallel.checkpoint_io import load_checkpoint
 from megacore.parallel.divergence import token_divergence
 from megacore.parallel.engine import ParallelModel
@@ -64,7 +64,7 @@ class Distill(LanguageModelling):
         self.teacher = ParallelModel(teacher.manifest.config, par, t.mesh, t.device)
         for p in self.teacher.parameters():
             p.requires_grad_(False)
-        load_checkpoint(teacher.path, self.teacher, ignore=(*TOKEN_ID_FIELDS, *INIT_OVERRIDES))
+        load_checkpoint(teacher.path, self.teacher, ignore=(*TOKEN_ID_FIELDS, *CONTEXT_FIELDS))
         self.teacher.refresh()  # its compute copies, once: it never changes
 
     def global_count(self, counted: torch.Tensor | int) -> torch.Tensor | int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from megacore.config import TOKEN_ID_FIELDS, ModelConfig, config_differences, pad_vocab
+from megacore.config import TOKEN_ID_FIELDS, ModelConfig, RouterLosses, config_differences, pad_vocab
 from megacore.errors import UserError
 from megacore.models.families import (
     deepseek_v3,
@@ -60,10 +60,13 @@ WRITTEN_BY_ALL = (
     "bos_id",
     "eos_id",
 )
-# ... and those no config.json carries, left out on export by design: the vocab padding (export cuts
-# its rows off) and the router's z-loss weight and bias update rate, training settings that change
-# nothing the model computes (transformers' MoE models have no z-loss, nor balancing updates).
-NOT_CARRIED = ("padded_vocab_size", "router_z_loss_coef", "router_bias_update")
+# ... and the one no config.json carries, left out on export by design: the vocab padding (export
+# cuts its rows off).
+NOT_CARRIED = ("padded_vocab_size",)
+# The families whose config.json carries a mixture's load-balancing weight (transformers applies it
+# with output_router_logits): a training setting, the run's (`RouterLosses`), which export writes as
+# the checkpoint trained with it; transformers' default where it did not train.
+ROUTER_AUX_FAMILIES = ("mixtral", "qwen2", "qwen3", "gpt_oss")
 SHARED_FIELDS = (*WRITTEN_BY_ALL, *NOT_CARRIED)
 
 
@@ -138,11 +141,16 @@ def config_from_hf(
     return cfg
 
 
-def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
-    """A config.json dict that transformers (4.45+ and 5) loads as the matching *ForCausalLM; a
-    UserError when the config sets a switch the family's config.json cannot express."""
+def config_to_hf(
+    config: ModelConfig, dtype: str | None = None, router: RouterLosses | None = None
+) -> dict[str, Any]:
+    """A config.json dict that transformers (4.45+ and 5) loads as the matching *ForCausalLM, with
+    the load-balancing weight of the `router` settings a mixture trained with; a UserError when the
+    config sets a switch the family's config.json cannot express."""
     check_expressible(config)
     out = family_of(config).config_to_hf(config)
+    if router is not None and config.num_experts is not None and config.family in ROUTER_AUX_FAMILIES:
+        out["router_aux_loss_coef"] = router.aux_loss_coef
     if dtype is not None:
         out["torch_dtype"] = dtype
     return out

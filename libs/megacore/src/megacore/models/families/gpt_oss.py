@@ -32,7 +32,7 @@ NAME = "gpt-oss"
 HF_ATTENTION = "eager"  # transformers' GptOssAttention: eager (or flex), no SDPA path for sinks
 SWITCHES = (
     "head_dim", "sliding_window", "layer_types", "attn_bias", "attn_out_bias", "mlp_bias", "attn_sinks",
-    "activation", "swiglu_alpha", "swiglu_limit", "num_experts", "experts_per_token", "router_aux_loss_coef",
+    "activation", "swiglu_alpha", "swiglu_limit", "num_experts", "experts_per_token",
 )  # fmt: skip
 # transformers' GptOssConfig's RoPE when a config.json gives none.
 DEFAULT_ROPE = {
@@ -85,7 +85,6 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         attn_sinks=True,
         num_experts=c.int("num_local_experts", 128),
         experts_per_token=c.int("num_experts_per_tok", 4),
-        router_aux_loss_coef=c.router_aux_loss_coef(),
         tie_embeddings=c.bool("tie_word_embeddings", False),
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
@@ -110,7 +109,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "layer_types": list(config.layer_types or ["full_attention"] * config.num_layers),
         "num_local_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
-        "router_aux_loss_coef": config.router_aux_loss_coef,
         "swiglu_alpha": config.swiglu_alpha,
         "swiglu_limit": config.swiglu_limit,
     }

@@ -70,14 +70,6 @@ class HFConfig:
             raise UserError(f"$.{key}: expected a positive number, got {value!r}", self.where)
         return float(value)
 
-    def router_aux_loss_coef(self) -> float:
-        """A mixture of experts' load-balancing coefficient (0 allowed; 0.001, transformers'
-        default for Mixtral and Qwen 3 MoE, when absent)."""
-        coef = self.data.get("router_aux_loss_coef", 0.001)
-        if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-            raise UserError(f"$.router_aux_loss_coef: expected a number >= 0, got {coef!r}", self.where)
-        return float(coef)
-
     def bool(self, key: str, default: Any = _MISSING) -> bool:
         value = self._get(key, default)
         if not isinstance(value, bool):

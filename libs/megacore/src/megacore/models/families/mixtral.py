@@ -4,9 +4,9 @@ HF layout (MixtralForCausalLM, as the Hub's checkpoints and transformers' save_p
 it): Llama's names, and per layer `block_sparse_moe.gate` (the router) and
 `block_sparse_moe.experts.<j>.{w1,w3,w2}` (gate, up, down), stacked per projection in ours
 (`llama.moe_experts`). transformers 5 fuses w1/w3 into `mlp.experts.gate_up_proj` in memory
-and writes the per-expert names back when saving. The router's load-balancing coefficient is the
-config's `router_aux_loss_coef`; the router jitter noise transformers can add in training is not
-implemented, and a config that sets it is refused.
+and writes the per-expert names back when saving. The router's load-balancing coefficient
+(`router_aux_loss_coef`) is a training setting, the run's (`config.RouterLosses`); the router jitter
+noise transformers can add in training is not implemented, and a config that sets it is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ NAME = "Mixtral"
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Mixtral config.json can set to other
 # than their defaults (`families.check_expressible` refuses the rest). The router always
 # renormalises its top-k (renormalize_top_k true).
-SWITCHES = ("head_dim", "sliding_window", "num_experts", "experts_per_token", "router_aux_loss_coef")
+SWITCHES = ("head_dim", "sliding_window", "num_experts", "experts_per_token")
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -40,7 +40,6 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         sliding_window=mistral.sliding_window(c, None),
         num_experts=c.int("num_local_experts", 8),
         experts_per_token=c.int("num_experts_per_tok", 2),
-        router_aux_loss_coef=c.router_aux_loss_coef(),
     )
 
 
@@ -50,7 +49,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "sliding_window": config.sliding_window,
         "num_local_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
-        "router_aux_loss_coef": config.router_aux_loss_coef,
     }
 
 

@@ -35,7 +35,7 @@ MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
 NAME = "Qwen 2"
 # The experts' switches Qwen 2 MoE and Qwen 3 MoE configs share (`moe_fields`).
 MOE_SWITCHES = (
-    "num_experts", "experts_per_token", "renormalize_top_k", "router_aux_loss_coef", "dense_layers",
+    "num_experts", "experts_per_token", "renormalize_top_k", "dense_layers",
     "dense_ffn_hidden_size",
 )  # fmt: skip
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 2 (or Qwen 2 MoE) config.json can
@@ -126,7 +126,6 @@ def moe_fields(c: HFConfig, width: int, experts: int, per_token: int) -> dict[st
         "num_experts": c.int("num_experts" if "num_experts" in c.data else "num_local_experts", experts),
         "experts_per_token": c.int("num_experts_per_tok", per_token),
         "renormalize_top_k": c.bool("norm_topk_prob", False),
-        "router_aux_loss_coef": c.router_aux_loss_coef(),
         "dense_layers": dense,
         "dense_ffn_hidden_size": c.int("intermediate_size") if dense else None,
     }
@@ -142,7 +141,6 @@ def moe_to_hf(config: ModelConfig) -> dict[str, Any]:
         "norm_topk_prob": config.renormalize_top_k,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(config.dense_layers),
-        "router_aux_loss_coef": config.router_aux_loss_coef,
     }
 
 
