@@ -39,7 +39,7 @@ from megacore.parallel.dims import (
     Parallelism,
     check_positive,
 )
-from megacore.parts import layer_tp_dims, model_tensors
+from megacore.parts import model_tensors, tp_dim
 from megacore.parts.attention import kv_replicated
 from megacore.parts.moe import is_expert_tensor
 
@@ -92,10 +92,12 @@ def place(name: str, config: ModelConfig, tp: int) -> TensorPlace:
     layer, rest = int(m.group(1)), m.group(2)
     if layer >= config.num_layers:
         raise UserError(f"tensor {name!r}: layer {layer} is beyond num_layers {config.num_layers}", name)
-    dims = layer_tp_dims(config, layer, tp)  # the layer's parts' own tables
-    if rest not in dims:
-        raise UserError(f"tensor {name!r} is not a name of the model contract; cannot place it", name)
-    return TensorPlace(layer, "layer", dims[rest])
+    try:
+        return TensorPlace(layer, "layer", tp_dim(config, layer, rest, tp))  # its parts' own tables
+    except KeyError:
+        raise UserError(
+            f"tensor {name!r} is not a name of the model contract; cannot place it", name
+        ) from None
 
 
 def _adapter_place(name: str, config: ModelConfig, tp: int) -> TensorPlace:

@@ -40,13 +40,14 @@ def layer_parts(config: ModelConfig, layer: int) -> tuple[ModuleType, ModuleType
     return block, attention_part(config), mlp_part(config, layer)
 
 
-def layer_tp_dims(config: ModelConfig, layer: int, tp: int) -> dict[str, int | None]:
-    """Layer `layer`'s tensors, layer-relative ("attn.q_proj.weight"), to the dim tp splits (None:
-    replicated): its parts' tables, which name only tensors those parts may have."""
-    dims: dict[str, int | None] = {}
+def tp_dim(config: ModelConfig, layer: int, name: str, tp: int) -> int | None:
+    """The dim tp splits layer `layer`'s tensor `name` (layer-relative, "attn.q_proj.weight") on
+    (None: replicated), from its parts' tables; KeyError for a name none of them has."""
     for part in layer_parts(config, layer):
-        dims.update(part.tp_dims(config, tp))
-    return dims
+        dims = part.tp_dims(config, tp)
+        if name in dims:
+            return dims[name]
+    raise KeyError(name)
 
 
 def model_tensors(

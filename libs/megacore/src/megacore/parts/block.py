@@ -14,6 +14,7 @@ from megacore.parts import norm
 from megacore.parts.compute import Compute, Shapes
 
 NORMS = ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")
+_TP_DIMS = norm.tp_dims(NORMS)
 
 
 def _mlp_norm(config: ModelConfig) -> bool:
@@ -37,7 +38,7 @@ def tensors(out: Shapes, config: ModelConfig, layer: int, attention: ModuleType,
 
 
 def tp_dims(config: ModelConfig, tp: int) -> dict[str, int | None]:
-    return norm.tp_dims(NORMS)
+    return _TP_DIMS
 
 
 def norm_saves(config: ModelConfig, comp: Compute, tokens: int) -> int:

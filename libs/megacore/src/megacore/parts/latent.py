@@ -27,14 +27,17 @@ def tensors(out: Shapes, config: ModelConfig, at: str) -> None:
     out[f"{at}.o_proj.weight"] = (hidden, heads * config.v_head_dim)
 
 
+_TP_DIMS: dict[str, int | None] = {
+    "attn.q_proj.weight": 0, "attn.q_b_proj.weight": 0, "attn.kv_b_proj.weight": 0,
+    "attn.o_proj.weight": 1,
+    "attn.q_a_proj.weight": None, "attn.q_a_norm.weight": None,
+    "attn.kv_a_proj.weight": None, "attn.kv_a_norm.weight": None,
+}  # fmt: skip
+
+
 def tp_dims(config: ModelConfig, tp: int) -> dict[str, int | None]:
     """Layer-relative names -> the dim tp splits (None: replicated)."""
-    return {
-        "attn.q_proj.weight": 0, "attn.q_b_proj.weight": 0, "attn.kv_b_proj.weight": 0,
-        "attn.o_proj.weight": 1,
-        "attn.q_a_proj.weight": None, "attn.q_a_norm.weight": None,
-        "attn.kv_a_proj.weight": None, "attn.kv_a_norm.weight": None,
-    }  # fmt: skip
+    return _TP_DIMS
 
 
 def _latent_norm(comp: Compute, tokens: int, width: int, stored: int) -> int:

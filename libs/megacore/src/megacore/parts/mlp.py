@@ -33,8 +33,11 @@ def projection_tp_dims(at: str) -> dict[str, int | None]:
     }  # fmt: skip
 
 
+_TP_DIMS = projection_tp_dims("mlp")
+
+
 def tp_dims(config: ModelConfig, tp: int) -> dict[str, int | None]:
-    return projection_tp_dims("mlp")
+    return _TP_DIMS
 
 
 def saves(config: ModelConfig, comp: Compute, tokens: int, layer: int) -> tuple[int, int]:

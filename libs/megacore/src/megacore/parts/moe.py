@@ -37,15 +37,18 @@ def tensors(out: Shapes, config: ModelConfig, at: str, layer: int) -> None:
             out[f"{at}.shared_expert_gate.weight"] = (1, hidden)
 
 
+_TP_DIMS: dict[str, int | None] = {
+    "mlp.router.weight": None, "mlp.router.bias": None, "mlp.router_bias": None,
+    "mlp.shared_expert_gate.weight": None,
+    f"{EXPERTS}gate_proj.weight": 1, f"{EXPERTS}up_proj.weight": 1, f"{EXPERTS}down_proj.weight": 2,
+    f"{EXPERTS}gate_proj.bias": 1, f"{EXPERTS}up_proj.bias": 1, f"{EXPERTS}down_proj.bias": None,
+    **projection_tp_dims("mlp.shared_expert"),
+}  # fmt: skip
+
+
 def tp_dims(config: ModelConfig, tp: int) -> dict[str, int | None]:
     """Layer-relative names -> the dim tp splits (None: replicated)."""
-    return {
-        "mlp.router.weight": None, "mlp.router.bias": None, "mlp.router_bias": None,
-        "mlp.shared_expert_gate.weight": None,
-        f"{EXPERTS}gate_proj.weight": 1, f"{EXPERTS}up_proj.weight": 1, f"{EXPERTS}down_proj.weight": 2,
-        f"{EXPERTS}gate_proj.bias": 1, f"{EXPERTS}up_proj.bias": 1, f"{EXPERTS}down_proj.bias": None,
-        **projection_tp_dims("mlp.shared_expert"),
-    }  # fmt: skip
+    return _TP_DIMS
 
 
 def is_expert_tensor(name: str) -> bool:
