@@ -35,6 +35,7 @@ from megacore.checkpoint import CheckpointWriter, shard_file
 from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig
 from megacore.errors import UserError
 from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, mxfp4, tensor_maps
+from megacore.models.families import training_settings_note
 from megacore.models.families.hf_config import read_config_json
 from megacore.models.hf import left_out
 from megacore.parts import model_tensors
@@ -248,8 +249,9 @@ def convert_hf(
         return {**summary, "reused": True, "seconds": round(time.perf_counter() - t0, 3)}
 
     check_hf_tensors(config, src.where, model_dir)
-    if (line := left_out(config, list(src.where))) is not None:
-        say(f"mega-convert: {line}")
+    for line in (left_out(config, list(src.where)), src.note):
+        if line is not None:
+            say(f"mega-convert: {line}")
     shapes = model_tensors(config)
     order = [n for m in tensor_maps(config) for n in m.ours]  # the order import_tensors yields
     tokenizer_files = _write_checkpoint(src, out, shapes, order, force=force, progress=progress)
@@ -276,6 +278,7 @@ class _Source:
     license: License | None
     recipe: str
     source: HFSource  # where the model came from, for a PEFT export's base_model_name_or_path
+    note: str | None  # what of config.json the checkpoint does not carry (`training_settings_note`)
 
 
 def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Source:
@@ -293,7 +296,8 @@ def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Sour
     origin = hf_source(model_dir)
     options = {"dtype": out_dtype, "pad_multiple": pad_multiple, "source": msgspec.to_builtins(origin)}
     rec = recipe(model_dir, files_of(where), options)
-    return _Source(model_dir, config, where, out_dtype, source, card_license, rec, origin)
+    note = training_settings_note(hf, config)
+    return _Source(model_dir, config, where, out_dtype, source, card_license, rec, origin, note)
 
 
 def hf_source(model_dir: Path) -> HFSource:

@@ -141,6 +141,18 @@ def config_from_hf(
     return cfg
 
 
+def training_settings_note(hf: dict[str, Any], config: ModelConfig) -> str | None:
+    """The line that says a config.json's load-balancing weight is not carried into the checkpoint:
+    a training setting, the run's (None: the config.json sets none, or not for a mixture)."""
+    coef = hf.get("router_aux_loss_coef")
+    if config.num_experts is None or config.family not in ROUTER_AUX_FAMILIES or not coef:
+        return None
+    return (
+        f"config.json's router_aux_loss_coef {coef:g} is a training setting, not the model's: a run sets "
+        "its own ($.model.router_aux_loss_coef, 0 by default)"
+    )
+
+
 def config_to_hf(
     config: ModelConfig, dtype: str | None = None, router: RouterLosses | None = None
 ) -> dict[str, Any]:
@@ -179,4 +191,5 @@ __all__ = [
     "family_for_model_type",
     "family_of",
     "hf_attention",
+    "training_settings_note",
 ]
