@@ -136,10 +136,12 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path, tokens: Path) -> None:
             assert ckpt.manifest.training.step == step
 
 
+@pytest.mark.slow
 def test_json_summary_names_the_newest_checkpoint(tmp_path: Path, tokens: Path) -> None:
     """--json under torchrun: stdout is one JSON object (rank 0's; the console lines went to stderr)
     naming the newest checkpoint and the last losses as metrics.jsonl has them; a rerun of the
-    finished run says the same without training."""
+    finished run says the same without training. (Slow: `make test` keeps a launched run's --json
+    in tests/train/test_harness.py.)"""
     run_json = write_run(tmp_path, tokens, train_steps=4, eval={"every": 2, "iters": 1})
     out = tmp_path / "run"
     first = ok(torchrun(2, run_json, "--json"))
