@@ -23,7 +23,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from megacore.models.families import hf_attention
+from megacore.models.families import FAMILIES, family_for_model_type, hf_attention
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
 _LLAMA = {**_SMALL, "intermediate_size": 96, "vocab_size": 101, "max_position_embeddings": 64}
@@ -332,3 +332,11 @@ def peft_chain(root: Path, hf: Path, rank: int, alpha: int, targets: list[str], 
     proc = run_in_process("mega-convert", "peft", root / "peft", root / "adapter", "--base", root / "base")
     assert proc.returncode == 0, proc.stderr
     return {"root": root, "hf": hf, "base": root / "base", "peft": root / "peft", "adapter": root / "adapter"}
+
+
+def case_of(family: str) -> str:
+    """The first case in CASES whose transformers config is this family's model type."""
+    for name, (config_class, _, _) in CASES.items():
+        if family_for_model_type(config_class.model_type, name) is FAMILIES[family]:
+            return name
+    raise AssertionError(f"family {family}: no case of its model types in tests/hf_cases.py CASES; add one")

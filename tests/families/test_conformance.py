@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process
-from hf_cases import CASES, build, load_hf
+from hf_cases import CASES, build, case_of, load_hf
 from hf_cases import tokens as token_ids
 from megacore.artifacts import open_artifact
 from megacore.models import config_from_hf, export_tensors
-from megacore.models.families import FAMILIES, family_for_model_type
+from megacore.models.families import FAMILIES
 from models.test_model_parity import TOL, ours_from_dir
 from runlib import assert_losses_close, losses, metrics, ok, torchrun, train, write_run
 from train.test_planner import launch
@@ -46,14 +46,6 @@ VOCAB = 400  # the training rows' vocab: the `tokens` fixture's tokenizer's
 
 def _rows(fast_too: bool = False) -> list:
     return [pytest.param(f, marks=() if fast_too and f == FAST else pytest.mark.slow, id=f) for f in FAMILIES]
-
-
-def case_of(family: str) -> str:
-    """The first case in hf_cases.CASES whose transformers config is this family's model type."""
-    for name, (config_class, _, _) in CASES.items():
-        if family_for_model_type(config_class.model_type, name) is FAMILIES[family]:
-            return name
-    raise AssertionError(f"family {family}: no case of its model types in tests/hf_cases.py CASES; add one")
 
 
 def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from transformers import AutoConfig, Gemma3TextConfig
 
-from hf_cases import CASES
+from hf_cases import CASES, case_of
 from megacore.config import EXPERT_FAMILIES, ModelConfig
 from megacore.errors import UserError
 from megacore.models import FAMILIES, config_from_hf, config_to_hf
@@ -190,10 +190,6 @@ def test_gemma3_configs_the_decoder_cannot_express_are_refused(what: str) -> Non
 
 # --- what a family's config.json can express: its allow-list ---------------------------------------
 
-# One config per family (hf_cases), the base the allow-list tests vary.
-BASES = {"llama": "llama", "mistral": "mistral-window", "falcon": "falcon-7b", "qwen2": "qwen2",
-         "qwen3": "qwen3", "gemma3": "gemma3", "mixtral": "mixtral", "deepseek_v3": "deepseek-v3",
-         "gpt_oss": "gpt-oss"}  # fmt: skip
 FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
 # The switches: every ModelConfig field but those every family writes (or none carries).
 SWITCHES = [name for name in FIELDS if name not in SHARED_FIELDS]
@@ -272,7 +268,8 @@ ON_LIST = [(f, s) for f in FAMILIES for s in FAMILIES[f].SWITCHES]
 
 
 def _base(family: str) -> ModelConfig:
-    return _case(BASES[family])
+    """The family's first config in hf_cases, the base the allow-list tests vary."""
+    return _case(case_of(family))
 
 
 def _vary(family: str, switch: str) -> ModelConfig:
