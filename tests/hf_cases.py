@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -23,6 +24,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from megacore.models import Decoder, check_maps, config_from_hf, hf_state_dict_to_ours
 from megacore.models.families import FAMILIES, family_for_model_type, hf_attention
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
@@ -340,3 +342,12 @@ def case_of(family: str) -> str:
         if family_for_model_type(config_class.model_type, name) is FAMILIES[family]:
             return name
     raise AssertionError(f"family {family}: no case of its model types in tests/hf_cases.py CASES; add one")
+
+
+def ours_from_dir(path: Path, pad_multiple: int | None = None) -> Decoder:
+    """Our Decoder of a Hugging Face model directory (its config.json and model.safetensors), in eval mode."""
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()), pad_multiple=pad_multiple)
+    check_maps(cfg)
+    model = Decoder(cfg)
+    model.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
+    return model.eval()

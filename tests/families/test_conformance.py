@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process
-from hf_cases import CASES, build, case_of, load_hf
+from hf_cases import CASES, build, case_of, load_hf, ours_from_dir
 from hf_cases import tokens as token_ids
 from megacore.artifacts import open_artifact
 from megacore.models import config_from_hf, export_tensors
 from megacore.models.families import FAMILIES
-from models.test_model_parity import TOL, ours_from_dir
+from models.test_model_parity import TOL
 from runlib import assert_losses_close, losses, metrics, ok, torchrun, train, write_run
 from train.test_planner import launch
 

@@ -8,23 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from helpers import assert_bitwise_equal
-from hf_cases import CASES, build, load_hf, tokens
+from hf_cases import CASES, build, load_hf, ours_from_dir, tokens
 from megacore.config import ModelConfig
-from megacore.models import Decoder, check_maps, config_from_hf, export_tensors, hf_state_dict_to_ours
+from megacore.models import Decoder, config_from_hf, export_tensors
 from megacore.models.hf import VOCAB_TENSORS
 
 TOL = 1e-4
-
-
-def ours_from_dir(path: Path, pad_multiple: int | None = None) -> Decoder:
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), pad_multiple=pad_multiple)
-    check_maps(cfg)
-    model = Decoder(cfg)
-    model.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
-    return model.eval()
 
 
 @pytest.mark.parametrize("case", list(CASES))

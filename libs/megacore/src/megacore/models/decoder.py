@@ -39,7 +39,8 @@ from megacore.config import (
     mlp_width,
     sparse_layer,
 )
-from megacore.models.attention import Impl, causal_attention, document_ids
+from megacore.models.attention import Impl, causal_attention, document_ids, suffix_attention
+from megacore.models.kv_cache import KVCache
 from megacore.models.lora import delta, has_adapter
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.moe import GLU, MoE
@@ -182,7 +183,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         hd, hidden = config.head_dim, config.hidden_size
-        self.head_dim = hd
+        self.head_dim, self.layer = hd, layer
         self.window = attention_window(config, layer)
         self.local_rope = local_rope(config, layer)
         self.scale = None if config.attn_scalar is None else config.attn_scalar**-0.5
@@ -200,7 +201,12 @@ class Attention(nn.Module):
         self.sinks = Sinks(config.num_heads) if config.attn_sinks else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
@@ -210,6 +216,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks()
+        if cache is not None:  # the new tokens' queries over every key so far
+            k, v = cache.update(self.layer, k, v)
+            keys = cache.segments(0, k.shape[1])
+            out = suffix_attention(q, k, v, self.window, self.impl, segments, keys, self.scale, sinks)
+            return self.o_proj(out.reshape(b, s, -1))
         args = (q, k, v, self.window, self.impl, segments, self.scale, sinks)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
             out = checkpoint(self.kernel, *args, use_reentrant=False)
@@ -246,6 +257,7 @@ class LatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden, heads, hd = config.hidden_size, config.num_heads, config.head_dim
+        self.layer = layer
         self.rope, self.v_dim, self.latent = config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.nope = hd - self.rope
         self.window = attention_window(config, layer)
@@ -267,7 +279,12 @@ class LatentAttention(nn.Module):
         self.shared_rope = nn.Identity()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
@@ -279,6 +296,8 @@ class LatentAttention(nn.Module):
             whole = self.whole_row(torch.cat([latent, k_rope.view(b, s, self.rope)], dim=-1))
             latent, k_rope = whole.split([self.latent, self.rope], dim=-1)
             k_rope = k_rope.unsqueeze(2)
+        if cache is not None:  # the latent and rotated k so far: k and v expanded from them below
+            latent, k_rope = cache.update(self.layer, latent, k_rope)
         kv = self.kv_b_proj(latent).view(b, latent.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
@@ -286,6 +305,10 @@ class LatentAttention(nn.Module):
         # v's heads padded with zeros to q's width: SDPA's fused kernels take only equal widths
         # (unequal ones fall to its math path, 2-3x slower on a CPU), and the zeros add nothing.
         wide = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
+        if cache is not None:
+            keys = cache.segments(0, k.shape[1])
+            out = suffix_attention(q, k, wide, self.window, self.impl, segments, keys, self.scale)
+            return self.o_proj(out[..., : self.v_dim].reshape(b, s, -1))
         args = (q, k, wide, self.window, self.impl, segments, self.scale)
         if self.recompute and torch.is_grad_enabled():
             out = checkpoint(self.kernel, *args, use_reentrant=False)
@@ -348,18 +371,28 @@ class Block(nn.Module):
         self.mlp_post_norm = make_norm(config, fast) if config.sandwich_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, segments, use_reentrant=False)
-        return self._forward(x, cos, sin, segments)
+            return checkpoint(self._forward, x, cos, sin, segments, cache, use_reentrant=False)
+        return self._forward(x, cos, sin, segments, cache)
 
     def _forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: torch.Tensor | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         h = self.attn_norm(x)
         # segments by keyword: tensor-parallel input styles describe the positional inputs only
-        a = self.attn(h, cos, sin, segments=segments)
+        a = self.attn(h, cos, sin, segments=segments, cache=cache)
         if self.parallel:
             m = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
             return x + (m + a)
@@ -416,6 +449,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor | None = None,
         reduction: Literal["mean", "sum", "rows"] = "mean",
         segments: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, padded_vocab] (or hidden states in/out on inner stages).
 
@@ -425,7 +459,10 @@ class Decoder(nn.Module):
         logits, whose loss the caller computes). `positions` [B, S] packs several documents in a row: each counts
         its positions from 0, and attends only within itself (HF's packing convention). A part of
         each row (context parallel) comes with its tokens' `positions` and document ids
-        (`segments`, None: one document), which a part cannot work out by itself."""
+        (`segments`, None: one document), which a part cannot work out by itself. With a `cache`
+        (`models.kv_cache`), x holds the rows' next tokens, after what the cache holds of them."""
+        if cache is not None:
+            return self._cached(x, cache)
         if self.embed is not None:
             x = self.embed(x)
             if self.config.scale_embeddings:
@@ -450,6 +487,28 @@ class Decoder(nn.Module):
         if targets is None:  # through the module: tensor-parallel styles hook lm_head
             return self.lm_head(x) if self.lm_head is not None else F.linear(x, weight)
         return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size, reduction)
+
+    def _cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The logits of x's tokens [B, s], each row's after what `cache` holds of it, which then
+        holds them too: a whole model (one process, or a tensor-parallel one) generating."""
+        if self.embed is None or self.norm is None:
+            raise RuntimeError("a cached forward runs the whole model, not a pipeline stage")
+        b, s = x.shape
+        positions = cache.positions(s, b, x.device)
+        segments = cache.segments(cache.length, cache.length + s)
+        h = self.embed(x)
+        if self.config.scale_embeddings:
+            h = h * embed_scale(self.config, h.dtype)
+        length = cache.length + s  # what dynamic RoPE scaling measures growth by
+        tables = {
+            local: rope_tables(self.config, length, h.device, h.dtype, positions, local=local)
+            for local in {block.attn.local_rope for block in self.layers.values()}
+        }
+        for block in self.layers.values():
+            h = block(h, *tables[block.attn.local_rope], segments, cache)
+        cache.advance(s)
+        h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
 
     def compile_blocks(self) -> None:
         """torch.compile each block in place, as torchtitan does: blocks share code and shapes, so one

@@ -1,0 +1,90 @@
+"""Completions from a `Decoder` with a KV cache (`models.kv_cache`): the prompts' prefill in one
+forward, then one token a step, each step's forward over the new tokens only.
+
+`Sampling` says how a next token is chosen: greedy (temperature 0), or drawn from the softmax of
+the logits / temperature, kept to the `top_k` most likely and the smallest set whose probability
+reaches `top_p` (transformers' order and rules: temperature, then top-k, then top-p, the most
+likely token always kept). Draws come from one `torch.Generator` seeded by `seed`, on the host, so a
+run's completions are the same every time and on every rank. A row stops after a `stop_ids` token
+or `max_new` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megacore.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be at least 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filtered_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """[B, V] fp32 logits / temperature, those top-k and top-p leave out set to -inf."""
+    out = logits.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < out.shape[-1]:
+        kth = out.topk(sampling.top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ordered, order = out.sort(dim=-1)  # ascending: the tail first
+        tail = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
+        tail[..., -1] = False  # the most likely token always stays
+        out = out.masked_fill(tail.scatter(-1, order, tail), float("-inf"))
+    return out
+
+
+def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """[B] the next token of each row from its logits [B, V]."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = filtered_logits(logits, sampling).softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    sampling: Sampling = Sampling(),
+    stop_ids: Collection[int] = (),
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """Each prompt's completion (module docstring): up to `max_new` ids, its stop id included.
+    `model`: a whole `Decoder` (its `cache` keyword); its logits past the vocab are never chosen."""
+    device = next(model.parameters()).device
+    vocab, longest = model.config.vocab_size, max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
+    starts = torch.tensor([longest - len(p) for p in prompts], device=device)
+    cache = KVCache(longest + max_new, starts if int(starts.max()) > 0 else None)
+    generator = torch.Generator().manual_seed(sampling.seed)
+    logits = model(ids.to(device), cache=cache)[:, -1, :vocab]
+    out: list[list[int]] = [[] for _ in prompts]
+    running = torch.ones(len(prompts), dtype=torch.bool)
+    for _ in range(max_new):
+        chosen = next_tokens(logits, sampling, generator).cpu()
+        for i in running.nonzero().flatten().tolist():
+            out[i].append(int(chosen[i]))
+            running[i] = int(chosen[i]) not in stop_ids
+        if not running.any() or (len(out[0]) == max_new and all(len(o) == max_new for o in out)):
+            break
+        logits = model(chosen[:, None].to(device), cache=cache)[:, -1, :vocab]
+    return out

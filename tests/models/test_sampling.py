@@ -1,0 +1,94 @@
+"""The sampler (`megacore.models.sampling`, its KV cache `models.kv_cache`; #51's first part of
+item 1: one process, pipeline and tensor parallel not yet): greedy completions of a batch of
+prompts of different lengths (left-padded) equal transformers' `generate` with its own cache and
+attention mask, token for token, for every family; the sampling filters equal transformers' logits
+warpers; draws are the seed's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from hf_cases import build, case_of, load_hf, ours_from_dir
+from megacore.models.families import FAMILIES
+from megacore.models.kv_cache import KVCache
+from megacore.models.sampling import Sampling, filtered_logits, sample
+
+NEW = 12  # past mistral-window's and gpt-oss's windows (8) with the longest prompt
+
+
+def _prompts(vocab: int, lengths: tuple[int, ...] = (5, 9, 2)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy generate on the prompts left-padded, as its docs batch them."""
+    longest = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :], mask[i, longest - len(p) :] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return out[:, longest:].tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_completions_equal_transformers_generate(tmp_path: Path, family: str) -> None:
+    torch.manual_seed(0)
+    path = build(case_of(family), tmp_path / "hf")
+    hf, ours = load_hf(path), ours_from_dir(path)
+    prompts = _prompts(hf.config.vocab_size)
+    assert sample(ours, prompts, NEW) == _hf_greedy(hf, prompts, NEW)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [Sampling(0.7), Sampling(1.3, top_k=5), Sampling(1.0, top_p=0.6), Sampling(0.8, top_k=20, top_p=0.9)],
+    ids=str,
+)
+def test_the_filters_are_transformers_warpers(setting: Sampling) -> None:
+    """Temperature, then top-k, then top-p, as transformers' generate applies its warpers."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 3
+    warped = TemperatureLogitsWarper(setting.temperature)(None, logits.clone())
+    if setting.top_k is not None:
+        warped = TopKLogitsWarper(setting.top_k)(None, warped)
+    if setting.top_p is not None:
+        warped = TopPLogitsWarper(setting.top_p)(None, warped)
+    torch.testing.assert_close(filtered_logits(logits, setting), warped, rtol=0, atol=0)
+
+
+def test_draws_are_the_seeds_and_stop_ids_end_a_row(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ours = ours_from_dir(build("llama", tmp_path / "hf"))
+    prompts = _prompts(ours.config.vocab_size)
+    drawn = sample(ours, prompts, NEW, Sampling(1.0, top_p=0.95, seed=7))
+    assert drawn == sample(ours, prompts, NEW, Sampling(1.0, top_p=0.95, seed=7))
+    assert drawn != sample(ours, prompts, NEW, Sampling(1.0, top_p=0.95, seed=8))
+    greedy = sample(ours, prompts, NEW)
+    assert sample(ours, prompts, NEW, Sampling(1.0, top_k=1, seed=3)) == greedy  # one token left
+    stop = greedy[0][3]
+    stopped = sample(ours, prompts, NEW, stop_ids={stop})
+    for row, full in zip(stopped, greedy, strict=True):  # each row up to its first stop id
+        assert row == (full[: full.index(stop) + 1] if stop in full else full)
+
+
+def test_bad_settings_and_a_full_cache_are_refused() -> None:
+    for kwargs, message in [
+        ({"temperature": -1.0}, "temperature must be at least 0"),
+        ({"top_k": 0}, "top_k must be at least 1"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Sampling(**kwargs)
+    cache = KVCache(4)
+    cache.update(0, torch.zeros(1, 3, 2))
+    cache.advance(3)
+    with pytest.raises(ValueError, match="the cache holds 4 positions; 5 asked"):
+        cache.update(0, torch.zeros(1, 2, 2))
