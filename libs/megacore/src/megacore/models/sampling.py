@@ -11,7 +11,7 @@ or `max_new` tokens.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +65,12 @@ def sample(
     sampling: Sampling = Sampling(),
     stop_ids: Collection[int] = (),
     pad_id: int = 0,
+    whole: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits,
 ) -> list[list[int]]:
     """Each prompt's completion (module docstring): up to `max_new` ids, its stop id included.
-    `model`: a whole `Decoder` (its `cache` keyword); its logits past the vocab are never chosen."""
+    `model`: a whole `Decoder` (its `cache` keyword); `whole`: its logits over the whole vocab from
+    what it returns (a tensor-parallel model's vocab shards gathered); the logits past the vocab
+    are never chosen."""
     device = next(model.parameters()).device
     vocab, longest = model.config.vocab_size, max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -76,7 +79,7 @@ def sample(
     starts = torch.tensor([longest - len(p) for p in prompts], device=device)
     cache = KVCache(longest + max_new, starts if int(starts.max()) > 0 else None)
     generator = torch.Generator().manual_seed(sampling.seed)
-    logits = model(ids.to(device), cache=cache)[:, -1, :vocab]
+    logits = whole(model(ids.to(device), cache=cache)[:, -1:])[:, -1, :vocab]
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool)
     for _ in range(max_new):
@@ -86,5 +89,5 @@ def sample(
             running[i] = int(chosen[i]) not in stop_ids
         if not running.any() or (len(out[0]) == max_new and all(len(o) == max_new for o in out)):
             break
-        logits = model(chosen[:, None].to(device), cache=cache)[:, -1, :vocab]
+        logits = whole(model(chosen[:, None].to(device), cache=cache))[:, -1, :vocab]
     return out
