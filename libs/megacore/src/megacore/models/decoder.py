@@ -210,7 +210,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
-        qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused)
+        # generating (a cache): a few tokens, for which concatenating the weights costs more than it saves
+        qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused and cache is None)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
         if self.q_norm is not None:  # before RoPE, as Qwen 3 and Gemma 3 normalise
             q, k = self.q_norm(q), self.k_norm(k)
@@ -332,9 +333,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=bias)
         self.glu = GLU.of(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """`fused` False: gate and up apart whatever the build chose (a few tokens, generating)."""
         if self.gate_proj is not None:
-            gate, up = project(x, self.gate_proj, self.up_proj, fused=self.fused)
+            gate, up = project(x, self.gate_proj, self.up_proj, fused=self.fused and fused)
             return self.down_proj(self.glu(gate, up))
         return self.down_proj(F.gelu(self.up_proj(x)))
 
@@ -394,15 +396,20 @@ class Block(nn.Module):
         # segments by keyword: tensor-parallel input styles describe the positional inputs only
         a = self.attn(h, cos, sin, segments=segments, cache=cache)
         if self.parallel:
-            m = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
+            m = self._mlp(h if self.mlp_norm is None else self.mlp_norm(x), cache)
             return x + (m + a)
         if self.attn_post_norm is not None:
             a = self.attn_post_norm(a)
         x = x + a
-        m = self.mlp(self.mlp_norm(x))
+        m = self._mlp(self.mlp_norm(x), cache)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
         return x + m
+
+    def _mlp(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        if cache is not None and isinstance(self.mlp, MLP):  # generating: its projections apart
+            return self.mlp(x, fused=False)
+        return self.mlp(x)
 
 
 class Decoder(nn.Module):
@@ -460,7 +467,8 @@ class Decoder(nn.Module):
         its positions from 0, and attends only within itself (HF's packing convention). A part of
         each row (context parallel) comes with its tokens' `positions` and document ids
         (`segments`, None: one document), which a part cannot work out by itself. With a `cache`
-        (`models.kv_cache`), x holds the rows' next tokens, after what the cache holds of them."""
+        (`models.kv_cache`), x holds the rows' next tokens, after what the cache holds of them, and
+        the logits are the last position's only [B, 1, vocab]."""
         if cache is not None:
             return self._cached(x, cache)
         if self.embed is not None:
@@ -489,8 +497,9 @@ class Decoder(nn.Module):
         return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size, reduction)
 
     def _cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The logits of x's tokens [B, s], each row's after what `cache` holds of it, which then
-        holds them too: a whole model (one process, or a tensor-parallel one) generating."""
+        """The logits [B, 1, vocab] of the token after x's [B, s], each row's after what `cache`
+        holds of it, which then holds them too: a whole model (one process, or a tensor-parallel
+        one) generating."""
         if self.embed is None or self.norm is None:
             raise RuntimeError("a cached forward runs the whole model, not a pipeline stage")
         b, s = x.shape
@@ -507,7 +516,7 @@ class Decoder(nn.Module):
         for block in self.layers.values():
             h = block(h, *tables[block.attn.local_rope], segments, cache)
         cache.advance(s)
-        h = self.norm(h)
+        h = self.norm(h[:, -1:])  # the next token's logits only: the prompt's others are never read
         return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
 
     def compile_blocks(self) -> None:

@@ -79,7 +79,7 @@ def sample(
     starts = torch.tensor([longest - len(p) for p in prompts], device=device)
     cache = KVCache(longest + max_new, starts if int(starts.max()) > 0 else None)
     generator = torch.Generator().manual_seed(sampling.seed)
-    logits = whole(model(ids.to(device), cache=cache)[:, -1:])[:, -1, :vocab]
+    logits = whole(model(ids.to(device), cache=cache))[:, -1, :vocab]
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool)
     for _ in range(max_new):
