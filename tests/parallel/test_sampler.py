@@ -39,7 +39,9 @@ def one_process(config: dict) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", list(CASES))
+@pytest.mark.parametrize(  # tp 2 in make test; dp 2 and ep 2 (14 s each) in make test-slow
+    "layout", [pytest.param(name, marks=() if name == "tp2" else pytest.mark.slow) for name in CASES]
+)
 def test_the_sampler_in_a_layout_equals_one_process(tmp_path: Path, layout: str) -> None:
     case = {**CASES[layout], "prompts": PROMPTS, "new": 10}
     torchrun_script(2, WORKER, json.dumps(case), tmp_path)
