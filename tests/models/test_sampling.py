@@ -77,6 +77,10 @@ def test_draws_are_the_seeds_and_stop_ids_end_a_row(tmp_path: Path) -> None:
     stopped = sample(ours, prompts, NEW, stop_ids={stop})
     for row, full in zip(stopped, greedy, strict=True):  # each row up to its first stop id
         assert row == (full[: full.index(stop) + 1] if stop in full else full)
+    # `done` (lm-eval's stop sequences) ends a row where it says: row 1 after 2 ids, the others run on
+    assert sample(ours, prompts, NEW, done=lambda row, got: row == 1 and len(got) == 2) == [
+        greedy[0], greedy[1][:2], greedy[2],
+    ]  # fmt: skip
 
 
 def test_bad_settings_and_a_full_cache_are_refused() -> None:

@@ -2,7 +2,7 @@
 weights (seed 0, the same in every layout), the same prompts of different lengths, greedy and drawn
 (top-p 0.9, seed 5) completions, on every rank, under torchrun on 2 processes: tp 2 (each rank
 caching its own heads, the logits' vocab shards gathered), dp 2 (FSDP2) and a mixture of experts at
-ep 2; a pipeline, cp and sequence parallel are refused in one line."""
+ep 2; a pipeline, cp, sequence parallel, compiled blocks and fp8 are refused in one line."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from megacore.errors import UserError
 from megacore.models import Decoder
 from megacore.models.sampling import sample
 from megacore.parallel.layout import Parallelism
-from megacore.parallel.sampler import check_sampler_layout
+from megacore.parallel.sampler import check_sampler_layout, runs_sampler
 from parallel.sample_worker import DRAWN
 
 WORKER = Path(__file__).with_name("sample_worker.py")
@@ -52,16 +52,21 @@ def test_the_sampler_in_a_layout_equals_one_process(tmp_path: Path, layout: str)
 
 
 @pytest.mark.parametrize(
-    ("spec", "name"),
+    ("par", "name"),
     [
-        (ParallelSpec(pp=2), "pp"),
-        (ParallelSpec(cp=2), "cp"),
-        (ParallelSpec(tp=2, sequence_parallel=True), "sequence_parallel"),
+        (Parallelism(ParallelSpec(pp=2)), "pp"),
+        (Parallelism(ParallelSpec(cp=2)), "cp"),
+        (Parallelism(ParallelSpec(tp=2, sequence_parallel=True)), "sequence_parallel"),
+        (Parallelism(ParallelSpec(), compile=True), "compile"),
+        (Parallelism(ParallelSpec(), "fp8"), "precision fp8"),
     ],
+    ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_layouts_the_sampler_does_not_run_yet_are_one_line(spec: ParallelSpec, name: str) -> None:
+def test_layouts_the_sampler_does_not_run_yet_are_one_line(par: Parallelism, name: str) -> None:
+    """There the Generator's forwards serve samples and lm-eval (`runs_sampler` false)."""
+    assert not runs_sampler(par) and runs_sampler(Parallelism(ParallelSpec(tp=2)))
     with pytest.raises(UserError) as e:
-        check_sampler_layout(Parallelism(spec), "$.samples")
+        check_sampler_layout(par, "$.samples")
     assert (
         str(e.value) == f"$.samples: the sampler runs a whole model on each rank: {name} is not supported yet"
     )

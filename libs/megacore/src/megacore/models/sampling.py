@@ -66,11 +66,14 @@ def sample(
     stop_ids: Collection[int] = (),
     pad_id: int = 0,
     whole: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits,
+    done: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
-    """Each prompt's completion (module docstring): up to `max_new` ids, its stop id included.
-    `model`: a whole `Decoder` (its `cache` keyword); `whole`: its logits over the whole vocab from
-    what it returns (a tensor-parallel model's vocab shards gathered); the logits past the vocab
-    are never chosen."""
+    """Each prompt's completion (module docstring): up to `max_new` ids, its stop id included, or
+    up to where `done(row, ids so far)` says. `model`: a whole `Decoder` (its `cache` keyword);
+    `whole`: its logits over the whole vocab from what it returns (a tensor-parallel model's vocab
+    shards gathered); the logits past the vocab are never chosen."""
+    if not prompts or max_new < 1:
+        return [[] for _ in prompts]
     device = next(model.parameters()).device
     vocab, longest = model.config.vocab_size, max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -86,7 +89,7 @@ def sample(
         chosen = next_tokens(logits, sampling, generator).cpu()
         for i in running.nonzero().flatten().tolist():
             out[i].append(int(chosen[i]))
-            running[i] = int(chosen[i]) not in stop_ids
+            running[i] = int(chosen[i]) not in stop_ids and not (done is not None and done(i, out[i]))
         if not running.any() or (len(out[0]) == max_new and all(len(o) == max_new for o in out)):
             break
         logits = whole(model(chosen[:, None].to(device), cache=cache))[:, -1, :vocab]

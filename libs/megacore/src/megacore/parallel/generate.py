@@ -4,10 +4,11 @@ lm-evaluation-harness).
 Every rank runs the same rows: the layout splits the model's work, not the rows, so every rank
 takes part in the same collectives. The ranks that hold the whole vocab's logits
 (`ParallelModel.reports_logits`) work out the next tokens or the log-probabilities, and one
-broadcast from the first of them hands every rank the result, so that all go on alike. No KV cache:
-each new token is a forward over the rows so far (`ParallelModel.logits`), rows of different
-lengths padded on the right, which changes no logit a row reads. Generation is for samples and
-evaluation, not serving: a step costs a whole forward.
+broadcast from the first of them hands every rank the result, so that all go on alike. Greedy
+completions run on the sampler with its KV cache (`parallel.sampler`) in the layouts it runs in;
+in the others (a pipeline, cp, sequence parallel, compiled blocks, fp8) each new token is a forward
+over the rows so far (`ParallelModel.logits`), rows of different lengths padded on the right,
+which changes no logit a row reads: a step costs a whole forward there.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacore.parallel.engine import ParallelModel
+from megacore.parallel.sampler import runs_sampler, sample_parallel
 
 
 class Generator:
@@ -56,7 +58,9 @@ class Generator:
         done: Callable[[int, list[int]], bool] | None = None,
     ) -> list[list[int]]:
         """Each prompt's greedy continuation: up to `max_new` ids, ending after a stop id or when
-        `done(row, ids so far)` says so."""
+        `done(row, ids so far)` says so. The sampler with its KV cache where the layout runs it."""
+        if runs_sampler(self.pm.par):
+            return sample_parallel(self.pm, prompts, max_new, stop_ids=stop_ids, done=done)
         rows = [list(p) for p in prompts]
         out: list[list[int]] = [[] for _ in rows]
         live = list(range(len(rows)))

@@ -2,13 +2,13 @@
 through its part of the whole model with its own KV cache (a tensor-parallel rank caches its own
 heads), the vocab shards of the logits gathered, and every rank draws the same tokens from the same
 seed, so the completions are the same in every layout the sampler runs in: tp, dp (FSDP2 gathers
-the weights as for any forward), ep. A pipeline, context parallel and sequence parallel do not run
-it yet (`check_sampler_layout`: one line); samples while training and lm-eval keep the
-`Generator` (`parallel.generate`) until they do."""
+the weights as for any forward), ep. A pipeline, context parallel, sequence parallel, compiled
+blocks and fp8 do not run it yet (`check_sampler_layout`: one line); there the `Generator`
+(`parallel.generate`) serves samples and lm-eval with its forwards without a cache."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -20,14 +20,27 @@ from megacore.parallel.dims import Parallelism
 from megacore.parallel.engine import ParallelModel
 
 
+def _unsupported(par: Parallelism) -> str | None:
+    """What of the layout `par` the sampler does not run under yet (None: it runs): a pipeline, cp
+    and sequence parallel split what a rank's cache would hold; compiled blocks would compile again
+    for every cache length, and float8 matmuls take no few-row inputs."""
+    spec = par.spec
+    checks = (
+        ("pp", spec.pp > 1), ("cp", spec.cp > 1), ("sequence_parallel", spec.sequence_parallel),
+        ("compile", par.compile), ("precision fp8", par.precision == "fp8"),
+    )  # fmt: skip
+    return next((name for name, on in checks if on), None)
+
+
+def runs_sampler(par: Parallelism) -> bool:
+    """Whether the sampler runs under the layout `par` (else the `Generator`'s forwards serve)."""
+    return _unsupported(par) is None
+
+
 def check_sampler_layout(par: Parallelism, where: str) -> None:
     """UserError naming what of the layout `par` the sampler cannot run under yet."""
-    spec = par.spec
-    for name, on in (("pp", spec.pp > 1), ("cp", spec.cp > 1), ("sequence_parallel", spec.sequence_parallel)):
-        if on:
-            raise UserError(
-                f"the sampler runs a whole model on each rank: {name} is not supported yet", where
-            )
+    if (name := _unsupported(par)) is not None:
+        raise UserError(f"the sampler runs a whole model on each rank: {name} is not supported yet", where)
 
 
 def sample_parallel(
@@ -37,8 +50,10 @@ def sample_parallel(
     sampling: Sampling = Sampling(),
     stop_ids: Collection[int] = (),
     where: str = "sampler",
+    done: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
-    """Each prompt's completion, the same on every rank (a collective: every rank calls it alike)."""
+    """Each prompt's completion, the same on every rank (a collective: every rank calls it alike);
+    `done(row, ids so far)` ends a row early (lm-eval's stop sequences)."""
     check_sampler_layout(pm.par, where)
     pm.refresh()
 
@@ -48,4 +63,4 @@ def sample_parallel(
         return DTensor.from_local(logits, pm.tp_mesh, [Shard(2)], run_check=False).full_tensor()
 
     with adapter_dropout_off(pm.parts):
-        return sample(pm.parts[0], prompts, max_new, sampling, stop_ids, whole=whole)
+        return sample(pm.parts[0], prompts, max_new, sampling, stop_ids, whole=whole, done=done)
