@@ -219,8 +219,7 @@ class Attention(nn.Module):
         sinks = None if self.sinks is None else self.sinks()
         if cache is not None:  # the new tokens' queries over every key so far
             k, v = cache.update(self.layer, k, v)
-            keys = cache.segments(0, k.shape[1])
-            out = suffix_attention(q, k, v, self.window, self.impl, segments, keys, self.scale, sinks)
+            out = suffix_attention(q, k, v, self.window, self.impl, segments, cache.keys, self.scale, sinks)
             return self.o_proj(out.reshape(b, s, -1))
         args = (q, k, v, self.window, self.impl, segments, self.scale, sinks)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
@@ -307,8 +306,7 @@ class LatentAttention(nn.Module):
         # (unequal ones fall to its math path, 2-3x slower on a CPU), and the zeros add nothing.
         wide = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
         if cache is not None:
-            keys = cache.segments(0, k.shape[1])
-            out = suffix_attention(q, k, wide, self.window, self.impl, segments, keys, self.scale)
+            out = suffix_attention(q, k, wide, self.window, self.impl, segments, cache.keys, self.scale)
             return self.o_proj(out[..., : self.v_dim].reshape(b, s, -1))
         args = (q, k, wide, self.window, self.impl, segments, self.scale)
         if self.recompute and torch.is_grad_enabled():
@@ -471,17 +469,8 @@ class Decoder(nn.Module):
         the logits are the last position's only [B, 1, vocab]."""
         if cache is not None:
             return self._cached(x, cache)
-        if self.embed is not None:
-            x = self.embed(x)
-            if self.config.scale_embeddings:
-                x = x * embed_scale(self.config, x.dtype)
-        # The RoPE tables once per forward; Gemma 3's local layers have tables of their own.
-        tables = {
-            local: rope_tables(
-                self.config, x.shape[1] * self.sequence_shards, x.device, x.dtype, positions, local=local
-            )
-            for local in {block.attn.local_rope for block in self.layers.values()}
-        }
+        x = self._embed(x)
+        tables = self._tables(x.shape[1] * self.sequence_shards, x, positions)
         if segments is None and positions is not None and self.sequence_shards == 1:
             segments = document_ids(positions)
         for block in self.layers.values():
@@ -491,10 +480,31 @@ class Decoder(nn.Module):
                 raise RuntimeError("targets given to a stage without the output head")
             return x
         x = self.norm(x)
+        if targets is None:
+            return self._logits(x)
         weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
-        if targets is None:  # through the module: tensor-parallel styles hook lm_head
-            return self.lm_head(x) if self.lm_head is not None else F.linear(x, weight)
         return fused_linear_cross_entropy(x, weight, targets, self.config.vocab_size, reduction)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids to hidden states on the first stage (Gemma's scaled); a later stage's input as it is."""
+        if self.embed is None:
+            return x
+        x = self.embed(x)
+        return x * embed_scale(self.config, x.dtype) if self.config.scale_embeddings else x
+
+    def _tables(
+        self, seq_len: int, x: torch.Tensor, positions: torch.Tensor | None
+    ) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The RoPE tables once per forward, by whether local (Gemma 3's local layers have their own)."""
+        return {
+            local: rope_tables(self.config, seq_len, x.device, x.dtype, positions, local=local)
+            for local in {block.attn.local_rope for block in self.layers.values()}
+        }
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of normed hidden states: through the module where there is one
+        (tensor-parallel styles hook lm_head), else the tied embedding's weight."""
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
 
     def _cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The logits [B, 1, vocab] of the token after x's [B, s], each row's after what `cache`
@@ -503,21 +513,14 @@ class Decoder(nn.Module):
         if self.embed is None or self.norm is None:
             raise RuntimeError("a cached forward runs the whole model, not a pipeline stage")
         b, s = x.shape
-        positions = cache.positions(s, b, x.device)
-        segments = cache.segments(cache.length, cache.length + s)
-        h = self.embed(x)
-        if self.config.scale_embeddings:
-            h = h * embed_scale(self.config, h.dtype)
-        length = cache.length + s  # what dynamic RoPE scaling measures growth by
-        tables = {
-            local: rope_tables(self.config, length, h.device, h.dtype, positions, local=local)
-            for local in {block.attn.local_rope for block in self.layers.values()}
-        }
+        segments = cache.start(s)
+        h = self._embed(x)
+        # the whole length so far: what dynamic RoPE scaling measures growth by
+        tables = self._tables(cache.length + s, h, cache.positions(s, b, x.device))
         for block in self.layers.values():
             h = block(h, *tables[block.attn.local_rope], segments, cache)
         cache.advance(s)
-        h = self.norm(h[:, -1:])  # the next token's logits only: the prompt's others are never read
-        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed.weight)
+        return self._logits(self.norm(h[:, -1:]))  # the next token's only: the prompt's are never read
 
     def compile_blocks(self) -> None:
         """torch.compile each block in place, as torchtitan does: blocks share code and shapes, so one

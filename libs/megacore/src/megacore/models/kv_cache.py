@@ -21,6 +21,15 @@ class KVCache:
     def __init__(self, capacity: int, starts: torch.Tensor | None = None) -> None:
         self.capacity, self.starts, self.length = capacity, starts, 0
         self.buffers: dict[int, list[torch.Tensor]] = {}
+        # Every key's document id (padding 0, the row 1) during a forward over new tokens, once for
+        # all layers (`start`); None: no row is padded.
+        self.keys: torch.Tensor | None = None
+
+    def start(self, s: int) -> torch.Tensor | None:
+        """A forward over s new tokens begins: the keys' document ids set for every layer, and the
+        new tokens' returned (their queries', None: no row is padded)."""
+        self.keys = self.segments(0, self.length + s)
+        return self.segments(self.length, self.length + s)
 
     def update(self, layer: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`new` ([B, s, ...] each) appended after what layer `layer` holds; everything so far."""

@@ -85,12 +85,12 @@ def sample(
     logits = whole(model(ids.to(device), cache=cache))[:, -1, :vocab]
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool)
-    for _ in range(max_new):
+    for step in range(max_new):
         chosen = next_tokens(logits, sampling, generator).cpu()
         for i in running.nonzero().flatten().tolist():
             out[i].append(int(chosen[i]))
             running[i] = int(chosen[i]) not in stop_ids and not (done is not None and done(i, out[i]))
-        if not running.any() or (len(out[0]) == max_new and all(len(o) == max_new for o in out)):
+        if step == max_new - 1 or not running.any():  # no forward whose logits nobody reads
             break
         logits = whole(model(chosen[:, None].to(device), cache=cache))[:, -1, :vocab]
     return out
