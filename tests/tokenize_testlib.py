@@ -7,6 +7,12 @@ import json
 import textwrap
 from pathlib import Path
 
+# ChatML as a tokenizer's own template (Qwen's, without its default system prompt).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 def training_text() -> list[str]:
     """Real English and code: the docstrings and sources of a few stdlib modules."""

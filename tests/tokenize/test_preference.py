@@ -5,7 +5,6 @@ naming file:line (exit 2), or skipped and counted."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,15 +16,10 @@ from helpers import assert_one_line_error, run_in_process
 from mega_tokenize.chat import ROLE_CODES
 from mega_tokenize.pipeline import Options, tokenize
 from megacore.artifacts.reader import open_artifact
-from tokenize_testlib import documents, write_jsonl
+from tokenize_testlib import CHATML_TEMPLATE, documents, write_jsonl
 
 COMPLETION = 5
 CHATML = ["<|im_start|>", "<|im_end|>"]
-# ChatML as a tokenizer's own template (Qwen's, without its default system prompt).
-CHATML_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-)
 
 STANDARD = [
     {"prompt": "What is a tokenizer?", "chosen": "It maps text to ids.", "rejected": "A kind of token."},
@@ -53,17 +47,6 @@ CONVERSATIONS = [
 ]
 EXPLICIT = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in CONVERSATIONS]
 IMPLICIT = [{"chosen": p + c, "rejected": p + r} for p, c, r in CONVERSATIONS]
-
-
-@pytest.fixture(scope="module")
-def chatml_dir(tmp_path_factory, hf_dir: Path) -> Path:
-    """The test BPE with ChatML as its own template and `<|im_end|>` as EOS (as Qwen's)."""
-    d = tmp_path_factory.mktemp("chatml") / "tok"
-    d.mkdir()
-    (d / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
-    config = {"eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE}
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    return d
 
 
 def _tokenize(tmp_path: Path, name: str, inputs: list[Path], tokenizer: Path, **kw) -> Path:

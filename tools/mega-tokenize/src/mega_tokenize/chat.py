@@ -92,10 +92,13 @@ def message_list(msgs: object, key: str) -> list[tuple[str, str]]:
     return out
 
 
-def render_chatml(msgs: list[tuple[str, str]], start_id: int, end_id: int) -> list[Segment]:
+def render_chatml(
+    msgs: list[tuple[str, str]], start_id: int, end_id: int, generation_prompt: bool = False
+) -> list[Segment]:
     """`<|im_start|>role\\ncontent<|im_end|>\\n` per message. The header and newlines are template
     (role 0); the content and its `<|im_end|>` belong to the message, so an assistant-only loss
-    teaches the model to close its turn."""
+    teaches the model to close its turn. `generation_prompt` ends with the assistant's header, where
+    the model writes its turn (a prompt for online RL)."""
     segments = []
     for i, (role, content) in enumerate(msgs):
         code = ROLE_CODES[role]
@@ -106,6 +109,8 @@ def render_chatml(msgs: list[tuple[str, str]], start_id: int, end_id: int) -> li
             Segment(None, end_id, code, i),
             Segment("\n", None, 0),
         ]
+    if generation_prompt:
+        segments += [Segment(None, start_id, 0), Segment("assistant\n", None, 0)]
     return segments
 
 
@@ -198,22 +203,29 @@ class TemplateRenderer:
         ordered = sorted(specials, key=len, reverse=True)
         self.split = re.compile("(" + "|".join(map(re.escape, ordered)) + ")") if ordered else None
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
             return self.template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=False, **self.names
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=generation_prompt,
+                **self.names,
             )
         except ChatError:
             raise
         except Exception as e:
             raise ChatError(f"chat template failed: {e}") from None
 
-    def render(self, msgs: list[tuple[str, str]]) -> list[Segment]:
+    def render(self, msgs: list[tuple[str, str]], generation_prompt: bool = False) -> list[Segment]:
+        """`msgs` as segments; `generation_prompt`: as `add_generation_prompt` renders them, ending
+        where the model writes the assistant's turn (a prompt for online RL)."""
         for _, c in msgs:
             if "\ue000" in c:
                 raise ChatError("content contains U+E000, which this tool reserves")
-        fake = self._render([{"role": r, "content": _SENTINEL.format(i)} for i, (r, _) in enumerate(msgs)])
-        real = self._render([{"role": r, "content": c} for r, c in msgs])
+        sentinels = [{"role": r, "content": _SENTINEL.format(i)} for i, (r, _) in enumerate(msgs)]
+        fake = self._render(sentinels, generation_prompt)
+        real = self._render([{"role": r, "content": c} for r, c in msgs], generation_prompt)
         parts = _SENTINEL_RE.split(fake)
         texts, order = parts[0::2], [int(i) for i in parts[1::2]]
         shown = self._contents(real, texts, [(i, msgs[i][1]) for i in order])

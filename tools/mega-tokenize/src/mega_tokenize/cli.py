@@ -36,7 +36,8 @@ def _split(values: list[str]) -> list[str]:
         "--subset all --split train\n\n"
         "  mega-tokenize chats.jsonl out/sft --tokenizer tokenizer.model --format chat "
         "--add-special-tokens '<|im_start|>,<|im_end|>'\n\n"
-        "  mega-tokenize pairs.jsonl out/dpo --tokenizer qwen2.5/ --format preference --chat-template tokenizer"
+        "  mega-tokenize pairs.jsonl out/dpo --tokenizer qwen2.5/ --format preference --chat-template tokenizer\n\n"
+        "  mega-tokenize gsm8k.jsonl out/grpo --tokenizer qwen2.5/ --format prompts --chat-template tokenizer"
     )
 )
 def run(
@@ -56,17 +57,21 @@ def run(
         "--json-key",
         "-k",
         help="Key (Parquet, dataset: column) of the text in each line, or of the messages with --format chat; "
-        "repeat for one output per key. Not with --format preference (prompt, chosen, rejected).",
+        "repeat for one output per key. Not with --format preference (prompt, chosen, rejected) or prompts "
+        "(prompt, the other keys kept as columns).",
         show_default="text; chat: messages",
     ),
-    format: Literal["text", "chat", "preference"] = typer.Option(
-        "text", "--format", help="text (pretraining), chat (conversations) or preference (DPO pairs)."
+    format: Literal["text", "chat", "preference", "prompts"] = typer.Option(
+        "text",
+        "--format",
+        help="text (pretraining), chat (conversations), preference (DPO pairs) or prompts (online RL: "
+        "a prompt a row, its other keys kept as typed columns for the rewards).",
     ),
     chat_template: Literal["chatml", "tokenizer"] = typer.Option(
         "chatml", "--chat-template", help="chatml, or tokenizer (the tokenizer's own jinja template)."
     ),
     append_eos: bool = typer.Option(
-        True, "--append-eos/--no-append-eos", help="End every document with EOS."
+        True, "--append-eos/--no-append-eos", help="End every document with EOS (never a prompt)."
     ),
     prepend_bos: bool = typer.Option(
         False, "--prepend-bos/--no-prepend-bos", help="Start every document with BOS."

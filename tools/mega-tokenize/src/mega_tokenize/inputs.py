@@ -349,6 +349,20 @@ def preference_columns(schema, where: str) -> list[str]:
     )
 
 
+def prompt_columns(schema, where: str) -> list[str]:
+    """What a prompt row is read from in `schema`: every column, `prompt` among them, strings or a
+    list of {role, content} structs (the others, any type, are kept for the reward functions)."""
+    if "prompt" not in schema.names:
+        raise UserError(f'no column "prompt" (it has {_names(schema)}; prompt rows need one)', where)
+    t = schema.field("prompt").type
+    if not (_is_text(t) or _is_messages(t)):
+        raise UserError(
+            f'column "prompt" is {t}, expected strings or lists of {{role, content}} structs of strings',
+            where,
+        )
+    return list(schema.names)
+
+
 def _column_bytes(rg, columns: list[str]) -> int:
     """Uncompressed bytes of `columns` (and their nested leaves) in one row group."""
     total = 0

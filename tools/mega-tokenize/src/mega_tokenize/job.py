@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +21,7 @@ from mega_tokenize.inputs import (
     file_schema,
     is_columnar,
     preference_columns,
+    prompt_columns,
 )
 from mega_tokenize.parsing import (
     Parsed,
@@ -31,6 +33,7 @@ from mega_tokenize.parsing import (
     stream_sizes,
 )
 from mega_tokenize.preference import PairRenderer
+from mega_tokenize.prompts import PromptRenderer
 from mega_tokenize.shards import safe_name
 from mega_tokenize.tokenizer import Tokenizer, load_tokenizer, set_threads
 from megacore.artifacts import manifest as mf
@@ -39,7 +42,12 @@ from megacore.data.indexed import token_dtype
 from megacore.errors import UserError
 
 DEFAULT_KEYS = {"text": ["text"], "chat": ["messages"]}  # jsonl key / Parquet or dataset column read
-Format = Literal["text", "chat", "preference"]
+Format = Literal["text", "chat", "preference", "prompts"]
+# The formats whose rows name their own keys (no --json-key).
+FIXED_KEYS = {
+    "preference": "prompt, chosen and rejected",
+    "prompts": "prompt, and keep every other key as a column",
+}
 
 
 @dataclass
@@ -148,14 +156,15 @@ def _checked(opts: Options) -> Options:
     """The options checked on their own, the format's default keys filled in."""
     if opts.workers < 1:
         raise UserError("must be at least 1", "--workers")
-    if opts.format == "preference":
+    if opts.format in FIXED_KEYS:
         if opts.json_keys:
             raise UserError(
-                "--format preference reads the keys (Parquet: columns) prompt, chosen and rejected; "
+                f"--format {opts.format} reads the keys (Parquet: columns) {FIXED_KEYS[opts.format]}; "
                 "drop --json-key",
                 "--json-key",
             )
-        return opts
+        # A prompt ends where the model writes on: no EOS (recorded so).
+        return replace(opts, append_eos=False) if opts.format == "prompts" else opts
     opts = replace(opts, json_keys=opts.json_keys or DEFAULT_KEYS[opts.format])
     if len(set(opts.json_keys)) != len(opts.json_keys):
         raise UserError("the same key is given twice", "--json-key")
@@ -186,6 +195,8 @@ def _columns(schema, where: str, opts: Options) -> list[str]:
     """The columns read of a Parquet or Arrow file, or a dataset, its schema checked first."""
     if opts.format == "preference":
         return preference_columns(schema, where)
+    if opts.format == "prompts":
+        return prompt_columns(schema, where)
     check_columns(schema, opts.json_keys, opts.format == "chat", where)
     return opts.json_keys
 
@@ -196,18 +207,25 @@ def _parser(
     """How records become documents, and the chat template recorded (None: none can be rendered)."""
     if opts.format == "text":
         return TextParser(opts.json_keys, skips), None
+    prompts = opts.format == "prompts"
     try:
         render, template = _chat_renderer(opts, tok)
+        if prompts:  # ends where the model writes the assistant's turn: no EOS
+            render, eos_after = partial(render, generation_prompt=True), None
+        else:
+            eos_after = eos
         # A conversation's BOS and EOS come with its rendering: none where the template put them.
-        render = with_ends(render, bos, eos, tok.stop_ids)
+        render = with_ends(render, bos, eos_after, tok.stop_ids)
     except UserError as e:
         if opts.format == "chat":
             raise
-        # Standard (string) pairs need no chat template: a tokenizer without one, or without
-        # ChatML's tokens, is refused at the first conversation only.
+        # Standard (string) pairs and prompts need no chat template: a tokenizer without one, or
+        # without ChatML's tokens, is refused at the first conversation only.
         render, template = e, None
     if opts.format == "chat":
         return RecordParser(chat_documents(render, opts.json_keys[0]), skips), template
+    if prompts:
+        return RecordParser(PromptRenderer(bos, render), skips, PromptRenderer.columns), template
     return RecordParser(PairRenderer(bos, eos, render), skips), template
 
 
@@ -252,7 +270,7 @@ def _chat_renderer(opts: Options, tok: Tokenizer):
             )
         tok.special_tokens.setdefault(CHATML_START, start)
         tok.special_tokens.setdefault(CHATML_END, end)
-        return (lambda msgs: render_chatml(msgs, start, end)), "chatml"
+        return partial(render_chatml, start_id=start, end_id=end), "chatml"
     if not tok.chat_template:
         raise UserError(
             "--chat-template tokenizer: this tokenizer has no chat template (tokenizer_config.json "

@@ -60,6 +60,7 @@ class Parsed:
     texts: dict[str, list[str]]
     chats: list[list[Segment]] | None
     nbytes: int
+    columns: list[dict] | None = None  # prompts: each document's row besides the prompt
 
 
 class TextParser:
@@ -136,23 +137,32 @@ class TextParser:
 
 class RecordParser:
     """Records to rendered documents, for the formats made of segments: a jsonl line's object or a
-    Parquet row (`{column: value}`) through `documents` (`chat_documents`, or a preference pair's
-    two); a ChatError it raises is that line's (row's) problem."""
+    Parquet row (`{column: value}`) through `documents` (`chat_documents`, a preference pair's
+    two, a prompt); a ChatError it raises is that line's (row's) problem. With `columns`, what each
+    record keeps besides its one document (a prompt's answer...)."""
 
-    def __init__(self, documents: Callable[[object], list[list[Segment]]], skips: Skips) -> None:
-        self.documents, self.skips = documents, skips
+    def __init__(
+        self,
+        documents: Callable[[object], list[list[Segment]]],
+        skips: Skips,
+        columns: Callable[[dict], dict] | None = None,
+    ) -> None:
+        self.documents, self.skips, self.columns = documents, skips, columns
 
     def __call__(self, b: LineBatch | RowBatch) -> Parsed:
         chats: list[list[Segment]] = []
+        kept: list[dict] | None = [] if self.columns is not None else None
         for where, obj, err in _records(b):
             if err is None:
                 try:
                     chats += self.documents(obj)
+                    if kept is not None:  # one document a record (prompts)
+                        kept.append(self.columns(obj))
                     continue
                 except ChatError as e:
                     err = str(e)
             self.skips(where, err)
-        return Parsed({}, chats, b.nbytes)
+        return Parsed({}, chats, b.nbytes, kept)
 
 
 def _records(b: LineBatch | RowBatch) -> Iterator[tuple[str, Any, str | None]]:

@@ -92,15 +92,14 @@ def _copy_tokenizer(tok: Tokenizer, w: ArtifactWriter) -> list[str]:
     return rels
 
 
-def _encode_all(
-    job: Job, w: ArtifactWriter, log: Callable[[str], None]
-) -> tuple[list[mf.Shard], Engine, int]:
+def _encode_all(job: Job, w: ArtifactWriter, log: Callable[[str], None]) -> tuple[Shards, Engine, int]:
     """The encode loop: read and parse on a helper thread, encode on a pool, write in input order.
 
     A sample of every batch is checked against the reference on a thread of its own; every check
     has passed before this returns (and anything is committed)."""
     opts = job.opts
-    shards = Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=opts.format != "text")
+    chat, prompts = opts.format != "text", opts.format == "prompts"
+    shards = Shards(w, job.keys, job.dtype, job.bos, job.eos, chat=chat, columns=prompts)
     shown = Progress("mega-tokenize", "docs", extras=("tokens",), enabled=None if opts.progress else False)
     input_bytes = 0
     pool = checks = None
@@ -131,11 +130,12 @@ def _encode_all(
         raise UserError(
             f"no documents in the input ({job.skips.count} lines skipped)", ", ".join(opts.inputs)
         )
-    return shards.entries(), engine, input_bytes
+    return shards, engine, input_bytes
 
 
-def _manifest(job: Job, tok_files: list[str], shards: list[mf.Shard], engine: Engine) -> mf.TokensManifest:
+def _manifest(job: Job, tok_files: list[str], written: Shards, engine: Engine) -> mf.TokensManifest:
     opts, tok = job.opts, job.tok
+    shards = written.entries()
     return mf.TokensManifest(
         **new_header_fields("mega-tokenize", __version__),
         tokenizer=mf.TokenizerInfo(
@@ -156,7 +156,10 @@ def _manifest(job: Job, tok_files: list[str], shards: list[mf.Shard], engine: En
         append_eos=opts.append_eos,
         prepend_bos=opts.prepend_bos,
         chat_template=job.template,
-        roles=dict({"chat": ROLE_CODES, "preference": PREFERENCE_ROLES}.get(opts.format, {})),
+        roles=dict(
+            {"chat": ROLE_CODES, "prompts": ROLE_CODES, "preference": PREFERENCE_ROLES}.get(opts.format, {})
+        ),
+        column_types=written.column_types,
         engine=engine.name,
         json_keys=job.keys if opts.format == "text" else [],
         on_error=opts.on_error,

@@ -1,5 +1,5 @@
 """The output's shards: one Megatron indexed dataset per key (and a conversation's roles beside
-it), appended batch by batch in input order."""
+it, a prompt's columns), appended batch by batch in input order."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 
 from mega_tokenize.encoding import Encoded
 from mega_tokenize.parsing import Parsed
+from mega_tokenize.prompts import COLUMNS_SUFFIX, write_columns
 from megacore.artifacts import ArtifactWriter
 from megacore.artifacts import manifest as mf
 from megacore.data.indexed import IndexedWriter
@@ -22,12 +23,22 @@ def safe_name(key: str) -> str:
 class Shards:
     """The output's shards: one per key, and with `chat` (documents of segments: conversations or
     preference pairs, one key) `<key>.roles` beside it (a role code per token, `chat.roles` for
-    chat); batches are appended in input order, the sums computed while writing."""
+    chat), and with `columns` the rows' other columns (prompts: `<key>.columns.parquet`, written at
+    close); batches are appended in input order, the sums computed while writing."""
 
     def __init__(
-        self, w: ArtifactWriter, keys: list[str], dtype: str, bos: int | None, eos: int | None, chat: bool
+        self,
+        w: ArtifactWriter,
+        keys: list[str],
+        dtype: str,
+        bos: int | None,
+        eos: int | None,
+        chat: bool,
+        columns: bool = False,
     ) -> None:
         self.w, self.keys, self.bos, self.eos = w, keys, bos, eos
+        self.rows: list[dict] | None = [] if columns else None
+        self.column_types: dict[str, str] = {}
         self.writers = {k: IndexedWriter(w.path(f"shards/{safe_name(k)}"), dtype) for k in keys}
         self.sidecar = f"shards/{safe_name(keys[0])}.roles"
         self.roles = IndexedWriter(w.path(self.sidecar), "uint8") if chat else None
@@ -44,6 +55,8 @@ class Shards:
             else:
                 self.writers[k].add(flat, lengths)
                 ndocs, ntok = len(lengths), ntok + len(flat)
+        if self.rows is not None:
+            self.rows += parsed.columns
         return ndocs, ntok
 
     def close(self) -> None:
@@ -52,6 +65,12 @@ class Shards:
             wr.close()
             self.w.record(f"shards/{wr.prefix.name}.bin", wr.bin_sha256)
             self.w.record(f"shards/{wr.prefix.name}.idx", wr.idx_sha256)
+        if self.rows is not None:
+            self.column_types = write_columns(self.rows, self.w.path(self._columns))
+
+    @property
+    def _columns(self) -> str:
+        return f"shards/{safe_name(self.keys[0])}{COLUMNS_SUFFIX}"
 
     def abort(self) -> None:
         for wr in self.every:
@@ -71,6 +90,7 @@ class Shards:
                 documents=self.writers[k].documents,
                 tokens=self.writers[k].tokens,
                 sidecars=sidecars,
+                columns=self._columns if self.column_types else None,
             )
             for k in self.keys
         ]

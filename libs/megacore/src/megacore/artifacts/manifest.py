@@ -63,6 +63,7 @@ class Shard(Struct):
     documents: NonNegative
     tokens: NonNegative
     sidecars: dict[str, Prefix] = {}
+    columns: FilePath | None = None  # prompts: a Parquet file of the rows' other columns, a row each
 
 
 class TokenCounts(Struct):
@@ -98,11 +99,13 @@ class InputDataset(Struct):
 class TokensManifest(Header, tag="tokens", kw_only=True):
     tokenizer: TokenizerInfo
     dtype: Literal["uint16", "int32"]
-    format: Literal["text", "chat", "preference"] = "text"
+    format: Literal["text", "chat", "preference", "prompts"] = "text"
     append_eos: bool = True
     prepend_bos: bool = False
     chat_template: str | None = None
     roles: dict[str, int] = {}
+    # prompts: the Arrow type of each column the rows hold besides the prompt (`Shard.columns`)
+    column_types: dict[str, str] = {}
     engine: str | None = None
     json_keys: list[str] = []
     on_error: Literal["fail", "skip"] = "fail"

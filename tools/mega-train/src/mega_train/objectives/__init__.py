@@ -62,6 +62,12 @@ def check_data(at: str, path: Path, tokens: TokensManifest, run: RunManifest, wh
     """A data source holds what the objective trains on: pairs for a pair objective, and only for
     one."""
     kind, name = kind_of(run), run.objective.type
+    if tokens.format == "prompts":  # completions the model writes in the run: online RL's data
+        raise UserError(
+            f"{at}: {path} holds prompts (mega-tokenize --format prompts), which $.objective.type {name} "
+            "does not train on: it reads the documents it learns, text, chat or preference tokens",
+            where,
+        )
     if not kind.pairs and tokens.format == "preference":
         raise UserError(
             f"{at}: {path} holds preference pairs; train on them with $.objective.type "
