@@ -42,14 +42,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor, Shard
 
 from megacore.config import ModelConfig, is_block_projection
@@ -78,12 +70,14 @@ from megacore.parallel.router_balance import RouterBalance
 from megacore.parallel.tied import TiedEmbeddings
 from megacore.parallel.tp import apply_tp, distribute_adapters, loss_context
 
+# torch.distributed.pipelining's classes by name, imported when a pipeline is built: the package
+# (and torch._dynamo, which it imports) adds about 0.9 s to the start of every process without one.
 SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved1f1b": ScheduleInterleaved1F1B,
-    "interleavedzb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
 
@@ -208,12 +202,14 @@ class ParallelModel:
 
     def _build_schedule(self):
         """The pipeline schedule over this rank's stages."""
+        from torch.distributed.pipelining import PipelineStage, schedules
+
         group = self.mesh["pp"].get_group()
         stages = [
             PipelineStage(part, s, self.num_stages, self.device, group=group)
             for part, s in zip(self.parts, self.stage_ids, strict=True)
         ]
-        cls = SCHEDULE_CLASSES[self.par.spec.schedule]
+        cls = getattr(schedules, SCHEDULE_CLASSES[self.par.spec.schedule])
         first = stages if self.par.spec.schedule in MULTI_STAGE else stages[0]
         # The loss is weighted (the step's scale over the count, not the microbatch count: grads
         # are summed): scaling the gradients afterwards would miss the fp32 parameters behind
