@@ -89,6 +89,7 @@ def test_every_kind_has_its_path_fields_typed():
         "dataset.path": "record",
         "shards.prefix": "prefix",
         "shards.sidecars": "prefix",
+        "shards.columns": "file",
     }
     assert schema_paths("checkpoint") == {
         "parents.path": "record",
@@ -123,16 +124,18 @@ def test_every_kind_has_its_path_fields_typed():
 def artifacts(tmp_path_factory, sp_model: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kinds")
     chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 3
-    src = write_jsonl(root / "chat.jsonl", chats)
-    opts = Options(
-        inputs=[str(src)],
-        out=root / "tokens",
-        tokenizer=sp_model,
-        format="chat",
-        add_special_tokens=["<|im_start|>", "<|im_end|>"],
-        progress=False,
-    )
-    tokenize(opts, log=lambda _: None)
+    # Prompts: a roles sidecar and a columns file beside the shard, every path field of tokens.
+    prompts = [{"prompt": chat["messages"][:1], "answer": "hello"} for chat in chats]
+    for name, rows, form in (("chat", chats, "chat"), ("tokens", prompts, "prompts")):
+        opts = Options(
+            inputs=[str(write_jsonl(root / f"{name}.jsonl", rows))],
+            out=root / name,
+            tokenizer=sp_model,
+            format=form,
+            add_special_tokens=["<|im_start|>", "<|im_end|>"],
+            progress=False,
+        )
+        tokenize(opts, log=lambda _: None)
     g = torch.Generator().manual_seed(0)
     config = msgspec.structs.replace(TINY, vocab_size=512, padded_vocab_size=512)  # room for 402 ids
     info = open_artifact(root / "tokens", "tokens").tokenizer
@@ -152,7 +155,7 @@ def artifacts(tmp_path_factory, sp_model: Path) -> dict[str, Path]:
         training=TrainingState(step=1, rng_files=["rng/rank0.bin"]),
     )
     export_hf(root / "ckpt", root / "hf")
-    return {"tokens": root / "tokens", "checkpoint": root / "ckpt", "hf": root / "hf"}
+    return {"tokens": root / "tokens", "chat": root / "chat", "checkpoint": root / "ckpt", "hf": root / "hf"}
 
 
 def _set(doc: dict, jsonpath: str, value: str) -> None:
@@ -280,7 +283,7 @@ def test_run_refs_resolve_against_the_manifest_not_the_working_directory(
         "format_version": 1,
         "out": "run-out",
         "model": {"init": "../../ckpt"},
-        "data": {"sources": [{"path": str(artifacts["tokens"])}]},  # absolute paths are kept
+        "data": {"sources": [{"path": str(artifacts["chat"])}]},  # absolute paths are kept
         "batch": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 8},
         "train_steps": 1,
     }
