@@ -71,6 +71,12 @@ def test_draws_are_the_seeds_and_stop_ids_end_a_row(tmp_path: Path) -> None:
     drawn = sample(ours, prompts, NEW, Sampling(1.0, top_p=0.95, seed=7))
     assert drawn == sample(ours, prompts, NEW, Sampling(1.0, top_p=0.95, seed=7))
     assert drawn != sample(ours, prompts, NEW, Sampling(1.0, top_p=0.95, seed=8))
+    # A row draws from its own seed (7 + its index): rows split over two calls, as over two dp
+    # ranks, draw what they draw together, and a row's seed alone decides its draws.
+    drawn_split = [sample(ours, part, NEW, Sampling(1.0, top_p=0.95), seeds=seeds)
+                   for part, seeds in ((prompts[:2], [7, 8]), (prompts[2:], [9]))]  # fmt: skip
+    assert drawn_split[0] + drawn_split[1] == drawn
+    assert sample(ours, prompts[::-1], NEW, Sampling(1.0, top_p=0.95), seeds=[9, 8, 7]) == drawn[::-1]
     greedy = sample(ours, prompts, NEW)
     assert sample(ours, prompts, NEW, Sampling(1.0, top_k=1, seed=3)) == greedy  # one token left
     stop = greedy[0][3]

@@ -4,9 +4,11 @@ forward, then one token a step, each step's forward over the new tokens only.
 `Sampling` says how a next token is chosen: greedy (temperature 0), or drawn from the softmax of
 the logits / temperature, kept to the `top_k` most likely and the smallest set whose probability
 reaches `top_p` (transformers' order and rules: temperature, then top-k, then top-p, the most
-likely token always kept). Draws come from one `torch.Generator` seeded by `seed`, on the host, so a
-run's completions are the same every time and on every rank. A row stops after a `stop_ids` token
-or `max_new` tokens.
+likely token always kept). Each row draws from a `torch.Generator` of its own, on the host, seeded
+`seed` + its index or the seed its caller gives it: a row's completion depends on its seed and its
+prompt, not on the rows beside it, so a run's completions are the same every time, on every rank,
+and however its rows are split over data-parallel ranks. A row stops after a `stop_ids` token or
+`max_new` tokens.
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ def filtered_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return out
 
 
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """[B] the next token of each row from its logits [B, V]."""
+def next_tokens(
+    logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """[B] the next token of each row from its logits [B, V], drawn with its row's generator."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = filtered_logits(logits, sampling).softmax(dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+    probs = filtered_logits(logits, sampling).softmax(dim=-1).cpu()
+    drawn = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
+    return torch.cat(drawn).to(logits.device)
 
 
 @torch.no_grad()
@@ -67,9 +72,11 @@ def sample(
     pad_id: int = 0,
     whole: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits,
     done: Callable[[int, list[int]], bool] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Each prompt's completion (module docstring): up to `max_new` ids, its stop id included, or
-    up to where `done(row, ids so far)` says. `model`: a whole `Decoder` (its `cache` keyword);
+    up to where `done(row, ids so far)` says; row i draws from `seeds[i]` (None: the sampling's
+    seed + i). `model`: a whole `Decoder` (its `cache` keyword);
     `whole`: its logits over the whole vocab from what it returns (a tensor-parallel model's vocab
     shards gathered); the logits past the vocab are never chosen."""
     if not prompts or max_new < 1:
@@ -81,12 +88,13 @@ def sample(
         ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
     starts = torch.tensor([longest - len(p) for p in prompts], device=device)
     cache = KVCache(longest + max_new, starts if int(starts.max()) > 0 else None)
-    generator = torch.Generator().manual_seed(sampling.seed)
+    seeds = seeds if seeds is not None else [sampling.seed + i for i in range(len(prompts))]
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
     logits = whole(model(ids.to(device), cache=cache))[:, -1, :vocab]
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool)
     for step in range(max_new):
-        chosen = next_tokens(logits, sampling, generator).cpu()
+        chosen = next_tokens(logits, sampling, generators).cpu()
         for i in running.nonzero().flatten().tolist():
             out[i].append(int(chosen[i]))
             running[i] = int(chosen[i]) not in stop_ids and not (done is not None and done(i, out[i]))

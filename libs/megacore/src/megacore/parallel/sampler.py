@@ -51,9 +51,11 @@ def sample_parallel(
     stop_ids: Collection[int] = (),
     where: str = "sampler",
     done: Callable[[int, list[int]], bool] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Each prompt's completion, the same on every rank (a collective: every rank calls it alike);
-    `done(row, ids so far)` ends a row early (lm-eval's stop sequences)."""
+    `done(row, ids so far)` ends a row early (lm-eval's stop sequences); `seeds`: each row's
+    (`models.sampling.sample`)."""
     check_sampler_layout(pm.par, where)
     pm.refresh()
 
@@ -63,4 +65,4 @@ def sample_parallel(
         return DTensor.from_local(logits, pm.tp_mesh, [Shard(2)], run_check=False).full_tensor()
 
     with adapter_dropout_off(pm.parts):
-        return sample(pm.parts[0], prompts, max_new, sampling, stop_ids, whole=whole, done=done)
+        return sample(pm.parts[0], prompts, max_new, sampling, stop_ids, whole=whole, done=done, seeds=seeds)
