@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_formulas import completion_logps, formula_loss
 from megacore.models.grpo import Clip, group_advantages, token_losses, token_weights
 
 PROMPT, MAXLEN = 3, 6
@@ -43,40 +44,11 @@ def batch():
     completion_ids = torch.randint(1, 64, (n, MAXLEN))
     mask = (torch.arange(MAXLEN)[None] < torch.tensor(LENGTHS)[:, None]).long()
     with torch.no_grad():
-        logps = _logps(model, prompt_ids, completion_ids)
+        logps = completion_logps(model, prompt_ids, completion_ids)
     old = logps + 0.3 * torch.randn_like(logps)
     ref = logps + 0.5 * torch.randn_like(logps)
     advantages = torch.tensor([0.9, -1.1, 0.4, -0.7])
     return model, prompt_ids, completion_ids, mask, old, ref, advantages
-
-
-def _logps(model, prompt_ids: torch.Tensor, completion_ids: torch.Tensor) -> torch.Tensor:
-    """Each completion token's log-probability under `model` (transformers), [N, MAXLEN]."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    logits = model(ids).logits[:, PROMPT - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None])[..., 0]
-
-
-def _formula(logps, old, ref, advantages, loss: str, clip: Clip) -> torch.Tensor:
-    """The module docstring's formulas, one completion and one token at a time."""
-    n, total = len(LENGTHS), sum(LENGTHS)
-    out = torch.zeros(())
-    for i, length in enumerate(LENGTHS):
-        log_ratio = [logps[i, t] - old[i, t] for t in range(length)]
-        if clip.sequence_level:
-            log_ratio = [sum(log_ratio) / length] * length
-        terms = []
-        for t in range(length):
-            rho = torch.exp(log_ratio[t])
-            a = advantages[i]
-            term = -torch.minimum(rho * a, rho.clamp(1 - clip.epsilon, 1 + clip.epsilon_high) * a)
-            if clip.beta:
-                d = ref[i, t] - logps[i, t]
-                term = term + clip.beta * rho * (torch.exp(d) - d - 1)
-            terms.append(term)
-        s = sum(terms)
-        out = out + {"grpo": s / length / n, "dr_grpo": s / (n * MAXLEN)}.get(loss, s / total)
-    return out
 
 
 def _ours(logps, old, ref, advantages, mask, loss: str, clip: Clip):
@@ -97,13 +69,13 @@ def test_loss_and_gradient_equal_the_formulas(batch, case: str):
     model, prompt_ids, completion_ids, mask, old, ref, advantages = batch
     loss_type, clip = CASES[case]
     results = []
-    for fn in (_formula, None):
+    for fn in (formula_loss, None):
         model.zero_grad()
-        logps = _logps(model, prompt_ids, completion_ids)
+        logps = completion_logps(model, prompt_ids, completion_ids)
         if fn is None:
             value = _ours(logps, old, ref, advantages, mask, loss_type, clip)[0]
         else:
-            value = fn(logps, old, ref, advantages, loss_type, clip)
+            value = fn(logps, old, ref, advantages, LENGTHS, loss_type, clip, MAXLEN)
         value.backward()
         results.append((value.detach(), [p.grad.clone() for p in model.parameters()]))
     (want, want_grads), (got, got_grads) = results
@@ -148,7 +120,7 @@ def test_trl_computes_the_same_loss_and_metrics(batch, trl_trainer, case: str):
     }  # fmt: skip
     with torch.no_grad():
         theirs = t._compute_loss(model, inputs)
-        logps = _logps(model, prompt_ids, completion_ids)
+        logps = completion_logps(model, prompt_ids, completion_ids)
         ours, stats = _ours(logps, old, ref, advantages, mask, loss_type, clip)
     assert math.isclose(float(ours), float(theirs), rel_tol=1e-5, abs_tol=1e-7), (ours, theirs)
     means = (stats.sums / stats.counts).tolist()
