@@ -172,7 +172,7 @@ def test_small_source_runs_epochs_while_big_one_does_not(tmp_path: Path):
         assert tokens.tolist() == naive_sample(small[2] if j == 0 else big[2], ds.sources[j], k)
         assert roles.tolist() == [t % 5 for t in tokens.tolist()]
     # Same inputs, same batches; the batch is the samples stacked.
-    tokens, roles, positions = ds.batch(10, 42)
+    tokens, roles, positions, _ = ds.batch(10, 42)
     assert positions is None  # text, no doc_mask
     again = Dataset.build(sources, [1.0], "train", S, 300, seed=1).batch(10, 42)
     assert tokens.shape == roles.shape == (32, S + 1) and tokens.dtype == np.int64 and roles.dtype == np.uint8
@@ -321,7 +321,7 @@ def test_through_mega_tokenize_chat_roles_and_text(tmp_path: Path, sp_model: Pat
     mixed = Dataset.build(
         [(tmp_path / "chat", chat_m, 1.0), (tmp_path / "text", text_m, 2.0)], [1.0], "train", 32, 60, seed=5
     )
-    tokens, no_roles, positions = mixed.batch(0, 60)
+    tokens, no_roles, positions, _ = mixed.batch(0, 60)
     assert no_roles is None and tokens.shape == (60, 33) and mixed[0][1] is None
     text_rows = mixed.source_ids[:60] == 1
     assert (positions[text_rows] == np.arange(33)).all()  # one sequence each: no doc_mask

@@ -6,7 +6,8 @@ still in its first. A text source gives GPT samples (`samples.py`), a chat sourc
 conversations (`packing.py`, `pack` (their default) or `pad`), a preference source its pairs' two
 sides in adjacent rows (`pairs.py`; a blend of preference sources counts rows, and every source's
 share is whole pairs: even numbers of rows, `blend_index` over pairs), or with `pack` whole pairs
-packed into each row (`PackedPairIndex`).
+packed into each row (`PackedPairIndex`), a prompts source one prompt a sample (`prompts.py`: with
+room for `completion_length` tokens after it; a batch then says which document each sample is).
 
 Building is cheap but not free (a permutation per epoch of every source), and every process of a
 job needs the same index, so with a `cache_dir` the arrays are saved once as `.npy` files in
@@ -36,6 +37,7 @@ from megacore.data.blend import blend_index
 from megacore.data.documents import Documents
 from megacore.data.packing import PackedIndex, Packing
 from megacore.data.pairs import PackedPairIndex, PairIndex, pair_range
+from megacore.data.prompts import PromptIndex
 from megacore.data.samples import SPLITS, SampleIndex, split_ranges
 
 INDEX_VERSION = 2  # bump when the index arrays or how they are built change: old caches are rebuilt
@@ -46,11 +48,13 @@ Split = Literal["train", "valid", "test"]
 
 class Batch(NamedTuple):
     """Samples stacked: int64 tokens [B, S+1], uint8 roles [B, S+1] or None, int64 positions
-    [B, S+1] (each document counted from 0) or None (no document masking)."""
+    [B, S+1] (each document counted from 0) or None (no document masking); for prompts, each
+    sample's source and global document id [B, 2]."""
 
     tokens: np.ndarray
     roles: np.ndarray | None
     positions: np.ndarray | None
+    documents: np.ndarray | None = None
 
 
 class Dataset:
@@ -64,7 +68,7 @@ class Dataset:
 
     def __init__(
         self,
-        sources: list[SampleIndex | PackedIndex | PairIndex | PackedPairIndex],
+        sources: list[SampleIndex | PackedIndex | PairIndex | PackedPairIndex | PromptIndex],
         source_ids: np.ndarray,
         source_samples: np.ndarray,
         doc_mask: bool = False,
@@ -81,6 +85,9 @@ class Dataset:
         self.skipped_pairs = sum(s.skipped for s in pairs)
         # The most sides a row holds (1 unpacked): what the engine sums log-probabilities into.
         self.pair_slots = max((s.slots for s in pairs), default=1)
+        # Prompts too long to leave room for a completion, left out (a prompts source's split).
+        self.prompts = any(isinstance(s, PromptIndex) for s in sources)
+        self.skipped_prompts = sum(s.skipped for s in sources if isinstance(s, PromptIndex))
 
     @classmethod
     def build(
@@ -94,21 +101,20 @@ class Dataset:
         cache_dir: Path | None = None,
         packing: Packing | None = None,
         doc_mask: bool = False,
+        completion_length: int = 0,
     ) -> Dataset:
         """Index `num_samples` samples of the `which` split of the sources (path, manifest, weight),
         loading the index from `cache_dir` when it holds one built from the same inputs. Chat
         sources are packed unless `packing` is `pad`, preference sources only if it is `pack`;
-        `doc_mask` masks the documents of text samples apart."""
+        `doc_mask` masks the documents of text samples apart; prompts leave `completion_length`
+        tokens of room."""
         split_id = SPLITS.index(which)
         packed = [m.format == "chat" for _, m, _ in sources]
         paired = [m.format == "preference" for _, m, _ in sources]
+        prompts = [m.format == "prompts" for _, m, _ in sources]
         pack_pairs = packing == "pack"
         packing = packing or "pack"
-        docs, manifest_shas = [], []
-        for path, manifest, _ in sources:
-            root, data = read_manifest_bytes(Path(path))
-            docs.append(Documents(root, manifest))
-            manifest_shas.append(hashlib.sha256(data).hexdigest())
+        docs, manifest_shas = _documents(sources)
         ranges = [_split(len(d), split, split_id, p) for d, p in zip(docs, paired, strict=True)]
         key = _cache_key(
             sources=[[sha, w] for sha, (_, _, w) in zip(manifest_shas, sources, strict=True)],
@@ -121,18 +127,20 @@ class Dataset:
                 packing if p else ("packed pairs" if pack_pairs else "pairs") if q else None
                 for p, q in zip(packed, paired, strict=True)
             ],
+            **({"completion_length": completion_length} if any(prompts) else {}),
         )
         target = cache_dir / f"{which}-{key[:16]}" if cache_dir is not None else None
-        kinds = _kinds(packed, paired, pack_pairs)
+        kinds = _kinds(packed, paired, pack_pairs, prompts)
+        extra = {PackedIndex: {"packing": packing}, PromptIndex: {"completion_length": completion_length}}
         if target is not None and (target / MARKER).is_file():
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in target.glob("*.npy")}
-            ds = cls._from_arrays(docs, ranges, seq_length, arrays, kinds, doc_mask)
+            ds = cls._from_arrays(docs, ranges, seq_length, arrays, kinds, doc_mask, completion_length)
         else:
             weights = [w for _, _, w in sources]
             source_ids, source_samples = _blend(weights, num_samples, any(paired) and not pack_pairs)
             needed = np.bincount(source_ids, minlength=len(sources))
             indexes = [
-                _build_index(kind, d, r, split_id, seq_length, int(n), seed, j, packing)
+                _build_index(kind, d, r, split_id, seq_length, int(n), seed, j, extra.get(kind, {}))
                 for j, (kind, d, r, n) in enumerate(zip(kinds, docs, ranges, needed, strict=True))
             ]
             ds = cls(indexes, source_ids, source_samples, doc_mask)
@@ -151,14 +159,16 @@ class Dataset:
         arrays: dict,
         kinds: list[type],
         doc_mask: bool,
+        completion_length: int,
     ) -> Dataset:
         source_ids, source_samples = arrays["blend_source_ids"], arrays["blend_source_samples"]
         needed = np.bincount(source_ids, minlength=len(docs))
         indexes = []
         for j, (d, r, n, kind) in enumerate(zip(docs, ranges, needed, kinds, strict=True)):
-            indexes.append(
-                kind(d, r, seq_length, int(n), **{k: arrays[f"source{j}_{k}"] for k in kind.ARRAYS})
-            )
+            kw = {k: arrays[f"source{j}_{k}"] for k in kind.ARRAYS}
+            if kind is PromptIndex:
+                kw["completion_length"] = completion_length
+            indexes.append(kind(d, r, seq_length, int(n), **kw))
         return cls(indexes, source_ids, source_samples, doc_mask)
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -192,13 +202,35 @@ class Dataset:
             np.stack(tokens),
             np.stack(roles) if self.has_roles else None,
             np.stack(positions) if self.has_positions else None,
+            self._documents(start, stop) if self.prompts else None,
         )
 
+    def _documents(self, start: int, stop: int) -> np.ndarray:
+        """Each prompt sample's source and global document id, [stop - start, 2]."""
+        out = np.empty((stop - start, 2), dtype=np.int64)
+        for row, i in enumerate(range(start, stop)):
+            j = int(self.source_ids[i])
+            out[row] = j, self.sources[j].document(int(self.source_samples[i]))
+        return out
 
-def _kinds(packed: list[bool], paired: list[bool], pack_pairs: bool) -> list[type]:
+
+def _documents(sources: list[tuple[Path, TokensManifest, float]]) -> tuple[list[Documents], list[str]]:
+    """Each source's documents, and its manifest's sha256 (what the index cache's key holds)."""
+    docs, shas = [], []
+    for path, manifest, _ in sources:
+        root, data = read_manifest_bytes(Path(path))
+        docs.append(Documents(root, manifest))
+        shas.append(hashlib.sha256(data).hexdigest())
+    return docs, shas
+
+
+def _kinds(packed: list[bool], paired: list[bool], pack_pairs: bool, prompts: list[bool]) -> list[type]:
     """Each source's index class."""
     pairs = PackedPairIndex if pack_pairs else PairIndex
-    return [pairs if q else PackedIndex if p else SampleIndex for p, q in zip(packed, paired, strict=True)]
+    return [
+        PromptIndex if r else pairs if q else PackedIndex if p else SampleIndex
+        for p, q, r in zip(packed, paired, prompts, strict=True)
+    ]
 
 
 def _build_index(
@@ -210,10 +242,9 @@ def _build_index(
     num_samples: int,
     seed: int,
     source_id: int,
-    packing: Packing,
-) -> SampleIndex | PackedIndex | PairIndex | PackedPairIndex:
-    """Source `source_id`'s index of its split (`kind` from `_kinds`)."""
-    kw = {"packing": packing} if kind is PackedIndex else {}
+    kw: dict,
+) -> SampleIndex | PackedIndex | PairIndex | PackedPairIndex | PromptIndex:
+    """Source `source_id`'s index of its split (`kind` from `_kinds`, `kw` its own settings)."""
     return kind.build(
         docs, doc_range, split_id=split_id, seq_length=seq_length, num_samples=num_samples, seed=seed,
         source_id=source_id, where=f"$.data.sources[{source_id}]", **kw,
