@@ -200,8 +200,8 @@ def test_airflow_dag_runs_the_chain(tmp_path: Path, sp_model: Path, airflow_venv
 
 
 def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path, sp_model: Path) -> None:
-    """examples/instruct.json, examples/lora.json and examples/dpo.json after `make demo`: their data
-    is the demo's chat and pair tokens (made here by the demo's own steps, with the tests' tokenizer)
+    """examples/instruct.json, examples/lora.json, examples/dpo.json and examples/grpo.json (on prompts
+    tokenized beside them) after `make demo`: their data is the demo's chat and pair tokens (made here by the demo's own steps, with the tests' tokenizer)
     and their init a tp 2 x pp 2
     checkpoint where the demo writes one (here of random weights; the whole demo takes a minute);
     the dry runs pass. The LoRA chain run to the end (PEFT answering from the exported adapter):
@@ -243,3 +243,14 @@ def test_instruct_and_lora_examples_plan_on_what_make_demo_writes(tmp_path: Path
         if name == "lora.json":
             assert "trained in LoRA adapters" in proc.stdout, proc.stdout
     assert "objective dpo" in proc.stdout and "batch 16 pairs" in proc.stdout, proc.stdout
+    # grpo.json: on prompts made as its docs say (mega-tokenize --format prompts), its reward file beside it.
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    run_tool("mega-tokenize", write_jsonl(tmp_path / "prompts.jsonl", rows), out / "prompts-tokens",
+             "-t", sp_model, "--format", "prompts", check=True)  # fmt: skip
+    for name in ("grpo.json", "rewards.py"):
+        shutil.copy(MAKEFILE.parent / name, tmp_path / "examples")
+    proc = run_in_process(
+        "mega-train", "--manifest", tmp_path / "examples" / "grpo.json", "--dry-run", "--world-size", "2"
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "batch 8 prompts x 8 completions" in proc.stdout and "rewards.py:digits_only x 0.1" in proc.stdout

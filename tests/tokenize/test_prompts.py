@@ -1,7 +1,7 @@
 """`--format prompts`: a prompt a row (a string encoded as it is, or messages rendered with the
 chat template's generation prompt, as transformers' `apply_chat_template(add_generation_prompt=True)`
-gives them), no EOS, and the row's other keys kept as typed columns beside the tokens, one row per
-document; every bad row one line naming file:line (exit 2), or skipped from tokens and columns."""
+gives them), no EOS, and the row (the prompt as given, the other keys) kept as typed columns beside
+the tokens, one row per document; every bad row one line naming file:line (exit 2), or skipped from tokens and columns."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_string_prompts_and_their_typed_columns(tmp_path: Path, sp_model: Path):
     m = open_artifact(out, "tokens")
     assert m.format == "prompts" and m.counts.documents == 3 and not m.append_eos
     assert m.column_types == {
+        "prompt": "string",
         "answer": "string",
         "level": "int64",
         "tests": "list<element: string>",
@@ -58,6 +59,7 @@ def test_string_prompts_and_their_typed_columns(tmp_path: Path, sp_model: Path):
         assert doc == [sp.bos_id(), *ids] and roles == [0] + [ROLE_CODES["user"]] * len(ids)
     got = PromptColumns(out, m).rows([2, 0])
     assert got == {
+        "prompt": [MATH[2]["prompt"], MATH[0]["prompt"]],
         "answer": ["2", "5"],
         "level": [1, 1],
         "tests": [["2"], ["5", "5.0"]],
@@ -79,7 +81,10 @@ def test_chat_prompts_end_with_the_generation_prompt(tmp_path: Path, chatml_dir:
     assert documents(out) == want
     assert hf.decode(want[1]).endswith("<|im_start|>assistant\n")
     m = open_artifact(out, "tokens")
-    assert PromptColumns(out, m).rows(range(2)) == {"answer": ["4", "2"]}
+    assert PromptColumns(out, m).rows(range(2)) == {
+        "prompt": [r["prompt"] for r in CHATS],
+        "answer": ["4", "2"],
+    }
 
 
 def test_chatml_prompts_on_sentencepiece(tmp_path: Path, sp_model: Path):
@@ -99,8 +104,13 @@ def test_parquet_rows_keep_their_column_types(tmp_path: Path, sp_model: Path):
     pq.write_table(table, src, row_group_size=2)
     out = _tokenize(tmp_path, src, sp_model)
     m = open_artifact(out, "tokens")
-    assert m.column_types == {"answer": "double", "ok": "bool"}
-    assert PromptColumns(out, m).rows([0, 1, 2]) == {"answer": [1.5, 2.0, None], "ok": [True, False, True]}
+    assert m.column_types == {"prompt": "string", "answer": "double", "ok": "bool"}
+    got = PromptColumns(out, m).rows([0, 1, 2])
+    assert got == {
+        "prompt": table["prompt"].to_pylist(),
+        "answer": [1.5, 2.0, None],
+        "ok": [True, False, True],
+    }
     assert len(documents(out)) == 3
 
 

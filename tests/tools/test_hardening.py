@@ -37,7 +37,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 CHOICES = [
     ("mega-tokenize", [], "--engine", ["auto", "sentencepiece", "hf", "gigatoken"]),
-    ("mega-tokenize", [], "--format", ["text", "chat", "preference"]),
+    ("mega-tokenize", [], "--format", ["text", "chat", "preference", "prompts"]),
     ("mega-tokenize", [], "--on-error", ["fail", "skip"]),
     ("mega-tokenize", [], "--chat-template", ["chatml", "tokenizer"]),
     ("mega-convert", ["hf"], "--dtype", ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),

@@ -7,8 +7,9 @@ is (BOS before it with `--prepend-bos`; its tokens the user's role code); an arr
 (`add_generation_prompt`, as TRL's GRPOTrainer renders prompts), so what the model writes next is
 the assistant's turn. No EOS: the model writes on from the prompt's last token.
 
-Every other key (`answer`, `solution`, tests...) is a column of `shards/prompts.columns.parquet`,
-one row per document in the shard's order (rows skipped by `--on-error skip` are in neither), a key
+The row itself, the prompt as given and every other key (`answer`, `solution`, tests...), is kept
+in `shards/prompts.columns.parquet` (the reward functions get the prompt as TRL hands it to them, a
+string or the messages), one row per document in the shard's order (rows skipped by `--on-error skip` are in neither), a key
 a row lacks null in it; each column's type is what pyarrow infers over all rows, recorded in the
 manifest's `columns`. The rows are held until the end to infer their types: prompt sets are small
 (tens of thousands of rows) next to pretraining corpora.
@@ -58,8 +59,8 @@ class PromptRenderer:
 
     @staticmethod
     def columns(row: dict) -> dict:
-        """The row's columns besides the prompt, kept for the reward functions."""
-        return {k: v for k, v in row.items() if k != PROMPT}
+        """The row's columns, kept for the reward functions: the prompt as given, and the others."""
+        return row
 
 
 def write_columns(rows: list[dict], path: Path) -> dict[str, str]:

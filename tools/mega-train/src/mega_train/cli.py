@@ -229,7 +229,8 @@ def _report(
     typer.echo(
         f"{plan.path}: ok — {model['family']} {model['layers']} layers ({sizes}); "
         f"world {par['world_size']} = {plan.dims.label}; "
-        f"batch {batch['global']}{_batch_unit(summary['sample_unit'])} = micro {batch['micro']} x "
+        f"batch {batch['global']}{_batch_unit(summary['sample_unit'], batch['rows_per_sample'])} = "
+        f"micro {batch['micro']} x "
         f"dp {par['dp']} x accum {batch['grad_accum']}; "
         f"{plural(len(summary['data']), 'data source')}; {plural(plan.run.train_steps, 'step')}"
         + (f"; objective {summary['objective']}" if summary["objective"] != "lm" else ""),
@@ -251,8 +252,11 @@ def _limit_note(spec) -> list[str]:
     ]
 
 
-def _batch_unit(unit: str) -> str:
-    """What the batch sizes count where they are not sequences: pairs, or rows of packed pairs."""
+def _batch_unit(unit: str, rows_per_sample: int) -> str:
+    """What the batch sizes count where they are not sequences: pairs, rows of packed pairs, or
+    prompts with their completions."""
+    if unit == "prompts":
+        return f" prompts x {rows_per_sample} completions"
     return "" if unit == "sequences" else f" {unit}"
 
 

@@ -113,6 +113,8 @@ def train_line(r: dict, total_steps: int) -> str:
         parts.append(
             f"expert load {r['expert_load_min']:.0f}-{r['expert_load_max']:.0f} cv {r['expert_load_cv']:.2f}"
         )
+    if "reward" in r:  # online RL (TRL's names)
+        parts.append(f"reward {r['reward']:.4g} ± {r['reward_std']:.3g}")
     if "rewards/accuracies" in r:  # a preference objective (TRL's names)
         parts.append(f"reward acc {r['rewards/accuracies']:.3f} margin {r['rewards/margins']:.4g}")
     parts.append(f"mem {r['memory_gb']:.2f} GB")
@@ -125,8 +127,8 @@ def train_line(r: dict, total_steps: int) -> str:
 
 def eval_line(r: dict) -> str:
     """The console line of an `eval` record: loss, perplexity, accuracy, then the user's metrics
-    (a preference objective's: loss, then TRL's metrics)."""
-    parts = [f"step {r['step']} eval", f"loss {r['loss']:.4f}"]
+    (a preference objective's: loss, then TRL's metrics; online RL's: its rewards, no loss)."""
+    parts = [f"step {r['step']} eval", *([f"loss {r['loss']:.4f}"] if "loss" in r else [])]
     parts += [f"ppl {r['ppl']:.2f}"] if "ppl" in r else []  # a preference objective has none
     parts += [f"{k} {v:.4g}" for k, v in r.items() if k not in ("step", "kind", "loss", "ppl")]
     return " | ".join(parts)

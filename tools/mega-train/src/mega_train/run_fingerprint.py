@@ -16,7 +16,7 @@ from mega_train.objectives import kind_of
 from mega_train.run_layout import router_losses
 from megacore.artifacts import CheckpointManifest, RunManifest, TokensManifest
 from megacore.artifacts.reader import read_manifest_bytes
-from megacore.artifacts.run_spec import DISTILL_FIELDS
+from megacore.artifacts.run_spec import DISTILL_FIELDS, GRPO_FIELDS
 from megacore.artifacts.writer import sha256_bytes
 
 if TYPE_CHECKING:
@@ -67,11 +67,14 @@ def _objective_fingerprint(
     """The objective's settings: a preference objective's as runs saved them before
     `reference_logps` (its value under "reference") and before distillation's settings, and the
     reference model apart, so that their checkpoints still resume; distillation's and its teacher."""
-    spec = msgspec.structs.asdict(run.objective)
+    spec = msgspec.json.decode(msgspec.json.encode(run.objective))  # rewards' specs as JSON
     if teacher is not None:
         out = {"$.objective": json.dumps({k: spec[k] for k in ("type", *DISTILL_FIELDS)}, sort_keys=True)}
         return out | {"$.objective.teacher": teacher.manifest_sha256}
-    for name in DISTILL_FIELDS:
+    if run.objective.type == "grpo":
+        kept = ("type", "beta", "loss", "temperature", *GRPO_FIELDS)
+        return {"$.objective": json.dumps({k: spec[k] for k in kept}, sort_keys=True)}
+    for name in (*DISTILL_FIELDS, *GRPO_FIELDS):
         del spec[name]
     spec["reference"] = spec.pop("reference_logps")
     out = {"$.objective": json.dumps(spec, sort_keys=True)}

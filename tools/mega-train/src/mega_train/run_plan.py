@@ -20,6 +20,8 @@ from pathlib import Path
 from mega_train.evaluation import load_metric
 from mega_train.lora_plan import LoraPlan, plan_lora
 from mega_train.objectives import kind_of
+from mega_train.objectives.grpo_plan import check_objective
+from mega_train.objectives.grpo_plan import describe as describe_rollouts
 from mega_train.objectives.reference_plan import Reference, plan_reference
 from mega_train.objectives.teacher_plan import Teacher, plan_teacher
 from mega_train.run_artifacts import (
@@ -128,7 +130,10 @@ class RunPlan:
     @property
     def rows_per_sample(self) -> int:
         """Sequences per sample of the batch: a preference objective's samples are pairs, two rows
-        each (the batch sizes count pairs; memory and data count rows), unless packed (rows)."""
+        each (the batch sizes count pairs; memory and data count rows), unless packed (rows); an
+        online RL objective's are prompts, a row for each of their completions."""
+        if kind_of(self.run).prompts:
+            return self.run.objective.num_generations
         return 2 if kind_of(self.run).pairs and not self.packs_pairs else 1
 
     @property
@@ -176,6 +181,8 @@ class RunPlan:
             return self.run.compile
         if self.lora is not None and self.lora.lora.base_dtype == "nf4":
             return False  # QLoRA runs eager (`layout.check_nf4`)
+        if kind_of(self.run).prompts:
+            return False  # the sampler runs eager (`objectives/grpo_plan.py`)
         if gpu:
             return True
         return self.cpu_run_seconds() >= COMPILE_PAYS_S and any(map(shutil.which, ("c++", "g++", "clang++")))
@@ -264,6 +271,7 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
     lora = plan_lora(run, init, base, verify, where)
     reference = plan_reference(run, init, lora, base, verify, where)
     teacher = plan_teacher(run, config, sources, base, verify, where)
+    rewards = check_objective(run, init is not None, lora is not None, base, where)
     dims, microbatches, stages = check_layout(run, config, world_size, where)
     check_sharding(
         config,
@@ -292,7 +300,8 @@ def plan_run(manifest_path: Path, world_size: int, verify: Verify = "size") -> R
         task_paths=task_paths,
         notes=notes
         + ([reference.describe()] if reference is not None else [])
-        + ([teacher.describe(run)] if teacher is not None else []),
+        + ([teacher.describe(run)] if teacher is not None else [])
+        + ([describe_rollouts(run, rewards)] if rewards else []),
         lora=lora,
         reference=reference,
         teacher=teacher,

@@ -131,7 +131,7 @@ class Saver:
         """This rank's part of the checkpoint (collective); a path in the way is the user's."""
         t, plan, pos = self.t, self.t.plan, self.t.position
         training = TrainingState(
-            step=pos.step, consumed_samples=pos.step * t.samples, consumed_unit=plan.sample_unit,
+            step=pos.step, consumed_samples=t.objective.consumed(pos.step), consumed_unit=plan.sample_unit,
             scheduler=t.schedule.saved(pos.step),
             optimizer="adamw", optimizer_steps=pos.optimizer_steps, loss_scale=t.scaler.scale,
             counters=dict(t.scaler.counters), fingerprint=plan.fingerprint,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from mega_train.metrics import say
+from mega_train.objectives import kind_of
 from mega_train.run_checks import has_valid_split
 from megacore.data.dataset import Dataset
 
@@ -18,20 +19,24 @@ if TYPE_CHECKING:
 
 
 def open_samples(plan: RunPlan, rank: int, rows: int) -> tuple[Dataset, Dataset | None]:
-    """The train and valid sample indexes (`rows`: a global batch's data rows; no valid one
-    without held-out evaluation): rank 0 builds (or finds) them, the others then load them from
+    """The train and valid sample indexes (`rows`: a global batch's data rows, or its prompts for
+    an objective that samples their completions; no valid one without held-out evaluation): rank 0 builds (or finds) them, the others then load them from
     the cache (collective)."""
     run, S = plan.run, plan.run.batch.seq_length
+    batches, completion = run.train_steps, 0
+    if kind_of(run).prompts:  # a batch's samples are prompts; its completions serve num_iterations steps
+        rows, completion = run.batch.global_batch_size, run.objective.max_completion_length
+        batches = -(-run.train_steps // run.objective.num_iterations)
 
     def build(which: str, samples: int) -> Dataset:
         return Dataset.build(
             plan.data, run.data.split, which, S, samples, run.seed, plan.out / "data-index",
-            packing=run.data.packing, doc_mask=run.data.doc_mask,
+            packing=run.data.packing, doc_mask=run.data.doc_mask, completion_length=completion,
         )  # fmt: skip
 
     for turn in (0, 1):
         if (rank == 0) == (turn == 0):
-            train = build("train", run.train_steps * rows)
+            train = build("train", batches * rows)
             held_out = run.eval.every and has_valid_split(run)  # lm-eval's tasks alone need none
             valid = build("valid", run.eval.iters * rows) if held_out else None
         dist.barrier()

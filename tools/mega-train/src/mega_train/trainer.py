@@ -330,9 +330,7 @@ class Trainer:
         objective = self.objective
         loss_fn = objective.loss("train", pos.step)
         with self.own.host():
-            tokens, targets, positions, counted = objective.batch(
-                self.rows(self.train_data, pos.step), self.train_role
-            )
+            tokens, targets, positions, counted = objective.step_rows(pos.step)
         scale = self.scaler.factor
         count = objective.global_count(counted)
         out = self.pm.forward_backward(tokens, targets, scale, positions, count, loss_fn)
@@ -418,6 +416,8 @@ class Trainer:
             say(f"step {record['step']} eval {record['task']} | {record['metric']} {record['value']:.4g}")
         elif record["kind"] == "sample":
             say(sample_line(record))
+        elif record["kind"] == "rollout":
+            return  # online RL's completions: metrics.jsonl and W&B only
         elif record["step"] % self.run.logging.every == 0 or record["step"] == self.run.train_steps:
             say(train_line(record, self.run.train_steps))
 

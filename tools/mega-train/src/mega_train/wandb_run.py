@@ -30,6 +30,7 @@ class WandbLog:
     def __init__(self, run: Any) -> None:
         self.run = run
         self.samples: list[list] = []  # every sample so far: W&B's table is logged whole each time
+        self.rollouts: list[list] = []  # online RL's completions, likewise
 
     @staticmethod
     def open(plan: RunPlan, resumed: bool) -> WandbLog | None:
@@ -63,21 +64,15 @@ class WandbLog:
 
     def log(self, record: dict) -> None:
         """A metrics.jsonl record at its step; fields without a value are left out. An lm-eval
-        score as `eval_task/<task>/<metric>`; samples as the table `samples` (step, prompt,
-        completion: a conversation's prompt as JSON)."""
+        score as `eval_task/<task>/<metric>`; samples and rollouts as tables (`_table`)."""
         prefix = record["kind"]
         if prefix == "eval_task":
             self.run.log(
                 {f"eval_task/{record['task']}/{record['metric']}": record["value"]}, step=record["step"]
             )
             return
-        if prefix == "sample":
-            import wandb
-
-            prompt = record["prompt"] if isinstance(record["prompt"], str) else json.dumps(record["prompt"])
-            self.samples.append([record["step"], prompt, record["completion"]])
-            table = wandb.Table(columns=["step", "prompt", "completion"], data=self.samples)
-            self.run.log({"samples": table}, step=record["step"])
+        if prefix in ("sample", "rollout"):
+            self._table(record)
             return
         values = {
             f"{prefix}/{k}": v
@@ -85,6 +80,22 @@ class WandbLog:
             if k not in ("step", "kind") and isinstance(v, int | float) and not isinstance(v, bool)
         }
         self.run.log(values, step=record["step"])
+
+    def _table(self, record: dict) -> None:
+        """Samples as the table `samples` (step, prompt, completion: a conversation's prompt as
+        JSON); online RL's completions as `rollouts`, with their reward."""
+        import wandb
+
+        prompt = record["prompt"] if isinstance(record["prompt"], str) else json.dumps(record["prompt"])
+        row = [record["step"], prompt, record["completion"]]
+        if record["kind"] == "sample":
+            self.samples.append(row)
+            table = wandb.Table(columns=["step", "prompt", "completion"], data=self.samples)
+            self.run.log({"samples": table}, step=record["step"])
+            return
+        self.rollouts.append([*row, record["reward"]])
+        table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=self.rollouts)
+        self.run.log({"rollouts": table}, step=record["step"])
 
     def finish(self, ok: bool) -> None:
         self.run.finish(exit_code=0 if ok else 1)

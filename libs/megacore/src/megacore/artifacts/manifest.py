@@ -63,7 +63,7 @@ class Shard(Struct):
     documents: NonNegative
     tokens: NonNegative
     sidecars: dict[str, Prefix] = {}
-    columns: FilePath | None = None  # prompts: a Parquet file of the rows' other columns, a row each
+    columns: FilePath | None = None  # prompts: a Parquet file of the rows (prompt and columns), a row each
 
 
 class TokenCounts(Struct):
@@ -104,7 +104,7 @@ class TokensManifest(Header, tag="tokens", kw_only=True):
     prepend_bos: bool = False
     chat_template: str | None = None
     roles: dict[str, int] = {}
-    # prompts: the Arrow type of each column the rows hold besides the prompt (`Shard.columns`)
+    # prompts: the Arrow type of each column of the rows, the prompt as given among them (`Shard.columns`)
     column_types: dict[str, str] = {}
     engine: str | None = None
     json_keys: list[str] = []

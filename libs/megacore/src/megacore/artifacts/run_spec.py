@@ -4,7 +4,7 @@ structs (docs/mega-train.md#reference). Decoded strictly like every manifest
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -195,6 +195,16 @@ class LoggingSpec(Struct):
     wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
 
 
+class RewardSpec(Struct):
+    """A reward function of online RL (`mega_train.rewards`): a built-in name, "FILE.py:NAME"
+    relative to this manifest, or "MODULE:NAME"; its weight in the completion's reward and the
+    keyword arguments bound to it."""
+
+    function: Annotated[str, msgspec.Meta(min_length=1)]
+    weight: float = 1.0
+    args: dict[str, Any] = {}
+
+
 class ObjectiveSpec(Struct):
     """What the run minimises: language modelling (`lm`), or a preference objective over pairs
     (tokens of `--format preference`; `megacore.models.preference` has the formulas): `dpo` (its
@@ -214,11 +224,21 @@ class ObjectiveSpec(Struct):
     of the data's tokenizer; it may be larger): per target token `alpha` x the cross entropy plus
     (1 - `alpha`) x `temperature`² x the `divergence` between the teacher's and the student's token
     distributions at `temperature` (`megacore.parallel.divergence`), averaged over the counted
-    targets as the language modelling loss is."""
+    targets as the language modelling loss is.
 
-    type: Literal["lm", "dpo", "simpo", "orpo", "distill"] = "lm"
-    beta: PositiveFloat = 0.1
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    `grpo`: online RL from verifiable rewards on prompts (tokens of `--format prompts`;
+    `megacore.models.grpo` has the formulas): the batch counts prompts, each sampled
+    `num_generations` times (up to `max_completion_length` tokens at `temperature`, `top_p`,
+    `top_k`: 0 off), the completions scored by `rewards`; `loss` grpo, dapo, bnpo or dr_grpo,
+    `scale_rewards`, the clip range `epsilon` (`epsilon_high`: DAPO's clip-higher; None: `epsilon`),
+    `beta` the KL penalty's weight (0: no reference), `num_iterations` updates per batch of
+    completions, `importance_sampling_level` token or sequence (GSPO), and
+    `mask_truncated_completions` (a completion cut at `max_completion_length` counts no token).
+    `beta` and `loss` default to the type's: 0.1 and sigmoid, grpo's 0 and dapo (TRL's)."""
+
+    type: Literal["lm", "dpo", "simpo", "orpo", "distill", "grpo"] = "lm"
+    beta: NonNegativeFloat | None = None
+    loss: Literal["sigmoid", "ipo", "grpo", "dapo", "bnpo", "dr_grpo"] | None = None
     label_smoothing: Annotated[float, msgspec.Meta(ge=0, lt=0.5)] = 0.0
     gamma: NonNegativeFloat = 0.5
     reference: Annotated[str, msgspec.Meta(min_length=1)] | None = None
@@ -227,14 +247,36 @@ class ObjectiveSpec(Struct):
     temperature: PositiveFloat = 1.0
     alpha: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    num_generations: Annotated[int, msgspec.Meta(ge=2)] = 8
+    max_completion_length: Positive = 256
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0
+    epsilon: PositiveFloat = 0.2
+    epsilon_high: PositiveFloat | None = None
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    num_iterations: Positive = 1
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = False
+    rewards: list[RewardSpec] = []
 
     def __post_init__(self) -> None:
         if self.reference in REFERENCE_LOGPS:
             self.reference_logps, self.reference = self.reference, None
+        grpo = self.type == "grpo"
+        if self.beta is None:
+            self.beta = 0.0 if grpo else 0.1
+        if self.loss is None:
+            self.loss = "dapo" if grpo else "sigmoid"
 
 
 REFERENCE_LOGPS = ("precomputed", "live")
 DISTILL_FIELDS = ("teacher", "temperature", "alpha", "divergence")  # `distill`'s settings alone
+# `grpo`'s settings alone (with beta, loss and temperature, which it shares)
+GRPO_FIELDS = (
+    "num_generations", "max_completion_length", "top_p", "top_k", "epsilon", "epsilon_high",
+    "scale_rewards", "num_iterations", "importance_sampling_level", "mask_truncated_completions",
+    "rewards",
+)  # fmt: skip
 
 
 class RunManifest(Header, tag="run", kw_only=True):

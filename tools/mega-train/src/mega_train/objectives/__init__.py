@@ -14,6 +14,8 @@ evaluation.
 - `dpo`, `simpo`, `orpo` (`preference.py`): over pairs of sequences (`megacore.models.preference`).
 - `distill` (`distill.py`): language modelling with a frozen teacher's token distributions
   (`megacore.parallel.divergence`).
+- `grpo` (`grpo.py`): online RL on prompts, the model's own completions scored by reward functions
+  (`megacore.models.grpo`; its plan half, `grpo_plan.py`).
 
 A new objective is a module with its class, and one row here.
 """
@@ -35,12 +37,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Kind:
     """An objective's plan half: `runtime` its run half (`module:Class`), `counts` what the batch sizes
-    count (one sequence a sample, or a pair of two), `pairs` whether it trains on preference pairs
-    (tokens of `mega-tokenize --format preference`)."""
+    count (one sequence a sample, a pair of two, a prompt), `pairs` whether it trains on preference
+    pairs (tokens of `mega-tokenize --format preference`), `prompts` whether on prompts (`--format
+    prompts`), whose completions it samples."""
 
     runtime: str
     counts: str = "sequences"
     pairs: bool = False
+    prompts: bool = False
 
 
 PREFERENCE = Kind("mega_train.objectives.preference:PreferenceObjective", counts="pairs", pairs=True)
@@ -50,6 +54,7 @@ REGISTRY: dict[str, Kind] = {
     "simpo": PREFERENCE,
     "orpo": PREFERENCE,
     "distill": Kind("mega_train.objectives.distill:Distill"),
+    "grpo": Kind("mega_train.objectives.grpo:GRPOObjective", counts="prompts", prompts=True),
 }
 PAIR_TYPES = tuple(name for name, kind in REGISTRY.items() if kind.pairs)
 
@@ -62,10 +67,16 @@ def check_data(at: str, path: Path, tokens: TokensManifest, run: RunManifest, wh
     """A data source holds what the objective trains on: pairs for a pair objective, and only for
     one."""
     kind, name = kind_of(run), run.objective.type
-    if tokens.format == "prompts":  # completions the model writes in the run: online RL's data
+    if kind.prompts and tokens.format != "prompts":
+        raise UserError(
+            f"{at}: $.objective.type {name} samples completions of prompts, and {path} holds "
+            f"{tokens.format} tokens (mega-tokenize --format prompts)",
+            where,
+        )
+    if tokens.format == "prompts" and not kind.prompts:  # completions the model writes: online RL's
         raise UserError(
             f"{at}: {path} holds prompts (mega-tokenize --format prompts), which $.objective.type {name} "
-            "does not train on: it reads the documents it learns, text, chat or preference tokens",
+            "does not train on; train on them with $.objective.type grpo",
             where,
         )
     if not kind.pairs and tokens.format == "preference":
@@ -80,10 +91,10 @@ def check_data(at: str, path: Path, tokens: TokensManifest, run: RunManifest, wh
             "(mega-tokenize --format preference)",
             where,
         )
-    if kind.pairs and run.data.loss_on != "all":
+    if (kind.pairs or kind.prompts) and run.data.loss_on != "all":
         raise UserError(
             f"$.data.loss_on: {run.data.loss_on} does not apply to $.objective.type {name}, which counts "
-            "each pair's completions",
+            f"each {'pair' if kind.pairs else 'prompt'}'s completions",
             where,
         )
 

@@ -11,8 +11,8 @@ calls, in a run's order:
 - `setup()` once the model is built: what the objective holds beside it (a teacher);
 - `start()` before the run resumes or starts: what it computes once (a reference's
   log-probabilities);
-- per step (and per evaluation batch) `batch(rows, role)`: the rows' tensors and what they count on
-  this rank, `global_count(counted)`: what the step's mean divides by, `loss(which, k)`: the
+- per step `step_rows(step)`: the rows' tensors and what they count on this rank (by default
+  `batch(rows, role)` of the step's global batch, as per evaluation batch), `global_count(counted)`: what the step's mean divides by, `loss(which, k)`: the
   engine's loss for batch k of `train` or `valid` (`megacore.parallel.losses.Loss`; None: language
   modelling's), `metrics()`: the step's device metrics, added to its record;
 - `evaluate()` and `eval_record(values)`: an evaluation over the valid batches, and its record.
@@ -51,6 +51,14 @@ class Objective:
 
     def start(self) -> None:
         """Before the run resumes or starts."""
+
+    def consumed(self, steps: int) -> int:
+        """The samples `steps` train steps have read (a checkpoint's `consumed_samples`)."""
+        return steps * self.t.samples
+
+    def step_rows(self, step: int) -> tuple:
+        """The rows train step `step` (from 0) trains on: its global batch's on this rank."""
+        return self.batch(self.t.rows(self.t.train_data, step), self.t.train_role)
 
     def batch(self, b: Batch, role: int | None) -> tuple:
         """Rows of a batch as the engine takes them (`Trainer.batch`)."""

@@ -1,6 +1,5 @@
-"""Reward functions for online RL (issue #51's `grpo` objective; the objective itself is not built
-yet): a program scores each completion the model writes, and the model learns from its own scored
-samples.
+"""Reward functions for online RL (the `grpo` objective, `mega_train.objectives.grpo`): a program
+scores each completion the model writes, and the model learns from its own scored samples.
 
 A run's `rewards` list names each function and its weight, as `{"function": F, "weight": w, "args":
 {...}}`: F a built-in name (`builtin.BUILTINS`: `math`, `exact`, `format`, `length`), a
