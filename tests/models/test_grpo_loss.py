@@ -102,6 +102,7 @@ def trl_trainer(tmp_path_factory, hf_dir: Path, batch):
                        args=args, train_dataset=data, processing_class=tok)  # fmt: skip
 
 
+@pytest.mark.slow  # 9 s (TRL's import and trainer); make test checks the formulas above
 @pytest.mark.parametrize("case", list(CASES))
 def test_trl_computes_the_same_loss_and_metrics(batch, trl_trainer, case: str):
     model, prompt_ids, completion_ids, mask, old, ref, advantages = batch

@@ -177,10 +177,11 @@ def one_process(tmp_path_factory, prompts: Path, base: tuple[Path, Path]) -> dic
 @pytest.mark.parametrize(
     "layout",
     [
-        # `make test` runs LoRA over FSDP2; tp 2 and full dp 2 with `make test-slow`.
+        # `make test-slow` (make test runs the sampler at tp 2 in test_harness, and GRPO's steps
+        # against the formulas in one process here)
         pytest.param({"parallel": {"tp": 2}}, marks=pytest.mark.slow),
         pytest.param({}, marks=pytest.mark.slow),  # dp 2 (FSDP2)
-        {"lora": LORA},  # dp 2
+        pytest.param({"lora": LORA}, marks=pytest.mark.slow),  # dp 2, the reference the base
     ],
     ids=["tp2", "dp2", "lora-dp2"],
 )
