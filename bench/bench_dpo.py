@@ -40,6 +40,7 @@ from benchlib import (
     Setup,
     cpu_precision,
     failure,
+    hf_tokenizer,
     logger,
     lora_base,
     main,
@@ -76,24 +77,6 @@ def pairs_jsonl(setup: Setup) -> Path:
         rows.append({"prompt": a[:p], "chosen": a[p : p + c], "rejected": b[p : p + c]})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def hf_tokenizer(model: Path) -> Path:
-    """The SentencePiece model as a transformers tokenizer directory (TRL tokenizes with it)."""
-    import shutil
-
-    d = WORK / "hf-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.copy(model, d / "tokenizer.model")
-        config = {
-            "tokenizer_class": "LlamaTokenizer",
-            "bos_token": "<s>",
-            "eos_token": "</s>",
-            "unk_token": "<unk>",
-        }
-        (d / "tokenizer_config.json").write_text(json.dumps(config))
-    return d
 
 
 def child_trl(setup: Setup, spec: dict) -> dict:
@@ -145,7 +128,7 @@ def measure_ours(setup: Setup, pairs: Path, ckpt: Path, work: Path, precision: s
 def measure_rounds(
     setup: Setup, pairs: Path, tokens: Path, rows: Path, hf: Path, ckpt: Path, precision: str
 ) -> dict:
-    tok = hf_tokenizer(train_data().tokenizer)
+    tok = hf_tokenizer(train_data().tokenizer, WORK / "hf-tokenizer")
 
     def measure(kind: str, r: int) -> dict:
         work = WORK / "work" / f"{kind}-{r}"

@@ -644,6 +644,22 @@ def hf_llama(setup: Setup, device: str = "cpu"):
         return LlamaForCausalLM(config)
 
 
+def hf_tokenizer(model: Path, out: Path) -> Path:
+    """The SentencePiece model as a transformers tokenizer directory `out` (what TRL's trainers
+    tokenize with), made once."""
+    if not (out / "tokenizer_config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(model, out / "tokenizer.model")
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
 def lora_base(setup: Setup) -> tuple[Path, Path]:
     """The random Llama as transformers saves it, and converted by mega-convert (the base bench_lora
     and bench_dpo start from; made once): (HF directory, checkpoint)."""

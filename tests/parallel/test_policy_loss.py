@@ -32,7 +32,7 @@ def _rows(per_token: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param("once", marks=pytest.mark.slow), "second-use"])
 def test_the_engine_loss_equals_the_formulas(tmp_path: Path, monkeypatch, case: str) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a one-process group of its own
         monkeypatch.delenv(var, raising=False)

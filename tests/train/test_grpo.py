@@ -13,10 +13,10 @@ import sentencepiece as spm
 import torch
 
 from grpo_formulas import formula_loss
-from helpers import assert_one_line_error, run_in_process, run_tool
+from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process, run_tool
 from hf_cases import build, load_hf
 from megacore.models.grpo import Clip
-from runlib import LOSS_REL, metrics, ok, torchrun, train, write_run
+from runlib import LOSS_REL, checkpoint_tensors, metrics, ok, torchrun, train, write_run
 from tokenize_testlib import write_jsonl
 
 OPT = {"lr": 2e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.1, "grad_clip": 1.0}
@@ -201,6 +201,38 @@ def test_every_layout_samples_and_trains_as_one_process(
     for g, w in zip(got, want, strict=True):
         for name in ("loss", "grad_norm", "kl", "reward", "clip_ratio/region_mean"):
             assert math.isclose(g[name], w[name], rel_tol=LOSS_REL, abs_tol=1e-7), (g["step"], name)
+
+
+@pytest.mark.slow  # make test resumes a killed run in test_resume_matrix (fp16)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["same-layout", "dp2"])
+def test_a_killed_run_resumes_to_the_same_completions_and_weights(
+    tmp_path: Path, prompts: Path, base: tuple[Path, Path], nproc: int
+) -> None:
+    """Killed after step 3's backward (SIGKILL), resumed from step 2's checkpoint in one process or
+    at dp 2: the same completions (seeded by batch), rewards and losses as an uninterrupted run, and
+    the same weights (bitwise in the same layout, within LOSS_REL at dp 2)."""
+    common = {"checkpoint": {"every": 2}}
+    reference = grpo_run(tmp_path / "reference", prompts, base[1], {}, **common)
+    ok(train(reference, fresh=True))
+    run = grpo_run(tmp_path / "killed", prompts, base[1], {}, **common)
+    killed = run_tool("mega-train", "--manifest", run, env={"MEGA_TRAIN_INJECT": "kill@3"})
+    assert killed.returncode != 0
+    ok(torchrun(2, run) if nproc == 2 else train(run, fresh=True))
+    keys = ("step", "prompt", "completion_ids", "rewards")
+    rollouts = [[r[k] for k in keys] for r in metrics(tmp_path / "killed" / "run", "rollout")]
+    assert rollouts == [[r[k] for k in keys] for r in metrics(tmp_path / "reference" / "run", "rollout")]
+    got, want = metrics(tmp_path / "killed" / "run"), metrics(tmp_path / "reference" / "run")
+    for g, w in zip(got, want, strict=True):
+        for name in ("loss", "grad_norm", "reward"):
+            assert math.isclose(g[name], w[name], rel_tol=0 if nproc == 1 else LOSS_REL, abs_tol=1e-7), name
+    last = f"step-{STEPS:08d}"
+    want_t = checkpoint_tensors(tmp_path / "reference" / "run" / "checkpoints" / last)
+    got_t = checkpoint_tensors(tmp_path / "killed" / "run" / "checkpoints" / last)
+    for name, w in want_t.items():
+        if nproc == 1:
+            assert_bitwise_equal(got_t[name], w, name)
+        else:
+            assert torch.allclose(got_t[name].float(), w.float(), rtol=1e-4, atol=1e-6), name
 
 
 def test_the_dry_run_counts_prompts_and_their_completions(tmp_path: Path, prompts: Path, base) -> None:

@@ -156,6 +156,16 @@ def test_a_stop_while_the_workers_start_is_one_line(tmp_path: Path, tokens: Path
     assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
 
 
+def test_a_killed_worker_is_named_by_the_launcher(tmp_path: Path, tokens: Path) -> None:
+    """Rank 0 SIGKILLed after step 2's backward under `mega-train --nproc-per-node 2`: the launcher
+    names it ("rank 0 was killed by SIGKILL", not rank 1 whose collective then failed) and exits
+    with 128 + SIGKILL."""
+    run_json = write_run(tmp_path, tokens, train_steps=4, eval={"every": 0}, checkpoint={"every": 100})
+    killed = train(run_json, "--nproc-per-node", "2", env={"MEGA_TRAIN_INJECT": "kill@2/r0"})
+    assert killed.returncode == 128 + signal.SIGKILL, killed.stderr[-3000:]
+    assert "mega-train: error: rank 0 was killed by SIGKILL" in killed.stderr, killed.stderr[-3000:]
+
+
 def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path, tokens: Path) -> None:
     """SIGKILL to the launcher: within 10 s no worker is alive and nothing more is written."""
     run_json = write_run(tmp_path, tokens, batch={"micro_batch_size": 4}, **LONG)

@@ -53,6 +53,7 @@ def test_lora_checkpoints_hold_the_adapters_and_name_their_base(one_process: Pat
     assert tensors["layers.3.mlp.down_proj.lora_B.weight"].shape == (32, 4)
 
 
+@pytest.mark.slow  # make test: the launcher's line in test_lifecycle, a resume in test_resume_matrix
 def test_lora_killed_and_resumed_in_another_layout_matches_one_process(
     tmp_path: Path, tokens: Path, base: Path, one_process: Path
 ) -> None:

@@ -264,9 +264,9 @@ def one_process(tmp_path_factory, pairs: Path, base: tuple[Path, Path]) -> dict[
 @pytest.mark.parametrize(
     "layout",
     [
-        # `make test` runs a pipeline and LoRA over FSDP2; the rest with `make test-slow`.
+        # `make test` runs LoRA over FSDP2; pipelines and the rest with `make test-slow`.
         pytest.param({"parallel": {"tp": 2, "sequence_parallel": True}}, marks=pytest.mark.slow),
-        {"parallel": {"pp": 2, "schedule": "1f1b"}},
+        pytest.param({"parallel": {"pp": 2, "schedule": "1f1b"}}, marks=pytest.mark.slow),
         pytest.param({"parallel": {"pp": 2, "schedule": "zbv"}}, marks=pytest.mark.slow),
         pytest.param({"parallel": {"cp": 2}}, marks=pytest.mark.slow),
         pytest.param({}, marks=pytest.mark.slow),  # dp 2 (FSDP2)

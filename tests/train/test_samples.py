@@ -59,8 +59,12 @@ def test_samples_equal_transformers_generate_on_the_export(tmp_path: Path, token
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("parallel", "nproc"),
-    # tp's generation in make test: tests/train/test_harness.py's adapter at tp 2
-    [({"pp": 2}, 2), pytest.param({"tp": 2, "pp": 2}, 4, marks=pytest.mark.slow)],
+    # `make test-slow`; make test: one process here, and tp's generation in
+    # tests/train/test_harness.py's adapter at tp 2
+    [
+        pytest.param({"pp": 2}, 2, marks=pytest.mark.slow),
+        pytest.param({"tp": 2, "pp": 2}, 4, marks=pytest.mark.slow),
+    ],
     ids=["pp2", "tp2-pp2"],
 )
 def test_samples_in_parallel_equal_transformers_generate_on_the_export(

@@ -109,6 +109,21 @@ class PackedIndex(SplitIndex):
         return tokens, roles, positions
 
 
+def document_row(
+    docs: Documents, doc: int, seq_length: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Document `doc` alone in a row of `seq_length` + 1: int64 tokens (PAD after it), their uint8
+    role codes (PAD_ROLE there) or None, and int64 positions from 0 (a preference side, a prompt)."""
+    n, length = seq_length + 1, int(docs.lengths[doc])
+    tokens = np.full(n, PAD, dtype=np.int64)
+    tokens[:length] = docs.tokens(doc)
+    roles = None
+    if docs.has_roles:
+        roles = np.full(n, PAD_ROLE, dtype=np.uint8)
+        roles[:length] = docs.roles(doc)
+    return tokens, roles, np.concatenate([np.arange(length), np.arange(n - length)])
+
+
 def pack_starts(lengths: np.ndarray, capacity: int) -> np.ndarray:
     """Greedy packing in order: where each sample's first document is (indices into `lengths`), and
     len(lengths) at the end. Every length is at most `capacity`."""

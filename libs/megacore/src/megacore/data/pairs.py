@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from megacore.data.documents import Documents
-from megacore.data.packing import PAD, PAD_ROLE, pack_starts
+from megacore.data.packing import PAD, PAD_ROLE, document_row, pack_starts
 from megacore.data.samples import SPLITS, SplitIndex, split_lengths, split_ranges
 from megacore.errors import UserError
 
@@ -81,16 +81,7 @@ class PairIndex(SplitIndex):
         (PAD_ROLE there) or None, and int64 positions from 0."""
         self._check(i)
         pair, side = divmod(int(i), 2)
-        doc = self.first_doc + 2 * int(self.order[pair]) + side
-        n, length = self.seq_length + 1, int(self.docs.lengths[doc])
-        tokens = np.full(n, PAD, dtype=np.int64)
-        tokens[:length] = self.docs.tokens(doc)
-        roles = None
-        if self.docs.has_roles:
-            roles = np.full(n, PAD_ROLE, dtype=np.uint8)
-            roles[:length] = self.docs.roles(doc)
-        positions = np.concatenate([np.arange(length), np.arange(n - length)])
-        return tokens, roles, positions
+        return document_row(self.docs, self.first_doc + 2 * int(self.order[pair]) + side, self.seq_length)
 
 
 class PackedPairIndex(SplitIndex):

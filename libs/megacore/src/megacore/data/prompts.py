@@ -24,7 +24,7 @@ import numpy as np
 from megacore.artifacts.header import MANIFEST_NAME
 from megacore.artifacts.manifest import TokensManifest
 from megacore.data.documents import Documents
-from megacore.data.packing import PAD, PAD_ROLE
+from megacore.data.packing import document_row
 from megacore.data.samples import SPLITS, SplitIndex, split_lengths
 from megacore.errors import UserError
 
@@ -88,15 +88,7 @@ class PromptIndex(SplitIndex):
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Sample i: int64 tokens [seq_length + 1] (its prompt, PAD after it), their uint8 role codes
         (PAD_ROLE there) or None, and int64 positions from 0."""
-        doc = self.document(i)
-        n, length = self.seq_length + 1, int(self.docs.lengths[doc])
-        tokens = np.full(n, PAD, dtype=np.int64)
-        tokens[:length] = self.docs.tokens(doc)
-        roles = None
-        if self.docs.has_roles:
-            roles = np.full(n, PAD_ROLE, dtype=np.uint8)
-            roles[:length] = self.docs.roles(doc)
-        return tokens, roles, np.concatenate([np.arange(length), np.arange(n - length)])
+        return document_row(self.docs, self.document(i), self.seq_length)
 
 
 class PromptColumns:
