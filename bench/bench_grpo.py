@@ -3,7 +3,7 @@
 The 125M Llama of bench_lora and bench_dpo (benchlib's `lora_base`: random weights saved by
 transformers and converted; `--quick`: 2 layers, hidden 128), fully fine-tuned, its completions
 sampled at temperature 1 from prompts of the CPU benchmarks' corpus (benchlib's `train_data`: the
-Python standard library's sources; PROMPT characters each, about 64 tokens): 2 prompts a step (micro
+Python standard library's sources; PROMPT characters each, about 45 tokens; rows of SEQ tokens): 2 prompts a step (micro
 batch 1 prompt x 2 accumulation), 4 completions each, up to COMPLETION new tokens (a random model
 rarely stops before), one reward function on both sides (the completion's length in characters),
 beta 0, loss dapo (TRL's defaults), one process, 2 threads, bf16 where the CPU multiplies bf16
@@ -54,7 +54,12 @@ from run import Row
 
 WORK = OUT / "grpo"
 ROUNDS = 3
-G, COMPLETION, PROMPT = 4, 64, 200  # completions a prompt, their most tokens, a prompt's characters
+G, COMPLETION, PROMPT, SEQ = (
+    4,
+    64,
+    160,
+    128,
+)  # completions a prompt, their most tokens, a prompt's characters, a row
 REWARD = "def length(completions, **_):\n    return [float(len(c)) for c in completions]\n"
 
 
@@ -99,10 +104,9 @@ def child_trl(setup: Setup, spec: dict) -> dict:
 
 
 def measure_ours(setup: Setup, tokens: Path, ckpt: Path, work: Path, precision: str) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "rewards.py").write_text(REWARD)
+    (WORK / "rewards.py").write_text(REWARD)  # beside the work directory, which the run starts afresh
     objective = {"type": "grpo", "num_generations": G, "max_completion_length": COMPLETION, "temperature": 1.0,
-                 "rewards": [{"function": str(work / "rewards.py") + ":length"}]}  # fmt: skip
+                 "rewards": [{"function": str(WORK / "rewards.py") + ":length"}]}  # fmt: skip
     res = measure_mega_train(setup, tokens, work, model={"init": str(ckpt)}, precision=precision,
                              objective=objective, optimizer={"lr": 1e-6, "warmup_steps": 0})  # fmt: skip
     if "error" in res:
@@ -139,7 +143,7 @@ def rows_of(results: dict[str, list[dict]], note: str) -> list[Row]:
 
 def run(quick: bool, rounds: int = ROUNDS) -> list[Row]:
     base = LLAMA_TINY if quick else LLAMA_125M
-    setup = replace(base, micro=1, accum=2, seq=PROMPT // 2 + COMPLETION, rounds=1 if quick else rounds,
+    setup = replace(base, micro=1, accum=2, seq=SEQ, rounds=1 if quick else rounds,
                     warmup=1, timed=2)  # fmt: skip
     precision = cpu_precision()
     _, rows, vocab = prepare_data(setup)  # the corpus and tokenizer
