@@ -247,9 +247,11 @@ class GRPOObjective(Objective):
         return [len(c) for c in completions], cut
 
     def _rows(self, prompts: list[list[int]], completions: list[list[int]], lengths: list[int]) -> tuple:
-        """Rows [prompt, completion, padding] as inputs [n, S] and targets (the counted completion
-        tokens, IGNORE elsewhere)."""
-        S = self.t.S
+        """Rows [prompt, completion, padding] as inputs and targets (the counted completion tokens,
+        IGNORE elsewhere), as wide as the longest of this rank's rows needs (rounded up to a multiple
+        of 8, at most seq_length): no compute on padding, as TRL pads each batch to its longest."""
+        longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
+        S = min(self.t.S, -(-longest // 8) * 8)
         rows = np.zeros((len(prompts), S + 1), dtype=np.int64)
         targets = np.full((len(prompts), S), IGNORE, dtype=np.int64)
         for i, (p, c, n) in enumerate(zip(prompts, completions, lengths, strict=True)):
