@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpo_formulas import completion_logps, formula_loss
-from megacore.models.grpo import Clip, group_advantages, token_losses, token_weights
+from megacore.models.grpo import STATS, Clip, group_advantages, token_losses, token_weights
 
 PROMPT, MAXLEN = 3, 6
 LENGTHS = [5, 3, 6, 2]  # four completions: two prompts, two each
@@ -126,7 +126,7 @@ def test_trl_computes_the_same_loss_and_metrics(batch, trl_trainer, case: str):
     assert math.isclose(float(ours), float(theirs), rel_tol=1e-5, abs_tol=1e-7), (ours, theirs)
     means = (stats.sums / stats.counts).tolist()
     names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-    got = dict(zip(["kl", *names], means, strict=True))
+    got = dict(zip(STATS, means, strict=True))
     for name in (["kl"] if clip.beta else []) + names:
         assert math.isclose(got[name], t._metrics["train"][name][-1], rel_tol=1e-5, abs_tol=1e-7), name
     assert max(got[n] for n in names) > 0  # the case clips something: the comparison is not of zeros

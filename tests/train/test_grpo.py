@@ -74,15 +74,19 @@ def _advantages(rows: list[dict], weights: dict[str, float]) -> torch.Tensor:
     return ((groups - mean) / (std + 1e-4)).reshape(-1)
 
 
-def _logps(model, sp, rows: list[dict], temperature: float) -> torch.Tensor:
-    """[N, LENGTH] each completion token's log-probability after its prompt (0 past its end)."""
+def _logps(model, sp, rows: list[dict], temperature: float, entropy: list | None = None) -> torch.Tensor:
+    """[N, LENGTH] each completion token's log-probability after its prompt (0 past its end); the
+    entropy at each completion token appended to `entropy`."""
     out = torch.zeros(len(rows), LENGTH)
     for i, r in enumerate(rows):
         p, c = sp.encode(r["prompt"]), r["completion_ids"]
         logits = (
             model(torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) - 1 + len(c)].float() / temperature
         )
-        out[i, : len(c)] = torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+        logp = torch.log_softmax(logits, -1)
+        out[i, : len(c)] = logp.gather(1, torch.tensor(c)[:, None])[:, 0]
+        if entropy is not None:
+            entropy += (-(logp.exp() * logp).sum(-1)).tolist()
     return out
 
 
@@ -103,7 +107,8 @@ def plain_loop(hf: Path, sp, rollouts: dict[int, list[dict]], spec: dict) -> lis
         with torch.no_grad():
             if step == first:
                 old, ref = _logps(policy, sp, rows, T), _logps(reference, sp, rows, T)
-        logps = _logps(policy, sp, rows, T)
+        entropy: list[float] = []
+        logps = _logps(policy, sp, rows, T, entropy)
         adv = _advantages(rows, weights)
         loss = formula_loss(logps, old, ref, adv, lengths, spec["loss"], clip, LENGTH)
         opt.zero_grad()
@@ -116,7 +121,8 @@ def plain_loop(hf: Path, sp, rollouts: dict[int, list[dict]], spec: dict) -> lis
             mask = torch.arange(LENGTH)[None] < torch.tensor(lengths)[:, None]
             low = ((rho < 0.8) & (adv[:, None] < 0) & mask).sum() / mask.sum()
         records.append({"loss": loss.item(), "grad_norm": norm.item(), "kl": (kl[mask].mean()).item(),
-                        "clip_ratio/low_mean": low.item(), "advantages": adv.tolist()})  # fmt: skip
+                        "entropy": sum(entropy) / len(entropy), "clip_ratio/low_mean": low.item(),
+                        "advantages": adv.tolist()})  # fmt: skip
     return records
 
 
@@ -126,14 +132,22 @@ CASES = {"grpo-mu2-beta": {"loss": "grpo", "num_iterations": 2, "beta": 0.04}}
 @pytest.mark.parametrize("case", list(CASES))
 def test_steps_equal_the_formulas_over_transformers(tmp_path: Path, prompts: Path, base: tuple[Path, Path],
                                                     sp_model: Path, case: str) -> None:  # fmt: skip
-    """Each step's loss, gradient norm, KL and clip ratio within 1e-5 of the plain loop's on the
+    """Each step's loss, gradient norm, KL, entropy and clip ratio within 1e-5 of the plain loop's on the
     completions the run sampled (fp32), every rollout's advantages the formula's, and the rollout
     metrics TRL's."""
     hf, ckpt = base
     spec = {"temperature": 0.9, **CASES[case]}
-    run = grpo_run(tmp_path, prompts, ckpt, spec)
+    # Evaluation every 2 steps on held-out prompts: its own seeds, so the training is as without it.
+    held_out = {
+        "data": {"sources": [{"path": str(prompts)}], "split": [0.9, 0.1]},
+        "eval": {"every": 2, "iters": 1},
+    }
+    run = grpo_run(tmp_path, prompts, ckpt, spec, **held_out)
     ok(train(run))
     out = tmp_path / "run"
+    evals = metrics(out, "eval")
+    assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["reward"] <= 1.5 for r in evals), evals
+    assert {"rewards/exact/mean", "rewards/rewards.py:thirds/mean"} <= set(evals[0]), evals[0]
     rollouts: dict[int, list[dict]] = {}
     for r in metrics(out, "rollout"):
         rollouts.setdefault(r["step"], []).append(r)
@@ -142,7 +156,7 @@ def test_steps_equal_the_formulas_over_transformers(tmp_path: Path, prompts: Pat
     want = plain_loop(hf, spm.SentencePieceProcessor(model_file=str(sp_model)), rollouts, spec)
     got = metrics(out)
     for step, (g, w) in enumerate(zip(got, want, strict=True), start=1):
-        for name in ("loss", "grad_norm", "kl", "clip_ratio/low_mean"):
+        for name in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean"):
             assert math.isclose(g[name], w[name], rel_tol=REL, abs_tol=1e-7), (step, name, g[name], w[name])
         if step in rollouts:
             assert torch.allclose(torch.tensor([r["advantage"] for r in rollouts[step]]), torch.tensor(w["advantages"]),
@@ -199,7 +213,7 @@ def test_every_layout_samples_and_trains_as_one_process(
     got, want = metrics(tmp_path / "run"), metrics(want_dir)
     assert len(got) == len(want) == STEPS
     for g, w in zip(got, want, strict=True):
-        for name in ("loss", "grad_norm", "kl", "reward", "clip_ratio/region_mean"):
+        for name in ("loss", "grad_norm", "kl", "entropy", "reward", "clip_ratio/region_mean"):
             assert math.isclose(g[name], w[name], rel_tol=LOSS_REL, abs_tol=1e-7), (g["step"], name)
 
 

@@ -26,7 +26,8 @@ own tokens: the same with one process and no accumulation); dr_grpo 1 / (N L), L
 `max_completion_length`. With fixed weights the loss is a sum over tokens: microbatches and ranks
 add their parts up as language modelling's do, and any layout gives the one-process loss.
 
-Metrics are TRL's: `kl`, `clip_ratio/low_mean` (ρ < 1 − ε where A < 0), `clip_ratio/high_mean`
+Metrics are TRL's: `kl`, `entropy` (the policy's, at the token; given by the caller, who holds the
+logits), `clip_ratio/low_mean` (ρ < 1 − ε where A < 0), `clip_ratio/high_mean`
 (ρ > 1 + ε_high where A > 0), `clip_ratio/region_mean` (either), means over the batch's
 completion tokens (over its completions with sequence-level ratios). `TokenStats` carries their
 sums and what they divide by, to be added up over microbatches and ranks first.
@@ -42,7 +43,8 @@ import torch
 LossType = Literal["grpo", "dapo", "bnpo", "dr_grpo"]
 ScaleRewards = Literal["group", "batch", "none"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by 0
-STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CLIPS = 2  # where the clip ratios start in STATS
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,13 @@ def token_losses(
     weights: torch.Tensor,
     completion: torch.Tensor,
     clip: Clip,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TokenStats]:
     """Σ_t w ℓ_t over a microbatch's completion tokens, and the metrics' sums. Every argument is per
     token, flat: the policy's log-probability of the token, the sampling policy's and the
     reference's (None: β = 0), its completion's advantage and weight, and its completion's index in
-    the microbatch (`completion`, for sequence-level ratios)."""
+    the microbatch (`completion`, for sequence-level ratios); `entropy`, the policy's at each
+    token, for its metric (None: 0)."""
     log_ratio = logps - old
     if clip.sequence_level:
         n = int(completion.max()) + 1 if completion.numel() else 0
@@ -137,7 +141,10 @@ def token_losses(
     with torch.no_grad():
         low = (ratio < 1 - clip.epsilon) & (advantages < 0)
         high = (ratio > 1 + clip.epsilon_high) & (advantages > 0)
-        flags = torch.stack([kl.detach(), low.to(kl.dtype), high.to(kl.dtype), (low | high).to(kl.dtype)])
+        ent = entropy.to(kl.dtype) if entropy is not None else torch.zeros_like(kl)
+        flags = torch.stack(
+            [kl.detach(), ent, low.to(kl.dtype), high.to(kl.dtype), (low | high).to(kl.dtype)]
+        )
         stats = _stats(flags, completion, clip.sequence_level)
     return loss, stats
 
@@ -151,6 +158,6 @@ def _stats(flags: torch.Tensor, completion: torch.Tensor, sequence_level: bool) 
     if sequence_level and flags.shape[1]:
         first = torch.ones_like(completion, dtype=torch.bool)
         first[1:] = completion[1:] != completion[:-1]
-        sums[1:] = flags[1:, first].double().sum(dim=1)
-        counts[1:] = first.sum()
+        sums[CLIPS:] = flags[CLIPS:, first].double().sum(dim=1)
+        counts[CLIPS:] = first.sum()
     return TokenStats(sums, counts)

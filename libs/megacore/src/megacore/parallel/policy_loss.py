@@ -4,7 +4,8 @@ completion, and the completion's tokens are the counted targets.
 Per microbatch, from the (vocab-parallel) logits over the sampling temperature (the distribution the
 completions were drawn from, as TRL takes its log-probabilities), each counted target's
 log-probability goes into `grpo.token_losses` with what the objective computed for it when the
-completions were made (`PolicyInputs`, by microbatch number): the sampling policy's and the
+completions were made (`PolicyInputs`, by microbatch number; the policy's entropy at each token,
+a metric, from the same logits: `token_entropy`): the sampling policy's and the
 reference's log-probabilities, its completion's advantage and token weight. The weights are scaled
 by the global batch's completions N, and a rank counts its rows (one completion each), so the
 engine's mean over the global count N is Σ w ℓ, the batch's loss in any layout. Each microbatch's
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megacore.data.packing import IGNORE
@@ -65,9 +67,11 @@ class PolicyLoss(Loss):
         return torch.tensor(targets.shape[0], device=targets.device)
 
     def of_logits(self, mb: Microbatch, logits: torch.Tensor) -> torch.Tensor:
-        logps = self.token_logps(logits.float() / self.temperature, mb.targets)
+        scaled = logits.float() / self.temperature
+        logps = self.token_logps(scaled, mb.targets)
         x, keep = self.inputs[mb.index], mb.targets != IGNORE
         mine = logps[keep]
+        entropy = token_entropy(scaled.detach(), self.vocab_size, self.tp_mesh)[keep]
         loss, self.stats[mb.index] = token_losses(
             mine,
             x.old[keep] if x.old is not None else mine.detach(),
@@ -76,8 +80,30 @@ class PolicyLoss(Loss):
             x.weights[keep],
             x.rows[keep],
             self.clip,
+            entropy,
         )
         return loss
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, vocab_size: int, tp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """Each position's entropy [b, s] of the softmax of `logits` over the vocab (its padding left
+    out); vocab-parallel logits (tp): the shards' maximum, normaliser and Σ p z added up over tp."""
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    local = logits.shape[-1]
+    start = tp_mesh.get_local_rank() * local if tp > 1 else 0
+    if start + local > vocab_size:
+        cols = torch.arange(start, start + local, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+    top = logits.amax(-1, keepdim=True)
+    if tp > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
+    shifted = logits - top
+    e = shifted.exp()
+    sums = torch.stack([e.sum(-1), torch.where(e > 0, e * shifted, 0.0).sum(-1)])
+    if tp > 1:
+        dist.all_reduce(sums, group=tp_mesh.get_group())
+    return sums[0].log() - sums[1] / sums[0]
 
 
 class TokenLogps(Loss):

@@ -18,7 +18,7 @@ a new batch of them is rolled out (`Rollout`), and the steps between reuse it:
   before the batch's first update; with `beta` > 0 the reference's, by the base with its adapters
   off under LoRA, else by a frozen copy of `model.init` (`setup`).
 Each step's record carries TRL's metrics (`reward`, `reward_std`, `rewards/<name>/mean` and `/std`,
-`frac_reward_zero_std`, `completions/mean_length`, `completions/clipped_ratio`, `kl` with beta,
+`frac_reward_zero_std`, `completions/mean_length`, `completions/clipped_ratio`, `kl` with beta, `entropy`,
 `clip_ratio/low_mean`, `/high_mean`, `/region_mean`). Evaluation samples the valid prompts' completions
 the same way and reports their rewards.
 """
