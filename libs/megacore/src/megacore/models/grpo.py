@@ -57,7 +57,7 @@ class Clip:
     sequence_level: bool = False  # GSPO: one ratio per completion
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """The unbiased std of the values that are not NaN (TRL's `nanstd`)."""
     mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
     count = (~x.isnan()).sum(dim) if dim is not None else (~x.isnan()).sum()
@@ -77,9 +77,9 @@ def group_advantages(
     grouped = rewards.view(-1, group)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
     if scale == "batch":
-        std = _nanstd(rewards).expand_as(rewards)
+        std = nanstd(rewards).expand_as(rewards)
     else:
-        std = _nanstd(grouped, dim=1).repeat_interleave(group)
+        std = nanstd(grouped, dim=1).repeat_interleave(group)
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + STD_EPS)

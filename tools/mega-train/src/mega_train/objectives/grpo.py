@@ -43,7 +43,7 @@ from megacore.data.dataset import Dataset
 from megacore.data.packing import IGNORE
 from megacore.data.prompts import PromptColumns
 from megacore.errors import UserError
-from megacore.models.grpo import STATS, Clip, group_advantages, token_weights
+from megacore.models.grpo import STATS, Clip, group_advantages, nanstd, token_weights
 from megacore.models.hf_tokenizer import load_tokenizer, trained_tokenizer_files
 from megacore.models.lora import adapters_off
 from megacore.models.sampling import Sampling
@@ -306,6 +306,6 @@ def _nanmean(x: torch.Tensor) -> float:
 
 
 def _nanstd(x: torch.Tensor) -> float:
-    """The unbiased std of the values that are not NaN (TRL's `nanstd`)."""
-    x = x[~x.isnan()].double()
-    return float(x.std()) if x.numel() > 1 else 0.0
+    """`grpo.nanstd` of the values that are not NaN, 0 with fewer than two."""
+    x = x.double()
+    return float(nanstd(x)) if int((~x.isnan()).sum()) > 1 else 0.0
