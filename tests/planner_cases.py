@@ -44,7 +44,7 @@ SHAPES = {
 
 
 def preset_config(name: str, **changes) -> dict:
-    return msgspec.to_builtins(ModelConfig(**{**SHAPES[name], **changes}))
+    return msgspec.to_builtins(msgspec.convert({**SHAPES[name], **changes}, ModelConfig))
 
 
 # Megatron-LLM's FAQ ("What are the basic hardware requirements?"): full fine-tuning on 80 GB GPUs,
@@ -71,7 +71,7 @@ def dry_run(capsys, *argv: object) -> tuple[int, str, str]:
 MIXTRAL_8X7B = {
     "family": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32, "num_heads": 32,
     "num_kv_heads": 8, "ffn_hidden_size": 14336, "max_seq_len": 32768, "norm_eps": 1e-5,
-    "rope_theta": 1e6, "num_experts": 8, "experts_per_token": 2,
+    "rope_theta": 1e6, "mlp": {"type": "moe", "num_experts": 8, "experts_per_token": 2},
 }  # fmt: skip
 
 

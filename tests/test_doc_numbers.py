@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import msgspec
 import pytest
 
 from megacore import planner
@@ -255,7 +256,7 @@ def plan(shape: str, gpus: int, seq: int, tp: int = 1, pp: int = 1) -> tuple[int
 
     micro, batch, trained = planner_test("B"), planner_test("GLOBAL_BATCH"), planner_test("S")
     if shape == "mixtral-8x7b":
-        config = ModelConfig(**planner_test("MIXTRAL_8X7B"))
+        config = msgspec.convert(planner_test("MIXTRAL_8X7B"), ModelConfig)
     else:
         config = ModelConfig(**planner_test("SHAPES")[shape])
     if seq > config.max_seq_len:  # a longer context, as a run from init sets it beside `init`
@@ -295,7 +296,7 @@ def lora_row(name: str, method: str) -> tuple:
     """docs/mega-train.md's LoRA/QLoRA row: the fewest GPUs that fit, the planner's first pick (its
     layout, its recompute as the page writes it), its peak and the allowance (test_planner's search)."""
 
-    config = ModelConfig(**planner_test("LORA_MODELS")[name])
+    config = msgspec.convert(planner_test("LORA_MODELS")[name], ModelConfig)
     gpus, pick = planner_test("fewest_gpus")(config, method == "QLoRA")
     return gpus, doc_layout(pick.dims), pick.recompute, gib(pick.peak), allowance()
 
@@ -331,7 +332,8 @@ def mixtral_counts() -> tuple[str, str]:
     from megacore.planner.counts import parameter_counts
 
     return tuple(
-        _count(n).removesuffix("B") for n in parameter_counts(ModelConfig(**planner_test("MIXTRAL_8X7B")))
+        _count(n).removesuffix("B")
+        for n in parameter_counts(msgspec.convert(planner_test("MIXTRAL_8X7B"), ModelConfig))
     )
 
 
@@ -349,7 +351,7 @@ def mixtral_on_8() -> tuple:
     from megacore.planner.counts import parameter_counts
 
     found = plan("mixtral-8x7b", 8, planner_test("S"))[1]
-    params = parameter_counts(ModelConfig(**planner_test("MIXTRAL_8X7B")))[0]
+    params = parameter_counts(msgspec.convert(planner_test("MIXTRAL_8X7B"), ModelConfig))[0]
     least = min((c for c in found if c.peak), key=lambda c: c.peak)
     fits = [c.label for c in found if c.fits]
     full = "" if least.recompute == "full" else f", recompute {least.recompute}"

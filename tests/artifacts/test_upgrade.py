@@ -1,7 +1,9 @@
-"""Format version 1 manifests read as today's (`megacore.artifacts.upgrade`): a mixture of experts'
-training settings left the model config for the run (#50). The v1 manifests are the fixture an
-earlier main wrote (tests/fixtures/e9be15e/) and that fixture's manifest turned into a mixture's
-by hand, as a version 1 Mixtral checkpoint trained with a load-balancing weight records it."""
+"""Manifests of earlier format versions read as today's (`megacore.artifacts.upgrade`). Version 2: a
+mixture of experts' training settings left the model config for the run (#50). Version 3: the
+config's attention and MLP became tagged parts. The v1 manifests are the fixture an earlier main
+wrote (tests/fixtures/e9be15e/) and that fixture's manifest turned into a mixture's by hand, as a
+version 1 Mixtral checkpoint trained with a load-balancing weight records it; the v2 ones are that
+fixture as version 2 wrote a DeepSeek V3 config, its latent attention and experts flat."""
 
 from __future__ import annotations
 
@@ -15,10 +17,17 @@ from mega_train.checkpoints import check_resumable
 from megacore.artifacts import FORMAT_VERSION
 from megacore.artifacts.codec import decode_manifest
 from megacore.config import RouterLosses
+from megacore.config_parts import LatentAttentionSpec, MoESpec, RouterSpec, SharedExpertSpec
 from megacore.errors import UserError
 
 TRAINED = Path(__file__).resolve().parents[1] / "fixtures" / "e9be15e" / "trained" / "manifest.json"
 ROUTER = ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update")
+# Version 2's flat fields of latent attention and of a mixture of experts.
+V2_PARTS = (
+    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "num_experts", "experts_per_token",
+    "renormalize_top_k", "dense_layers", "dense_ffn_hidden_size", "shared_expert_size", "shared_expert_gate",
+    "router_scoring", "router_bias", "expert_groups", "expert_groups_chosen", "routed_scaling",
+)  # fmt: skip
 
 
 def _v1_mixtral(aux: float) -> dict:
@@ -34,7 +43,7 @@ def _v1_mixtral(aux: float) -> dict:
 
 def test_the_fixture_is_version_1_with_the_router_fields_in_its_config() -> None:
     raw = json.loads(TRAINED.read_text())
-    assert raw["format_version"] == 1 < FORMAT_VERSION == 2
+    assert raw["format_version"] == 1 < FORMAT_VERSION == 3
     assert {k: raw["config"][k] for k in ROUTER} == dict.fromkeys(ROUTER, 0.0)
 
 
@@ -43,9 +52,9 @@ def test_a_dense_v1_checkpoint_drops_its_zero_router_settings_and_keeps_its_fing
     m = decode_manifest(TRAINED.read_bytes(), "fixture", "checkpoint")
     encoded = json.loads(msgspec.json.encode(m.config))
     assert not set(ROUTER) & set(encoded)
-    assert {k: v for k, v in encoded.items() if k in raw["config"]} == {
-        k: v for k, v in raw["config"].items() if k not in ROUTER
-    }
+    kept = {k: v for k, v in raw["config"].items() if k not in (*ROUTER, *V2_PARTS)}
+    assert {k: v for k, v in encoded.items() if k in raw["config"]} == kept
+    assert (encoded["attention"], encoded["mlp"]) == ({"type": "standard"}, {"type": "dense"})
     assert m.training.fingerprint == raw["training"]["run"]  # nothing added for a dense model
 
 
@@ -73,4 +82,42 @@ def test_a_v1_run_manifest_sets_its_configs_router_weights_beside_it() -> None:
         0.0,
         0.0,
     )
-    assert m.model.config.num_experts == 4
+    assert m.model.config.moe == MoESpec(num_experts=4, experts_per_token=2)
+
+
+# A DeepSeek V3 config as format version 2 wrote it: every setting of its parts a flat field.
+V2_DEEPSEEK = {
+    "family": "deepseek_v3", "num_heads": 4, "num_kv_heads": 4, "head_dim": 24, "num_layers": 2,
+    "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "num_experts": 4, "experts_per_token": 2, "renormalize_top_k": False, "dense_layers": [0],
+    "dense_ffn_hidden_size": 64, "shared_expert_size": 24, "shared_expert_gate": False,
+    "router_scoring": "sigmoid", "router_bias": True, "expert_groups": 2, "expert_groups_chosen": 1,
+    "routed_scaling": 2.5,
+}  # fmt: skip
+
+
+def _v2(config: dict) -> bytes:
+    raw = json.loads(TRAINED.read_text())
+    raw["format_version"] = 2
+    raw["config"] = {k: v for k, v in raw["config"].items() if k not in ROUTER} | config
+    return json.dumps(raw).encode()
+
+
+def test_a_v2_config_s_flat_latent_and_expert_fields_become_its_parts() -> None:
+    m = decode_manifest(_v2(V2_DEEPSEEK), "v2", "checkpoint")
+    assert m.config.attention == LatentAttentionSpec(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12)
+    assert m.config.mlp == MoESpec(
+        num_experts=4, experts_per_token=2, dense_layers=[0], dense_ffn_hidden_size=64,
+        shared_expert=SharedExpertSpec(size=24),
+        router=RouterSpec(scoring="sigmoid", renormalize_top_k=False, bias=True, groups=2, groups_chosen=1, scaling=2.5),
+    )  # fmt: skip
+
+
+def test_a_dense_v2_config_drops_its_defaults_and_refuses_any_other_by_name() -> None:
+    """A dense config's expert fields at version 2's defaults (what every v2 config wrote) go; one
+    set without experts was refused by version 2 and still is, naming it."""
+    dense = dict.fromkeys(("num_experts", "experts_per_token", "kv_lora_rank", "shared_expert_size"))
+    m = decode_manifest(_v2({**dense, "router_bias": False, "dense_layers": []}), "v2", "checkpoint")
+    assert (m.config.moe, m.config.latent) == (None, None)
+    with pytest.raises(UserError, match=r"^v2: \$\.config: object contains unknown field routed_scaling$"):
+        decode_manifest(_v2({**dense, "routed_scaling": 2.5}), "v2", "checkpoint")

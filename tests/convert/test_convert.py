@@ -329,7 +329,7 @@ def test_deepseek_v3_configs_the_decoder_cannot_build_exit_2(tmp_path: Path) -> 
     for i, (change, field) in enumerate(
         [
             ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7 must be even"),
-            ({"n_group": 3}, "expert_groups 3 must divide"),
+            ({"n_group": 3}, "router groups 3 must divide"),
         ]
     ):
         hf = build("deepseek-v3", tmp_path / f"hf{i}")

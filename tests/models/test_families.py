@@ -17,7 +17,8 @@ import pytest
 from transformers import AutoConfig, Gemma3TextConfig
 
 from hf_cases import CASES, case_of
-from megacore.config import EXPERT_FAMILIES, ModelConfig
+from megacore.config import EXPERT_FAMILIES, ModelConfig, config_fields
+from megacore.config_parts import LatentAttentionSpec, MoESpec, RouterSpec, SharedExpertSpec
 from megacore.errors import UserError
 from megacore.models import FAMILIES, config_from_hf, config_to_hf
 from megacore.models.families import SHARED_FIELDS, differences_from_hf
@@ -191,15 +192,34 @@ def test_gemma3_configs_the_decoder_cannot_express_are_refused(what: str) -> Non
 # --- what a family's config.json can express: its allow-list ---------------------------------------
 
 FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
-# The switches: every ModelConfig field but those every family writes (or none carries).
-SWITCHES = [name for name in FIELDS if name not in SHARED_FIELDS]
-_EXPERTS = {"num_experts": 4, "experts_per_token": 2}
+# The parts' settings by path, and the defaults of those that have one (written out here: a
+# required one, `mlp.num_experts`, is set whenever it is there).
+PART_DEFAULTS = {
+    "attention.type": "standard", "attention.q_lora_rank": None, "mlp.type": "dense",
+    "mlp.router.scoring": "softmax", "mlp.router.renormalize_top_k": True, "mlp.router.bias": False,
+    "mlp.router.groups": None, "mlp.router.groups_chosen": None, "mlp.router.scaling": 1.0,
+    "mlp.shared_expert.gate": False, "mlp.dense_layers": [], "mlp.dense_ffn_hidden_size": None,
+}  # fmt: skip
+PART_REQUIRED = ("attention.kv_lora_rank", "attention.qk_rope_head_dim", "attention.v_head_dim",
+                 "mlp.num_experts", "mlp.experts_per_token", "mlp.shared_expert.size")  # fmt: skip
+# The switches: every ModelConfig field but those every family writes (or none carries), a part's
+# settings by path.
+SWITCHES = [
+    *(name for name in FIELDS if name not in (*SHARED_FIELDS, "attention", "mlp")),
+    *PART_DEFAULTS,
+    *PART_REQUIRED,
+]
 
 
-def _latent(c: ModelConfig) -> dict[str, Any]:
+def _moe(**changes: Any) -> dict[str, Any]:
+    return {"mlp": MoESpec(num_experts=4, experts_per_token=2, **changes)}
+
+
+def _latent(c: ModelConfig, **changes: Any) -> dict[str, Any]:
     """Latent attention on a base: one k/v head per q head, no biases or q/k norms."""
-    return {"kv_lora_rank": 16, "qk_rope_head_dim": 4, "v_head_dim": 8, "num_kv_heads": c.num_heads,
-            "head_dim": 12, "attn_bias": False, "attn_out_bias": False, "qk_norm": False}  # fmt: skip
+    latent = LatentAttentionSpec(kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, **changes)
+    return {"attention": latent, "num_kv_heads": c.num_heads, "head_dim": 12, "attn_bias": False,
+            "attn_out_bias": False, "qk_norm": False}  # fmt: skip
 
 
 # Each switch at a value other than its default, with what that value needs to make a valid
@@ -223,39 +243,38 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "qk_norm": lambda c: {"qk_norm": True},
     "sandwich_norm": lambda c: {"sandwich_norm": True, "parallel_attn": False},
     "scale_embeddings": lambda c: {"scale_embeddings": True},
-    "num_experts": lambda c: _EXPERTS,
-    "experts_per_token": lambda c: _EXPERTS,
-    "renormalize_top_k": lambda c: {**_EXPERTS, "renormalize_top_k": False},
-    "dense_layers": lambda c: {**_EXPERTS, "dense_layers": [0], "dense_ffn_hidden_size": 2 * c.ffn_hidden_size},
-    "dense_ffn_hidden_size": lambda c: {**_EXPERTS, "dense_layers": [0], "dense_ffn_hidden_size": 2 * c.ffn_hidden_size},
-    "shared_expert_size": lambda c: {**_EXPERTS, "shared_expert_size": 24, "shared_expert_gate": True},
-    "shared_expert_gate": lambda c: {**_EXPERTS, "shared_expert_size": 24, "shared_expert_gate": True},
-    "router_scoring": lambda c: {**_EXPERTS, "router_scoring": "sigmoid"},
-    "router_bias": lambda c: {**_EXPERTS, "router_bias": True},
-    "expert_groups": lambda c: {**_EXPERTS, "expert_groups": 2, "expert_groups_chosen": 1},
-    "expert_groups_chosen": lambda c: {**_EXPERTS, "expert_groups": 2, "expert_groups_chosen": 1},
-    "routed_scaling": lambda c: {**_EXPERTS, "routed_scaling": 2.5},
-    "q_lora_rank": lambda c: {**_latent(c), "q_lora_rank": 16},
-    "kv_lora_rank": lambda c: _latent(c),
-    "qk_rope_head_dim": lambda c: _latent(c),
-    "v_head_dim": lambda c: _latent(c),
+    "mlp.type": lambda c: _moe(),
+    "mlp.num_experts": lambda c: _moe(),
+    "mlp.experts_per_token": lambda c: _moe(),
+    "mlp.router.renormalize_top_k": lambda c: _moe(router=RouterSpec(renormalize_top_k=False)),
+    "mlp.dense_layers": lambda c: _moe(dense_layers=[0], dense_ffn_hidden_size=2 * c.ffn_hidden_size),
+    "mlp.dense_ffn_hidden_size": lambda c: _moe(dense_layers=[0], dense_ffn_hidden_size=2 * c.ffn_hidden_size),
+    "mlp.shared_expert.size": lambda c: _moe(shared_expert=SharedExpertSpec(size=24, gate=True)),
+    "mlp.shared_expert.gate": lambda c: _moe(shared_expert=SharedExpertSpec(size=24, gate=True)),
+    "mlp.router.scoring": lambda c: _moe(router=RouterSpec(scoring="sigmoid")),
+    "mlp.router.bias": lambda c: _moe(router=RouterSpec(bias=True)),
+    "mlp.router.groups": lambda c: _moe(router=RouterSpec(groups=2, groups_chosen=1)),
+    "mlp.router.groups_chosen": lambda c: _moe(router=RouterSpec(groups=2, groups_chosen=1)),
+    "mlp.router.scaling": lambda c: _moe(router=RouterSpec(scaling=2.5)),
+    "attention.type": lambda c: _latent(c),
+    "attention.q_lora_rank": lambda c: _latent(c, q_lora_rank=16),
+    "attention.kv_lora_rank": lambda c: _latent(c),
+    "attention.qk_rope_head_dim": lambda c: _latent(c),
+    "attention.v_head_dim": lambda c: _latent(c),
     "attn_sinks": lambda c: {"attn_sinks": True},
     "swiglu_alpha": lambda c: {"activation": "clamped_swiglu", "swiglu_alpha": 1.5},
     "swiglu_limit": lambda c: {"activation": "clamped_swiglu", "swiglu_limit": 3.0},
 }  # fmt: skip
 # Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 2/3,
 # and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
-_EXPERT_SWITCHES = (
-    "num_experts", "experts_per_token", "renormalize_top_k", "dense_layers",
-    "dense_ffn_hidden_size", "shared_expert_size", "shared_expert_gate", "router_scoring", "router_bias",
-    "expert_groups", "expert_groups_chosen", "routed_scaling",
-)  # fmt: skip
+_EXPERT_SWITCHES = tuple(s for s in SWITCHES if s.startswith("mlp."))
+_LATENT_SWITCHES = tuple(s for s in SWITCHES if s.startswith("attention."))
 UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EXPERT_SWITCHES} | {
     ("mixtral", "activation"),
     # DeepSeek V3's experts (SwiGLU) and latent attention (no biases, q/k norms or sinks).
     *(("deepseek_v3", s) for s in ("activation", "attn_bias", "attn_out_bias", "qk_norm", "attn_sinks")),
     # gpt-oss's sinks are standard attention's, not latent attention's.
-    *(("gpt_oss", s) for s in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")),
+    *(("gpt_oss", s) for s in _LATENT_SWITCHES),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -279,8 +298,14 @@ def _vary(family: str, switch: str) -> ModelConfig:
 
 
 def _non_default(cfg: ModelConfig, name: str) -> bool:
+    if name in (*PART_DEFAULTS, *PART_REQUIRED):
+        value = config_fields(cfg).get(name, _ABSENT)
+        return value is not _ABSENT and value != PART_DEFAULTS.get(name, _ABSENT)
     default = cfg.hidden_size // cfg.num_heads if name == "head_dim" else FIELDS[name].default
     return getattr(cfg, name) != default
+
+
+_ABSENT = object()
 
 
 @pytest.mark.parametrize(("family", "switch"), [p for p in OFF_LIST if p not in UNBUILDABLE])
@@ -326,7 +351,7 @@ def test_every_switch_on_a_family_list_is_written_and_read_back(family: str, swi
                 exported.append((cfg, config_to_hf(cfg)))
     assert exported, f"no {family} config with {switch} set exports: add one to VARIANTS"
     for cfg, hf in exported:
-        assert getattr(config_from_hf(hf), switch) == getattr(cfg, switch)
+        assert config_fields(config_from_hf(hf))[switch] == config_fields(cfg)[switch]
 
 
 @pytest.mark.parametrize("case", list(CASES))

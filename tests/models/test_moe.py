@@ -44,8 +44,8 @@ def _pair(tmp_path: Path, case: str = "mixtral", layers: int = 2) -> tuple[torch
                  output_router_logits=True, **n)  # fmt: skip
     hf = load_hf(path)
     cfg = config_from_hf(hf.config)
-    assert (cfg.num_experts, cfg.experts_per_token) == (experts, k)  # COEF: the run's, set below
-    assert cfg.renormalize_top_k == (case not in UNNORMED)
+    assert (cfg.moe.num_experts, cfg.moe.experts_per_token) == (experts, k)  # COEF: the run's, set below
+    assert cfg.moe.router.renormalize_top_k == (case not in UNNORMED)
     ours = Decoder(cfg)
     ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))
     return hf.train(), ours.train()
@@ -148,31 +148,41 @@ def test_what_the_decoder_cannot_express_is_refused() -> None:
     """Experts outside the families whose checkpoints carry them, router and expert settings
     without experts, dense layers that are not layers, a shared expert's gate without the expert;
     Qwen 3 MoE's dense layers read as the config says (one line naming the key where refused)."""
+    import msgspec
+
     from megacore.config import ModelConfig
+    from megacore.config_parts import MoESpec
     from megacore.errors import UserError
 
     small = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
              "ffn_hidden_size": 48}  # fmt: skip
     with pytest.raises(ValueError, match="mixtral, qwen3, qwen2"):
-        ModelConfig(family="llama", num_experts=4, experts_per_token=2, **small)
-    with pytest.raises(ValueError, match="need a mixture of experts"):
-        ModelConfig(family="qwen3", renormalize_top_k=False, **small)
-    with pytest.raises(ValueError, match="need a mixture of experts"):
-        ModelConfig(family="qwen3", dense_layers=[0], **small)
-    moe = {**small, "num_experts": 4, "experts_per_token": 2}
-    with pytest.raises(ValueError, match="increasing layer indices below 2"):
-        ModelConfig(family="qwen3", dense_layers=[2], **moe)
-    with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
-        ModelConfig(family="qwen2", shared_expert_gate=True, **moe)
-    assert ModelConfig(family="qwen3", **moe).renormalize_top_k
+        ModelConfig(family="llama", mlp=MoESpec(num_experts=4, experts_per_token=2), **small)
+    # An expert setting of a dense MLP has nowhere to go: a manifest naming one is refused by name.
+    for dense in ({"type": "dense", "num_experts": 4}, {"type": "dense", "router": {}}):
+        with pytest.raises(msgspec.ValidationError, match=r"unknown field .* at `\$.mlp`"):
+            msgspec.convert({**small, "family": "qwen3", "mlp": dense}, ModelConfig)
+    moe = {"num_experts": 4, "experts_per_token": 2}
+    with pytest.raises(ValueError, match="dense_layers must be layer indices below 2"):
+        ModelConfig(family="qwen3", mlp=MoESpec(dense_layers=[2], **moe), **small)
+    with pytest.raises(ValueError, match="increasing layer indices"):
+        MoESpec(dense_layers=[1, 0], **moe)
+    with pytest.raises(
+        msgspec.ValidationError, match=r"missing required field `size` - at `\$.mlp.shared_expert`"
+    ):
+        msgspec.convert(
+            {**small, "family": "qwen2", "mlp": {"type": "moe", **moe, "shared_expert": {"gate": True}}},
+            ModelConfig,
+        )
+    assert ModelConfig(family="qwen3", mlp=MoESpec(**moe), **small).moe.router.renormalize_top_k
     hf = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "head_dim": 8,
           "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
     cfg = config_from_hf(hf)
-    assert (cfg.ffn_hidden_size, cfg.dense_layers, cfg.dense_ffn_hidden_size) == (16, [], None)
+    assert (cfg.ffn_hidden_size, cfg.moe.dense_layers, cfg.moe.dense_ffn_hidden_size) == (16, [], None)
     # transformers: layer i is dense when in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
     cfg = config_from_hf({**hf, "mlp_only_layers": [1], "decoder_sparse_step": 2})
-    assert (cfg.dense_layers, cfg.dense_ffn_hidden_size) == ([0, 1, 2], 48)
+    assert (cfg.moe.dense_layers, cfg.moe.dense_ffn_hidden_size) == ([0, 1, 2], 48)
     with pytest.raises(UserError, match="mlp_only_layers"):
         config_from_hf({**hf, "mlp_only_layers": "1"})
 

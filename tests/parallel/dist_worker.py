@@ -34,6 +34,7 @@ from megacore.config import (
     is_adapter_tensor,
     is_block_projection,
 )
+from megacore.config_parts import LatentAttentionSpec, MoESpec, RouterSpec, SharedExpertSpec
 from megacore.models import Decoder, adapters
 from megacore.models.decoder import initial_value
 from megacore.models.lora import add_lora, freeze_base
@@ -118,23 +119,25 @@ FAMILIES = {
     # rows (the router losses are per microbatch): dp x microbatches is 2 in every "mixtral"
     # scenario, 4 in every "mixtral4" one (the same model).
     "mixtral": ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
-                           num_kv_heads=2, ffn_hidden_size=48, num_experts=4, experts_per_token=2),
+                           num_kv_heads=2, ffn_hidden_size=48, mlp=MoESpec(num_experts=4, experts_per_token=2)),
     # Qwen 2 MoE: layer 0 dense (64 wide), the others 4 experts top-2 beside a gated shared expert
     # (40 wide, split over tp like a dense MLP, its gate replicated); no q/k/v biases (qkv_bias
     # false: k's bias has a zero gradient, whose rounding AdamW turns into lr-sized steps). Under
     # pp 2 the first stage holds the dense layer and a sparse one.
     "qwen2-moe": ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
-                             num_kv_heads=2, ffn_hidden_size=24, num_experts=4, experts_per_token=2,
-                             renormalize_top_k=False, dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=40,
-                             shared_expert_gate=True),
+                             num_kv_heads=2, ffn_hidden_size=24,
+                             mlp=MoESpec(num_experts=4, experts_per_token=2, router=RouterSpec(renormalize_top_k=False),
+                                     dense_layers=[0], dense_ffn_hidden_size=64,
+                                     shared_expert=SharedExpertSpec(size=40, gate=True))),
     # DeepSeek V3: latent attention (q's low-rank pair, 8 of 24 dims rotated, v heads 12 wide),
     # layer 0 dense, then 4 experts in 2 groups (the best 1 chosen) beside a shared one, sigmoid
     # routing scaled by 2.5 with the balancing bias moved 0.01 a step towards even loads.
     "deepseek": ModelConfig(family="deepseek_v3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
-                            num_kv_heads=4, ffn_hidden_size=24, head_dim=24, q_lora_rank=16, kv_lora_rank=16,
-                            qk_rope_head_dim=8, v_head_dim=12, num_experts=4, experts_per_token=2,
-                            dense_layers=[0], dense_ffn_hidden_size=64, shared_expert_size=24,
-                            router_scoring="sigmoid", router_bias=True, expert_groups=2, expert_groups_chosen=1, routed_scaling=2.5),
+                            num_kv_heads=4, ffn_hidden_size=24, head_dim=24,
+                            attention=LatentAttentionSpec(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12),
+                            mlp=MoESpec(num_experts=4, experts_per_token=2, dense_layers=[0], dense_ffn_hidden_size=64,
+                                    shared_expert=SharedExpertSpec(size=24),
+                                    router=RouterSpec(scoring="sigmoid", bias=True, groups=2, groups_chosen=1, scaling=2.5))),
     # gpt-oss: a sliding layer (window 4 < SEQ) then a full one, twice; q/k/v/o biases, a sink per
     # head (split over tp with q's heads), 4 experts top-2 with biases (gate/up's split over tp, the
     # down one's added once after the sum over tp) and the clamped SwiGLU (limit 0.5: it binds),
@@ -143,7 +146,7 @@ FAMILIES = {
                            num_kv_heads=2, ffn_hidden_size=24, head_dim=8, attn_bias=True, attn_out_bias=True,
                            mlp_bias=True, attn_sinks=True, activation="clamped_swiglu", swiglu_limit=0.5,
                            sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                           num_experts=4, experts_per_token=2),
+                           mlp=MoESpec(num_experts=4, experts_per_token=2)),
 }  # fmt: skip
 # Their training settings (the run's): Mixtral both router losses, Qwen 2 MoE the load-balancing
 # one, DeepSeek V3 its bias moved 0.01 a step, gpt-oss the z-loss (cp takes no load-balancing loss).
@@ -196,7 +199,7 @@ def reference_loss(
     """The language-model loss (mean over the counted targets); a mixture of experts runs the rows
     as `chunks` microbatches, each MoE layer's router losses weighted as one process weighs them
     (their mean over layers and microbatches, times the coefficients)."""
-    if cfg.num_experts is None:
+    if cfg.moe is None:
         return lm_loss(model(tokens, positions=positions), targets, cfg.vocab_size)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     for m in moes:
@@ -361,8 +364,8 @@ def cp_gather_checks(pm: ParallelModel, inputs: dict, label: str) -> list[str]:
     and v expanded from them; standard attention k and v of the rank's kv heads (one where tp
     replicates them)."""
     cfg, tp, cp = pm.config, pm.par.spec.tp, pm.par.spec.cp
-    if cfg.kv_lora_rank is not None:
-        want = [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
+    if cfg.latent is not None:
+        want = [(cfg.latent.kv_lora_rank + cfg.latent.qk_rope_head_dim,)]
     else:
         want = [(max(1, cfg.num_kv_heads // tp), cfg.head_dim)] * 2
     layers = sum(len(part.layers) for part in pm.parts)

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import torch.distributed as dist
 
 from megacore.artifacts.run_spec import ParallelSpec
@@ -27,7 +28,10 @@ def main() -> None:
     spec = ParallelSpec(tp=case.get("tp", 1), ep=case.get("ep", 1))
     mesh = build_mesh(spec.tp, 1, 1, spec.ep)
     pm = ParallelModel(
-        ModelConfig(**case["config"]), Parallelism(spec, "fp32", 1, attention="sdpa"), mesh, "cpu"
+        msgspec.convert(case["config"], ModelConfig),
+        Parallelism(spec, "fp32", 1, attention="sdpa"),
+        mesh,
+        "cpu",
     )
     pm.init_weights(seed=0)
     prompts, new = case["prompts"], case["new"]

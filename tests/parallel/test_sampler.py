@@ -26,7 +26,7 @@ from parallel.sample_worker import DRAWN
 WORKER = Path(__file__).with_name("sample_worker.py")
 LLAMA = {"family": "llama", "vocab_size": 96, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
          "num_kv_heads": 2, "ffn_hidden_size": 64, "max_seq_len": 64}  # fmt: skip
-MIXTRAL = {**LLAMA, "family": "mixtral", "num_experts": 4, "experts_per_token": 2}
+MIXTRAL = {**LLAMA, "family": "mixtral", "mlp": {"type": "moe", "num_experts": 4, "experts_per_token": 2}}
 PROMPTS = [[5, 17, 33, 2, 40], [9, 81, 3, 3, 60, 12, 7, 1], [44, 45]]
 CASES = {"tp2": {"config": LLAMA, "tp": 2}, "dp2": {"config": LLAMA}, "ep2": {"config": MIXTRAL, "ep": 2}}
 

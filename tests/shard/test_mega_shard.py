@@ -13,6 +13,7 @@ from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process,
 from megacore.artifacts import TensorReader, open_artifact
 from megacore.artifacts.manifest import TrainingState
 from megacore.config import ModelConfig
+from megacore.config_parts import MoESpec
 from megacore.parallel import optim_state_name
 from megacore.parts import model_tensors
 
@@ -24,7 +25,7 @@ CFG = ModelConfig(
 # 4 experts of ffn 16, so tp 2 splits each expert's ffn and ep 2 or 4 the experts.
 MIXTRAL = ModelConfig(
     family="mixtral", vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-    ffn_hidden_size=16, num_experts=4, experts_per_token=2,
+    ffn_hidden_size=16, mlp=MoESpec(num_experts=4, experts_per_token=2),
 )  # fmt: skip
 FALCON = ModelConfig(
     family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -111,7 +112,7 @@ def measure(
 
 
 def run(sc: dict) -> dict:
-    cfg = ModelConfig(**{**TINY, **sc.get("config", {})})
+    cfg = msgspec.convert({**TINY, **sc.get("config", {})}, ModelConfig)
     spec = ParallelSpec(
         tp=sc.get("tp", 1),
         pp=sc.get("pp", 1),

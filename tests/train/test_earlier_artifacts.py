@@ -1,6 +1,6 @@
 """Artifacts written by an earlier main load, train and export unchanged: tests/fixtures/e9be15e/
 holds a converted tiny Llama and a checkpoint trained 2 steps from it, as the code of commit
-e9be15e (main before issue #50's seams) wrote them (tests/fixtures/make_e9be15e.py says how). The
+e9be15e (main before issue #50's seams) wrote them (tests/fixtures/make_earlier.py says how). The
 fixture is copied before use: nothing is ever written into the repository."""
 
 from __future__ import annotations

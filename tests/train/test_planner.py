@@ -19,6 +19,7 @@ from helpers import assert_one_line_error, dry_run_without_torch, run_in_process
 from megacore import planner
 from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import ModelConfig
+from megacore.config_parts import LatentAttentionSpec, MoESpec
 from megacore.errors import UserError
 from megacore.parallel.layout import Parallelism
 from megacore.planner import GiB
@@ -108,8 +109,9 @@ CP_MEASURED = {
 MLA_CP_MEASURED = {
     **CP_MEASURED,
     "config": {"family": "deepseek_v3", "vocab_size": 1000, "padded_vocab_size": 1024, "hidden_size": 256,
-               "num_heads": 8, "num_kv_heads": 8, "head_dim": 48, "q_lora_rank": 96, "kv_lora_rank": 64,
-               "qk_rope_head_dim": 16, "v_head_dim": 32, "ffn_hidden_size": 688, "max_seq_len": 512},
+               "num_heads": 8, "num_kv_heads": 8, "head_dim": 48, "ffn_hidden_size": 688, "max_seq_len": 512,
+               "attention": {"type": "latent", "q_lora_rank": 96, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+                             "v_head_dim": 32}},
 }  # fmt: skip
 
 
@@ -158,7 +160,7 @@ def test_state_bytes_equal_what_two_processes_hold(tmp_path: Path) -> None:
 
 
 # Mixtral's switches on the tiny Llama: 2 experts of ffn 64, top-1.
-MOE = {"family": "mixtral", "num_experts": 2, "experts_per_token": 1}
+MOE = {"family": "mixtral", "mlp": {"type": "moe", "num_experts": 2, "experts_per_token": 1}}
 
 
 @pytest.mark.dist
@@ -233,13 +235,13 @@ def measured_peak(pm, tokens, targets, kept: int = 0) -> int:
 
 # Mixtral's shape at the same size: 4 experts of a quarter of the dense ffn each, top-2.
 MOE_ACT_CONFIG = msgspec.structs.replace(
-    ACT_CONFIG, family="mixtral", ffn_hidden_size=172, num_experts=4, experts_per_token=2
+    ACT_CONFIG, family="mixtral", ffn_hidden_size=172, mlp=MoESpec(num_experts=4, experts_per_token=2)
 )
 
 # DeepSeek V3's latent attention at the same size (its MLP dense): q and k heads of 48, v of 32.
 MLA_ACT_CONFIG = msgspec.structs.replace(
-    ACT_CONFIG, family="deepseek_v3", num_kv_heads=8, head_dim=48, q_lora_rank=96, kv_lora_rank=64,
-    qk_rope_head_dim=16, v_head_dim=32,
+    ACT_CONFIG, family="deepseek_v3", num_kv_heads=8, head_dim=48,
+    attention=LatentAttentionSpec(q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32),
 )  # fmt: skip
 ACT_IDS = {id(ACT_CONFIG): "llama", id(MOE_ACT_CONFIG): "mixtral", id(MLA_ACT_CONFIG): "deepseek-mla"}
 
@@ -282,7 +284,7 @@ def test_activation_estimate_is_within_25_percent_of_a_measured_step(
         pm = ParallelModel(config, par, build_mesh(), "cpu")
         pm.init_weights()
         pm.forward_backward(rows[:, :-1], rows[:, 1:])
-        stats = 0 if config.num_experts is None else config.num_layers * (config.num_experts + 2) * 4
+        stats = 0 if config.moe is None else config.num_layers * (config.moe.num_experts + 2) * 4
         peak = measured_peak(pm, rows[:, :-1], rows[:, 1:], kept=stats)
     finally:
         shutdown()

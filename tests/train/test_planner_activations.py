@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from megacore import planner
@@ -45,8 +46,8 @@ def test_in_flight_microbatches_follow_the_schedules() -> None:
 # of 32 and a rope part of 16 shared by the heads, q and k heads of 48, v heads of 32.
 MLA = {
     "family": "deepseek_v3", "vocab_size": 512, "hidden_size": 128, "num_layers": 1, "num_heads": 8,
-    "num_kv_heads": 8, "ffn_hidden_size": 192, "max_seq_len": 256, "head_dim": 48, "q_lora_rank": 64,
-    "kv_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "num_kv_heads": 8, "ffn_hidden_size": 192, "max_seq_len": 256, "head_dim": 48,
+    "attention": {"type": "latent", "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 32},
 }  # fmt: skip
 
 
@@ -83,8 +84,9 @@ def latent_attention_bytes(shape: dict, heads: int, micro: int, seq: int, c: int
     output and fp32 log-sum-exp, o_proj's input of heads x v_head_dim (sliced out of the output, a
     copy). A v as wide as q's heads is a view of kv_b_proj's whole nope + v output, and o_proj's
     input a view of the kernel's output ([b, s, heads, d] as q, a cat, is): the output once."""
-    T, hd, v, rope = micro * seq, shape["head_dim"], shape["v_head_dim"], shape["qk_rope_head_dim"]
-    latent, q_lora = shape["kv_lora_rank"], shape["q_lora_rank"]
+    la = shape["attention"]
+    T, hd, v, rope = micro * seq, shape["head_dim"], la["v_head_dim"], la["qk_rope_head_dim"]
+    latent, q_lora = la["kv_lora_rank"], la["q_lora_rank"]
     total = latent_norm_bytes(T, latent, latent + rope, c, plain)
     total += latent_norm_bytes(T, q_lora, q_lora, c, plain) if q_lora else 0
     v_saved = hd if v < hd else hd - rope + v
@@ -109,8 +111,11 @@ def test_latent_attention_saves_what_the_closed_form_counts(
     from megacore.models.decoder import FastPaths, LatentAttention
     from megacore.models.rope import rope_tables
 
-    shape = {**MLA, "q_lora_rank": q_lora_rank, "v_head_dim": v_head_dim}
-    config, dtype = ModelConfig(**shape), {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    shape = {**MLA, "attention": {**MLA["attention"], "q_lora_rank": q_lora_rank, "v_head_dim": v_head_dim}}
+    config, dtype = (
+        msgspec.convert(shape, ModelConfig),
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[precision],
+    )
     micro, seq = 2, 64
     attn = LatentAttention(config, impl="sdpa", fast=FastPaths(head_norms=not plain)).to(dtype)
     x = torch.randn(micro, seq, config.hidden_size, dtype=dtype, requires_grad=True)
@@ -130,8 +135,8 @@ def test_latent_attention_layers_are_sized_by_their_own_tensors(
     planner's bytes are those worked out here, the attention's from its own tensors (the latent
     projections' outputs whole on every tp rank, the heads split, v padded to q's heads) and not a
     standard attention's of as many heads."""
-    shape = {**MLA, "q_lora_rank": q_lora_rank}
-    config = ModelConfig(**shape)
+    shape = {**MLA, "attention": {**MLA["attention"], "q_lora_rank": q_lora_rank}}
+    config = msgspec.convert(shape, ModelConfig)
     micro, seq, c = 2, 128, 4 if precision == "fp32" else 2
     T, h, f, heads = micro * seq, MLA["hidden_size"], MLA["ffn_hidden_size"] // tp, MLA["num_heads"] // tp
     norms = 2 * (T * h * c + T * 4) + 2 * T * h * c  # inputs, fp32 rstd, outputs

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from megacore import planner
@@ -272,7 +273,7 @@ def test_the_mixtral_layouts_quoted_are_the_planners(tmp_path: Path, tokens: Pat
     least = min((c for c in picks[8] if c["peak"]), key=lambda c: c["peak"])
     assert f"smallest peak is {least['peak'] / GiB:.1f} GiB, tp {least['tp']} with full recompute" in text
     assert (least["pp"], least["recompute"]) == (1, "full"), least
-    params = sum(math.prod(s) for s in model_tensors(ModelConfig(**MIXTRAL_8X7B)).values())
+    params = sum(math.prod(s) for s in model_tensors(msgspec.convert(MIXTRAL_8X7B, ModelConfig)).values())
     assert f"{params / 1e9:.1f}B parameters" in text
     assert f"alone are {16 * params / 8 / GiB:.1f} GiB per GPU" in text
 
@@ -320,7 +321,7 @@ def lora_closed_form_state(shape: dict, nf4: bool, tp: int, pp: int, r: int) -> 
     ffn), the router and norms replicated; the adapters with them: B on its rows for the former, A
     on its columns for the latter, the other whole."""
     h, f, vocab = shape["hidden_size"], shape["ffn_hidden_size"], shape["vocab_size"]
-    kv, experts = shape["num_kv_heads"] * h // shape["num_heads"], shape.get("num_experts")
+    kv, experts = shape["num_kv_heads"] * h // shape["num_heads"], shape.get("mlp", {}).get("num_experts")
     # (in, out, split on the output rows) of each projection of a layer
     attn = [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False)]
     mlp = [] if experts else [(h, f, True), (h, f, True), (f, h, False)]
@@ -346,7 +347,7 @@ def test_the_lora_table_is_the_planners_and_its_state_a_closed_form(name: str) -
     equal, to the byte, those worked out here from the model's published shapes."""
     table = lora_table()
     assert {n for n, _ in table} == set(LORA_MODELS), sorted(table)
-    config = ModelConfig(**LORA_MODELS[name])
+    config = msgspec.convert(LORA_MODELS[name], ModelConfig)
     for method in ("LoRA", "QLoRA"):
         row, nf4 = table[name, method], method == "QLoRA"
         gpus, pick = fewest_gpus(config, nf4)

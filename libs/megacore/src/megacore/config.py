@@ -15,9 +15,19 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
+
+from megacore.config_parts import (
+    AttentionSpec,
+    DenseMLPSpec,
+    LatentAttentionSpec,
+    MLPSpec,
+    MoESpec,
+    StandardAttentionSpec,
+)
+from megacore.structs import Positive, PositiveFloat, Struct
 
 # Rows of the embedding and output projection are padded to a multiple of this when converting:
 # divisible by every power-of-two tensor-parallel size up to 128.
@@ -26,14 +36,6 @@ DEFAULT_PAD_MULTIPLE = 128
 # of scratch) whatever the vocab size, while a chunk keeps enough rows for the matmuls to run near
 # full speed. Here, torch-free, because the memory planner counts that scratch too.
 LOSS_CHUNK_ELEMENTS = 1 << 26
-
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=False):
-    """Base of every config and manifest struct: strict (unknown fields are errors), keyword-only."""
-
 
 RopeType = Literal["linear", "dynamic", "llama3", "yarn"]
 # The fields each RoPE scaling type reads besides `type` and `factor`; a field of another type is
@@ -104,7 +106,8 @@ GATED_ACTIVATIONS = ("swiglu", "geglu_tanh", "clamped_swiglu")
 
 
 class ModelConfig(Struct):
-    """Everything needed to build the decoder; every family is a choice of these switches."""
+    """Everything needed to build the decoder; every family is a choice of these switches and of its
+    parts (`attention`, `mlp`)."""
 
     family: Literal[
         "llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral", "deepseek_v3", "gpt_oss"
@@ -158,43 +161,10 @@ class ModelConfig(Struct):
     # (Gemma).
     scale_embeddings: bool = False
     tie_embeddings: bool = False
-    # Sparse mixture of experts (Mixtral, Qwen 3 MoE): every block's MLP is `num_experts` SwiGLU
-    # experts of ffn_hidden_size each, a bias-free router choosing `experts_per_token` of them per
-    # token (softmax, top-k, the chosen probabilities renormalised to sum to 1 unless
-    # `renormalize_top_k` is false, as Qwen 3 MoE's norm_topk_prob); None: the dense MLP. Its
-    # training settings (the router losses' weights, the bias update) are the run's (`RouterLosses`).
-    # `mlp_bias` on a mixture (gpt-oss): the router's linear has a bias and each expert's
-    # projections theirs.
-    num_experts: Positive | None = None
-    experts_per_token: Positive | None = None
-    renormalize_top_k: bool = True
-    # Dense blocks among the sparse ones (Qwen 3 MoE's mlp_only_layers and decoder_sparse_step):
-    # these layers' MLP is a dense SwiGLU `dense_ffn_hidden_size` wide (None: ffn_hidden_size).
-    dense_layers: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=list)
-    dense_ffn_hidden_size: Positive | None = None
-    # A shared expert beside the routed ones (Qwen 2 MoE): a SwiGLU every token goes through,
-    # `shared_expert_size` wide, its output times sigmoid(a linear of the input) when
-    # `shared_expert_gate`, added to the routed experts'.
-    shared_expert_size: Positive | None = None
-    shared_expert_gate: bool = False
-    # DeepSeek V3's routing: sigmoid scores (not softmax); a per-expert bias added to the scores a
-    # token chooses by, not to its weights (`router_bias`, "mlp.router_bias", moved towards even
-    # loads by the run's `RouterLosses.bias_update` per step: auxiliary-loss-free balancing); the
-    # choice within the best `expert_groups_chosen` of `expert_groups` groups of experts; the
-    # weights times `routed_scaling`.
-    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
-    router_bias: bool = False
-    expert_groups: Positive | None = None
-    expert_groups_chosen: Positive | None = None
-    routed_scaling: PositiveFloat = 1.0
-    # Multi-head latent attention (DeepSeek V2/V3) when `kv_lora_rank` is set: k and v expanded per
-    # head from one latent of that width, q through a `q_lora_rank`-wide one (None: one projection);
-    # q's and k's heads are head_dim wide, their last `qk_rope_head_dim` rotated (shared by every
-    # head in k), v's heads `v_head_dim` wide.
-    q_lora_rank: Positive | None = None
-    kv_lora_rank: Positive | None = None
-    qk_rope_head_dim: Positive | None = None
-    v_head_dim: Positive | None = None
+    # The layers' parts (`megacore.config_parts`): standard or latent attention, a dense MLP or a
+    # mixture of experts; `moe` and `latent` read them.
+    attention: AttentionSpec = msgspec.field(default_factory=StandardAttentionSpec)
+    mlp: MLPSpec = msgspec.field(default_factory=DenseMLPSpec)
     bos_id: int | None = None
     eos_id: int | None = None
 
@@ -217,7 +187,7 @@ class ModelConfig(Struct):
         self._check_latent()
         if rope_dim(self) % 2:
             raise ValueError(
-                f"{'qk_rope_head_dim' if self.kv_lora_rank else 'head_dim'} "
+                f"{'qk_rope_head_dim' if self.latent else 'head_dim'} "
                 f"{rope_dim(self)} must be even for rotary embeddings"
             )
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -241,19 +211,23 @@ class ModelConfig(Struct):
                 "weights were pretrained for"
             )
 
+    @property
+    def moe(self) -> MoESpec | None:
+        """The mixture of experts of the sparse layers (None: every MLP dense)."""
+        return self.mlp if isinstance(self.mlp, MoESpec) else None
+
+    @property
+    def latent(self) -> LatentAttentionSpec | None:
+        """The latent attention of every layer (None: standard attention)."""
+        return self.attention if isinstance(self.attention, LatentAttentionSpec) else None
+
     def _check_latent(self) -> None:
-        latent = (self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim)
-        if self.kv_lora_rank is None:
-            if any(v is not None for v in (*latent, self.q_lora_rank)):
-                raise ValueError(
-                    "q_lora_rank, qk_rope_head_dim and v_head_dim need latent attention (kv_lora_rank)"
-                )
+        latent = self.latent
+        if latent is None:
             return
-        if None in latent:
-            raise ValueError("latent attention needs kv_lora_rank, qk_rope_head_dim and v_head_dim")
-        if self.qk_rope_head_dim >= self.head_dim:
+        if latent.qk_rope_head_dim >= self.head_dim:
             raise ValueError(
-                f"qk_rope_head_dim {self.qk_rope_head_dim} must be below head_dim {self.head_dim}"
+                f"qk_rope_head_dim {latent.qk_rope_head_dim} must be below head_dim {self.head_dim}"
             )
         if self.num_kv_heads != self.num_heads or self.attn_bias or self.attn_out_bias or self.qk_norm:
             raise ValueError("latent attention has a k and v head per q head, no biases and no q/k norms")
@@ -261,54 +235,19 @@ class ModelConfig(Struct):
             raise ValueError("attention sinks are standard attention's (not latent attention)")
 
     def _check_experts(self) -> None:
-        if (self.num_experts is None) != (self.experts_per_token is None):
-            raise ValueError(
-                "num_experts and experts_per_token are set together (a mixture of experts) or not at all"
-            )
-        if self.num_experts is None:
-            moe_only = (
-                self.dense_layers
-                or self.dense_ffn_hidden_size
-                or self.shared_expert_size
-                or self.router_bias
-                or self.expert_groups
-                or self.router_scoring != "softmax"
-                or self.routed_scaling != 1.0
-            )
-            if not self.renormalize_top_k or moe_only:
-                raise ValueError("router and expert settings need a mixture of experts (num_experts)")
+        moe = self.moe
+        if moe is None:
             if self.family == "mixtral":
-                raise ValueError("a mixtral config needs num_experts and experts_per_token")
+                raise ValueError("a mixtral config needs a mixture of experts (mlp type moe)")
             return
         if self.family not in EXPERT_FAMILIES:  # those whose config.json and names carry experts
             raise ValueError(
                 f"family {self.family} has no experts; a mixture of experts is family {', '.join(EXPERT_FAMILIES)}"
             )
-        if self.experts_per_token > self.num_experts:
-            raise ValueError(
-                f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}"
-            )
         if self.activation not in ("swiglu", "clamped_swiglu"):
             raise ValueError("experts are SwiGLU (activation swiglu or clamped_swiglu)")
-        if sorted(set(self.dense_layers)) != self.dense_layers or any(
-            i >= self.num_layers for i in self.dense_layers
-        ):
-            raise ValueError(f"dense_layers must be increasing layer indices below {self.num_layers}")
-        if self.shared_expert_gate and self.shared_expert_size is None:
-            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_size)")
-        self._check_groups()
-
-    def _check_groups(self) -> None:
-        groups, chosen = self.expert_groups, self.expert_groups_chosen
-        if (groups is None) != (chosen is None):
-            raise ValueError("expert_groups and expert_groups_chosen are set together or not at all")
-        if groups is not None and (self.num_experts % groups or chosen > groups):
-            raise ValueError(
-                f"expert_groups {groups} must divide num_experts {self.num_experts} "
-                f"(and expert_groups_chosen {chosen} be at most it)"
-            )
-        if groups is not None and (self.num_experts // groups) * chosen < self.experts_per_token:
-            raise ValueError("the chosen groups hold fewer experts than experts_per_token")
+        if any(i >= self.num_layers for i in moe.dense_layers):
+            raise ValueError(f"dense_layers must be layer indices below {self.num_layers}")
 
 
 def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
@@ -320,19 +259,19 @@ def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
 
 def rope_dim(config: ModelConfig) -> int:
     """The dims RoPE rotates in each head: all of head_dim, or latent attention's rope part."""
-    return config.head_dim if config.kv_lora_rank is None else config.qk_rope_head_dim
+    return config.head_dim if config.latent is None else config.latent.qk_rope_head_dim
 
 
 def sparse_layer(config: ModelConfig, layer: int) -> bool:
     """Whether layer `layer`'s MLP is a mixture of experts (else dense)."""
-    return config.num_experts is not None and layer not in config.dense_layers
+    return config.moe is not None and layer not in config.moe.dense_layers
 
 
 def mlp_width(config: ModelConfig, layer: int) -> int:
     """Layer `layer`'s MLP width: each expert's when sparse, else the dense MLP's."""
-    if sparse_layer(config, layer) or config.dense_ffn_hidden_size is None:
+    if sparse_layer(config, layer) or config.moe is None or config.moe.dense_ffn_hidden_size is None:
         return config.ffn_hidden_size
-    return config.dense_ffn_hidden_size
+    return config.moe.dense_ffn_hidden_size
 
 
 def attention_window(config: ModelConfig, layer: int) -> int | None:
@@ -392,10 +331,10 @@ class RouterLosses:
     def check(self, config: ModelConfig) -> None:
         """ValueError, naming the run manifest's field, when `config` cannot take these settings."""
         for name, ours in V1_ROUTER_FIELDS.items():
-            if getattr(self, ours) and config.num_experts is None:
-                raise ValueError(f"$.model.{name}: the model is not a mixture of experts (num_experts)")
-        if self.bias_update and not config.router_bias:
-            raise ValueError("$.model.router_bias_update: the model's router has no bias (router_bias)")
+            if getattr(self, ours) and config.moe is None:
+                raise ValueError(f"$.model.{name}: the model is not a mixture of experts (mlp type moe)")
+        if self.bias_update and not (config.moe and config.moe.router.bias):
+            raise ValueError("$.model.router_bias_update: the model's router has no bias (mlp.router.bias)")
 
 
 def with_context(
@@ -421,12 +360,48 @@ def with_context(
     )
 
 
+# The config's tagged parts (`megacore.config_parts`): `config_fields` names their settings by path.
+PART_FIELDS = ("attention", "mlp")
+
+
+def part_fields(name: str, part: msgspec.Struct) -> dict[str, object]:
+    """A part's settings by path (`mlp.type`, `mlp.num_experts`, `mlp.router.bias`, ...; a sub-part
+    it has none of, `mlp.shared_expert`, as None)."""
+    out: dict[str, object] = {}
+
+    def add(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for key, v in value.items():
+                add(f"{prefix}.{key}", v)
+        else:
+            out[prefix] = value
+
+    add(name, msgspec.to_builtins(part))
+    return out
+
+
+def config_fields(config: ModelConfig) -> dict[str, object]:
+    """The config's settings by name, its parts' by path (`part_fields`): what differences, and the
+    families' allow-lists, are stated in."""
+    out: dict[str, object] = {}
+    for name, value in msgspec.structs.asdict(config).items():
+        out.update(part_fields(name, value) if name in PART_FIELDS else {name: value})
+    return out
+
+
 def config_differences(
     a: ModelConfig, b: ModelConfig, ignore: tuple[str, ...] = TOKEN_ID_FIELDS
 ) -> list[str]:
-    """Names of the fields in which two configs differ (besides `ignore`), sorted."""
-    fa, fb = msgspec.structs.asdict(a), msgspec.structs.asdict(b)
-    return sorted(k for k in fa if k not in ignore and fa[k] != fb[k])
+    """Names of the settings in which two configs differ (besides `ignore`), sorted; a part's by its
+    path (`config_fields`): `mlp.type` alone where the parts are of different kinds, a sub-part
+    (`mlp.shared_expert`) alone where one config has none."""
+    fa, fb = config_fields(a), config_fields(b)
+    missing = object()
+    diff = {k for k in {*fa, *fb} if k not in ignore and fa.get(k, missing) != fb.get(k, missing)}
+    # What a wider difference covers: a part of another kind its settings, a sub-part its own.
+    kinds = {f"{p}.type" for p in PART_FIELDS} & diff
+    covered = {k.removesuffix("type") for k in kinds} | {f"{k}." for k in diff}
+    return sorted(k for k in diff if k in kinds or not any(k.startswith(c) for c in covered))
 
 
 # --- names of the naming contract (its tensors and shapes: `megacore.parts.model_tensors`) ---------

@@ -55,21 +55,22 @@ def _front_matter(manifest: CheckpointManifest) -> list[str]:
 
 def _experts_rows(cfg: ModelConfig) -> list[str]:
     """A mixture of experts' routing and its parameters: all of them, and those a token passes through."""
-    if cfg.num_experts is None:
+    moe = cfg.moe
+    if moe is None:
         return []
-    how = "renormalised to sum to 1" if cfg.renormalize_top_k else "the softmax's, not renormalised"
+    how = "renormalised to sum to 1" if moe.router.renormalize_top_k else "the softmax's, not renormalised"
     # Counted as the export holds them: the vocab rows without the checkpoint's padding.
     total, active = parameter_counts(msgspec.structs.replace(cfg, padded_vocab_size=cfg.vocab_size))
     where = "every layer"
-    if cfg.dense_layers:
-        where = f"every layer but {', '.join(map(str, cfg.dense_layers))} (dense)"
+    if moe.dense_layers:
+        where = f"every layer but {', '.join(map(str, moe.dense_layers))} (dense)"
     shared = ""
-    if cfg.shared_expert_size is not None:
+    if moe.shared_expert is not None:
         shared = (
-            f", beside a shared expert every token goes through{' (gated)' if cfg.shared_expert_gate else ''}"
+            f", beside a shared expert every token goes through{' (gated)' if moe.shared_expert.gate else ''}"
         )
     return [
-        f"| experts | {cfg.num_experts} in {where}, top {cfg.experts_per_token} per token, "
+        f"| experts | {moe.num_experts} in {where}, top {moe.experts_per_token} per token, "
         f"their routing weights {how}{shared} |",
         f"| parameters | {total:,} in all, {active:,} active per token |",
     ]
@@ -87,7 +88,7 @@ def _layout_row(manifest: CheckpointManifest) -> str:
 def _experts_split(manifest: CheckpointManifest) -> int | None:
     """How many parts the pieces of a mixture of experts' stacked experts cut them into along the
     experts (its ep layout, as a run at ep saves and `mega-shard --ep` writes); None for a dense model."""
-    if manifest.config.num_experts is None:
+    if manifest.config.moe is None:
         return None
     name = next(n for n in manifest.tensors if is_experts(n))
     return len({piece.offset[0] for piece in manifest.tensors[name].pieces})

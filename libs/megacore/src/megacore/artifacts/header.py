@@ -20,7 +20,7 @@ import msgspec
 from megacore.config import Struct
 from megacore.errors import UserError
 
-FORMAT_VERSION = 2  # 2: a mixture of experts' training settings moved from the model config to the run
+FORMAT_VERSION = 3  # 2: a mixture of experts' training settings moved to the run; 3: the config's parts
 MANIFEST_NAME = "manifest.json"
 
 Kind = Literal["tokens", "checkpoint", "run", "hf"]

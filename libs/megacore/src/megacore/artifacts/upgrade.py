@@ -8,6 +8,13 @@ fingerprint of the run that saved it (`training.run`, as today's runs record the
 still refuses a change and export still reads what it trained with); a version 1 run manifest's
 `model.config.router_*` move beside it to `model.router_*`, and its `model.router_*` null (then:
 the init's) are dropped (now: 0, a resume from a checkpoint trained otherwise refused by field).
+
+Version 3 made the model config's attention and MLP tagged parts (`megacore.config_parts`): a
+version 2 config's flat latent-attention and mixture-of-experts fields move into `attention`
+(`type` latent when `kv_lora_rank` is set) and `mlp` (`type` moe when `num_experts` is set; the
+router's settings into `mlp.router`, the shared expert's into `mlp.shared_expert`). A dense or
+standard config's flat fields at their old defaults are dropped; any other is left where it was,
+so the strict decoding refuses it by name, as version 2 refused it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,68 @@ def upgrade(raw: dict[str, Any], version: int) -> dict[str, Any]:
     """`raw`, a manifest of format `version` decoded as plain JSON, in today's format."""
     if version < 2:
         raw = _router_settings_to_the_run(raw)
+    if version < 3:
+        for config in _configs(raw):
+            _flat_fields_to_parts(config)
     return raw
+
+
+# Version 2's flat fields: their path in the parts, and their default (what a dense MLP or standard
+# attention held).
+V2_LATENT = {
+    "kv_lora_rank": (("kv_lora_rank",), None),
+    "qk_rope_head_dim": (("qk_rope_head_dim",), None),
+    "v_head_dim": (("v_head_dim",), None),
+    "q_lora_rank": (("q_lora_rank",), None),
+}
+V2_MOE = {
+    "num_experts": (("num_experts",), None),
+    "experts_per_token": (("experts_per_token",), None),
+    "renormalize_top_k": (("router", "renormalize_top_k"), True),
+    "router_scoring": (("router", "scoring"), "softmax"),
+    "router_bias": (("router", "bias"), False),
+    "expert_groups": (("router", "groups"), None),
+    "expert_groups_chosen": (("router", "groups_chosen"), None),
+    "routed_scaling": (("router", "scaling"), 1.0),
+    "shared_expert_size": (("shared_expert", "size"), None),
+    "shared_expert_gate": (("shared_expert", "gate"), False),
+    "dense_layers": (("dense_layers",), []),
+    "dense_ffn_hidden_size": (("dense_ffn_hidden_size",), None),
+}
+
+
+def _configs(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model configs a manifest holds: a checkpoint's, a run's new model's."""
+    model = raw.get("model") if raw.get("kind") == "run" else None
+    found = [raw.get("config")] if raw.get("kind") == "checkpoint" else []
+    found += [model.get("config")] if isinstance(model, dict) else []
+    return [c for c in found if isinstance(c, dict)]
+
+
+def _flat_fields_to_parts(config: dict[str, Any]) -> None:
+    for part, fields, key, tag in (
+        ("attention", V2_LATENT, "kv_lora_rank", "latent"),
+        ("mlp", V2_MOE, "num_experts", "moe"),
+    ):
+        if part in config:  # written by hand in today's format: left to the strict decoding
+            continue
+        if config.get(key) is None:
+            for name, (_, default) in fields.items():
+                if name in config and config[name] == default:
+                    del config[name]
+            continue
+        nested: dict[str, Any] = {"type": tag}
+        for name, (path, _) in fields.items():
+            if name in config:
+                *parents, leaf = path
+                target = nested
+                for p in parents:
+                    target = target.setdefault(p, {})
+                target[leaf] = config.pop(name)
+        shared = nested.get("shared_expert")
+        if shared is not None and shared.get("size") is None and not shared.get("gate"):  # none
+            del nested["shared_expert"]
+        config[part] = nested
 
 
 def _router_settings_to_the_run(raw: dict[str, Any]) -> dict[str, Any]:

@@ -258,14 +258,15 @@ class LatentAttention(nn.Module):
         super().__init__()
         hidden, heads, hd = config.hidden_size, config.num_heads, config.head_dim
         self.layer = layer
-        self.rope, self.v_dim, self.latent = config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+        la = config.latent
+        self.rope, self.v_dim, self.latent = la.qk_rope_head_dim, la.v_head_dim, la.kv_lora_rank
         self.nope = hd - self.rope
         self.window = attention_window(config, layer)
         self.local_rope = local_rope(config, layer)
         self.scale = latent_attention_scale(config)
         self.impl = impl
         self.recompute = recompute
-        q_lora, norm = config.q_lora_rank, partial(RMSNorm, eps=LATENT_NORM_EPS, fused=fast.head_norms)
+        q_lora, norm = la.q_lora_rank, partial(RMSNorm, eps=LATENT_NORM_EPS, fused=fast.head_norms)
         self.q_proj = nn.Linear(hidden, heads * hd, bias=False) if q_lora is None else None
         self.q_a_proj = nn.Linear(hidden, q_lora, bias=False) if q_lora else None
         self.q_a_norm = norm(q_lora) if q_lora else None
@@ -358,14 +359,14 @@ class Block(nn.Module):
         self.recompute = recompute == "full"
         # Registered in the naming contract's order (`model_tensors`).
         self.attn_norm = make_norm(config, fast)
-        kind = Attention if config.kv_lora_rank is None else LatentAttention
+        kind = Attention if config.latent is None else LatentAttention
         self.attn = kind(config, layer, attention, recompute == "selective", fast)
         self.attn_post_norm = make_norm(config, fast) if config.sandwich_norm else None
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
         self.mlp_norm = None if one_norm else make_norm(config, fast)
         if sparse_layer(config, layer):
-            size = config.shared_expert_size
-            self.mlp = MoE(config, None if size is None else MLP(config, fast, size))
+            shared = config.moe.shared_expert
+            self.mlp = MoE(config, None if shared is None else MLP(config, fast, shared.size))
         else:
             self.mlp = MLP(config, fast, mlp_width(config, layer))
         self.mlp_post_norm = make_norm(config, fast) if config.sandwich_norm else None

@@ -1,5 +1,5 @@
-"""Sparse mixture of experts, the MLP of a block when the config has `num_experts` (Mixtral), but
-for its `dense_layers`.
+"""Sparse mixture of experts, the MLP of a block when the config's `mlp` is one (Mixtral), but for
+its `dense_layers`.
 
 Routing as transformers' Mixtral and Qwen 3 MoE compute it: router logits from a bias-free
 linear, an fp32 softmax, the top `experts_per_token` probabilities, renormalised to sum to 1
@@ -68,7 +68,12 @@ class Experts(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        e, hidden, ffn, bias = config.num_experts, config.hidden_size, config.ffn_hidden_size, config.mlp_bias
+        e, hidden, ffn, bias = (
+            config.moe.num_experts,
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.mlp_bias,
+        )
         self.gate_proj = GroupedLinear(e, hidden, ffn, bias)
         self.up_proj = GroupedLinear(e, hidden, ffn, bias)
         self.down_proj = GroupedLinear(e, ffn, hidden, bias)
@@ -220,20 +225,19 @@ class MoE(nn.Module):
 
     def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
-        self.top_k, self.renormalize = config.experts_per_token, config.renormalize_top_k
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.mlp_bias)
+        moe, router = config.moe, config.moe.router
+        self.top_k, self.renormalize = moe.experts_per_token, router.renormalize_top_k
+        self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=config.mlp_bias)
         # DeepSeek V3: sigmoid scores, the balancing bias (no gradient: the engine moves it towards
         # even loads, `router_bias_update`), groups of experts, scaled weights.
-        self.sigmoid, self.scaling = config.router_scoring == "sigmoid", config.routed_scaling
-        self.groups = (
-            None if config.expert_groups is None else (config.expert_groups, config.expert_groups_chosen)
-        )
-        bias = torch.zeros(config.num_experts) if config.router_bias else None
+        self.sigmoid, self.scaling = router.scoring == "sigmoid", router.scaling
+        self.groups = None if router.groups is None else (router.groups, router.groups_chosen)
+        bias = torch.zeros(moe.num_experts) if router.bias else None
         self.router_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.experts = Experts(config)
         # Qwen 2 MoE's shared expert (the decoder's dense MLP, handed in) and its sigmoid gate.
         self.shared_expert = shared_expert
-        gated = shared_expert is not None and config.shared_expert_gate
+        gated = shared_expert is not None and moe.shared_expert.gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
         self.stats = MoEStats()
 

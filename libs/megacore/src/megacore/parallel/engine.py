@@ -114,7 +114,7 @@ class ParallelModel:
         self.ep_mesh = mesh["ep"] if par.spec.ep > 1 else None
         # A mixture of experts' experts split over ep and tp (`ep.apply_ep`), either or both.
         split = tuple(d for d, n in (("ep", par.spec.ep), ("tp", par.spec.tp)) if n > 1)
-        self.experts_mesh = mesh[split] if split and config.num_experts is not None else None
+        self.experts_mesh = mesh[split] if split and config.moe is not None else None
         # Parameters are replicated over dp and cp alike; FSDP2 shards them over both.
         self.data_mesh = replicas_mesh(mesh, par.spec.cp)
         self.stage_ids = par.rank_stages(mesh["pp"].get_local_rank())

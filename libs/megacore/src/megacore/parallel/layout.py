@@ -162,8 +162,8 @@ def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
 def check_ep(config: ModelConfig, ep: int, where: str = "ep") -> None:
     """ep splits the experts of every MoE layer: a mixture of experts with a multiple of ep experts."""
     check_positive(ep, "ep", where)
-    if ep > 1 and (config.num_experts is None or config.num_experts % ep):
-        experts = "no experts" if config.num_experts is None else f"{config.num_experts} experts"
+    if ep > 1 and (config.moe is None or config.moe.num_experts % ep):
+        experts = "no experts" if config.moe is None else f"{config.moe.num_experts} experts"
         raise UserError(f"ep {ep} splits a mixture of experts' experts: the model has {experts}", where)
 
 
@@ -271,7 +271,7 @@ def check_sharding(config: ModelConfig, par: Parallelism, dims: Dims, where: str
     ep as well, and evenly over the replicas."""
     if nf4_base(par):
         check_nf4(config, par, dims, where)
-    biased = config.num_experts is not None and config.mlp_bias
+    biased = config.moe is not None and config.mlp_bias
     if not (biased and dims.tp > 1 and fsdp_wrapped(par, dims)):
         return
     if dims.ep > 1 and dims.experts_replicas > 1:
@@ -279,10 +279,10 @@ def check_sharding(config: ModelConfig, par: Parallelism, dims: Dims, where: str
             "experts with biases under tp x ep train with dp = ep and cp 1 (their biases' one free dim is ep's)",
             f"{where}.ep",
         )
-    if dims.ep == 1 and config.num_experts % dims.replicas:
+    if dims.ep == 1 and config.moe.num_experts % dims.replicas:
         raise UserError(
             f"experts' biases under tp are sharded over dp x cp {dims.replicas} by expert, which "
-            f"must divide the {config.num_experts} experts",
+            f"must divide the {config.moe.num_experts} experts",
             where,
         )
 

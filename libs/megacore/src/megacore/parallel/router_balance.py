@@ -42,9 +42,9 @@ class RouterBalance:
         """The step's router statistics over every layer and rank (a collective), device scalars:
         the mean load-balancing and z-loss (as `weigh` weighs them, without coefficients) and the
         tokens each expert of each layer got: min, max and coefficient of variation."""
-        if self.config.num_experts is None:
+        if self.config.moe is None:
             return None
-        layers, experts = len(self.sparse), self.config.num_experts
+        layers, experts = len(self.sparse), self.config.moe.num_experts
         table = torch.zeros(layers, experts + 2, dtype=torch.float64, device=device)
         for i, moe in self.moe_layers.items():
             load, losses = moe.stats.totals(last=microbatches)

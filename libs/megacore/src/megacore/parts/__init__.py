@@ -26,8 +26,8 @@ from megacore.parts.compute import Shapes
 
 
 def attention_part(config: ModelConfig) -> ModuleType:
-    """The attention part of every layer: latent where `kv_lora_rank` is set, else standard."""
-    return latent if config.kv_lora_rank is not None else attention
+    """The attention part of every layer: latent or standard (`config.attention`)."""
+    return latent if config.latent is not None else attention
 
 
 def mlp_part(config: ModelConfig, layer: int) -> ModuleType:

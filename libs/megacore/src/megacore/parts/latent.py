@@ -1,4 +1,4 @@
-"""The latent attention part (DeepSeek V2/V3's multi-head latent attention, `kv_lora_rank` set): k
+"""The latent attention part (DeepSeek V2/V3's multi-head latent attention, `attention` type latent): k
 and v expanded per head from one normed latent, q through its own low-rank pair (`q_lora_rank`) or
 one projection, the rope part of q and k rotated (k's shared by every head). Its tensors, where
 tensor parallel splits them (the per-head expansions by heads like q, the output projection on its
@@ -14,17 +14,18 @@ def tensors(out: Shapes, config: ModelConfig, at: str) -> None:
     """`at`: "layers.<i>.attn": q's projection (or low-rank pair and its norm), the latent's
     projection (its rope part last), norm and expansion, the output."""
     hidden, heads, hd = config.hidden_size, config.num_heads, config.head_dim
-    if config.q_lora_rank is None:
+    la = config.latent
+    if la.q_lora_rank is None:
         out[f"{at}.q_proj.weight"] = (heads * hd, hidden)
     else:
-        out[f"{at}.q_a_proj.weight"] = (config.q_lora_rank, hidden)
-        out[f"{at}.q_a_norm.weight"] = (config.q_lora_rank,)
-        out[f"{at}.q_b_proj.weight"] = (heads * hd, config.q_lora_rank)
-    latent, nope = config.kv_lora_rank, hd - config.qk_rope_head_dim
-    out[f"{at}.kv_a_proj.weight"] = (latent + config.qk_rope_head_dim, hidden)
+        out[f"{at}.q_a_proj.weight"] = (la.q_lora_rank, hidden)
+        out[f"{at}.q_a_norm.weight"] = (la.q_lora_rank,)
+        out[f"{at}.q_b_proj.weight"] = (heads * hd, la.q_lora_rank)
+    latent, nope = la.kv_lora_rank, hd - la.qk_rope_head_dim
+    out[f"{at}.kv_a_proj.weight"] = (latent + la.qk_rope_head_dim, hidden)
     out[f"{at}.kv_a_norm.weight"] = (latent,)
-    out[f"{at}.kv_b_proj.weight"] = (heads * (nope + config.v_head_dim), latent)
-    out[f"{at}.o_proj.weight"] = (hidden, heads * config.v_head_dim)
+    out[f"{at}.kv_b_proj.weight"] = (heads * (nope + la.v_head_dim), latent)
+    out[f"{at}.o_proj.weight"] = (hidden, heads * la.v_head_dim)
 
 
 _TP_DIMS: dict[str, int | None] = {
@@ -60,8 +61,9 @@ def _before_kernel(config: ModelConfig, comp: Compute, tokens: int, heads: int, 
     rank's own, or under cp the whole rows', expanded from the gathered normed latent and rotated k
     (latent + rope wide, kept whole by kv_b_proj's input, a view of it) in place of the rank's own
     normed latent."""
-    c, hd, v, rope = comp.c, config.head_dim, config.v_head_dim, config.qk_rope_head_dim
-    latent, q_lora = config.kv_lora_rank, config.q_lora_rank
+    la = config.latent
+    c, hd, v, rope = comp.c, config.head_dim, la.v_head_dim, la.qk_rope_head_dim
+    latent, q_lora = la.kv_lora_rank, la.q_lora_rank
     total = _latent_norm(comp, tokens, latent, latent + rope)
     if keys != tokens:
         total += (keys * (latent + rope) - tokens * latent) * c
@@ -77,7 +79,7 @@ def saves(
     """(what it saves before its kernel, o_proj's input, 0: no fused projections, the kernel's
     output). Its v as wide as q's heads: the output (q, a cat, lays it out [b, s, heads, d]) and
     o_proj's input, a view of it, counted once, as o_proj's input; a narrower v is sliced out of it."""
-    hd, v = config.head_dim, config.v_head_dim
+    hd, v = config.head_dim, config.latent.v_head_dim
     out = tokens * heads * hd * comp.c if v < hd else 0
     return _before_kernel(config, comp, tokens, heads, keys), tokens * heads * v * comp.c, 0, out
 

@@ -20,20 +20,21 @@ EXPERTS = "mlp.experts."  # the stacked experts' names, layer-relative
 
 def tensors(out: Shapes, config: ModelConfig, at: str, layer: int) -> None:
     """`at`: "layers.<i>.mlp": the router, the stacked experts and the shared expert with its gate."""
-    hidden, ffn, experts = config.hidden_size, mlp_width(config, layer), config.num_experts
-    if config.router_bias:  # the MoE's own parameter: before its modules' in a state dict
+    moe = config.moe
+    hidden, ffn, experts = config.hidden_size, mlp_width(config, layer), moe.num_experts
+    if moe.router.bias:  # the MoE's own parameter: before its modules' in a state dict
         out[f"{at}.router_bias"] = (experts,)
     linear(out, f"{at}.router", experts, hidden, config.mlp_bias)
     for proj, rows, cols in (("gate", ffn, hidden), ("up", ffn, hidden), ("down", hidden, ffn)):
         out[f"{at}.experts.{proj}_proj.weight"] = (experts, rows, cols)
         if config.mlp_bias:
             out[f"{at}.experts.{proj}_proj.bias"] = (experts, rows)
-    if config.shared_expert_size is not None:
-        shared = config.shared_expert_size
+    if moe.shared_expert is not None:
+        shared = moe.shared_expert.size
         linear(out, f"{at}.shared_expert.gate_proj", shared, hidden, False)
         linear(out, f"{at}.shared_expert.up_proj", shared, hidden, False)
         linear(out, f"{at}.shared_expert.down_proj", hidden, shared, False)
-        if config.shared_expert_gate:
+        if moe.shared_expert.gate:
             out[f"{at}.shared_expert_gate.weight"] = (1, hidden)
 
 
@@ -60,9 +61,9 @@ def experts_counts(config: ModelConfig, tensors: Shapes) -> tuple[int, int]:
     """(the experts' parameters, those of them one token passes through: `experts_per_token` of
     each layer's experts)."""
     stacked = sum(math.prod(s) for n, s in tensors.items() if is_expert_tensor(n))
-    if config.num_experts is None:
+    if config.moe is None:
         return stacked, stacked
-    return stacked, stacked * config.experts_per_token // config.num_experts
+    return stacked, stacked * config.moe.experts_per_token // config.moe.num_experts
 
 
 def saves(config: ModelConfig, comp: Compute, tokens: int, layer: int) -> tuple[int, int]:
@@ -72,10 +73,10 @@ def saves(config: ModelConfig, comp: Compute, tokens: int, layer: int) -> tuple[
     `index_add_` keeps its source for backward, torch 2.13; found by
     tests/families/test_conformance.py); the router's logits and fp32 probabilities, and the int64
     indices and fp32 weights of the top-k choices; a shared expert's SwiGLU and its sigmoid gate."""
-    c, h = comp.c, config.hidden_size
-    routed, experts = tokens * config.experts_per_token, config.num_experts
+    c, h, moe = comp.c, config.hidden_size, config.moe
+    routed, experts = tokens * moe.experts_per_token, moe.num_experts
     glu = MLP_SAVES[config.activation] * (mlp_width(config, layer) // comp.tp)
     routing = routed * (glu + 3 * h) * c + tokens * experts * (c + 4) + routed * (2 * 8 + 2 * 4)
-    shared = (config.shared_expert_size or 0) // comp.tp
+    shared = (0 if moe.shared_expert is None else moe.shared_expert.size) // comp.tp
     weights = 2 * shared * h * c if comp.fast["projections"] else 0
     return routing + 4 * tokens * shared * c + 2 * tokens * c, weights

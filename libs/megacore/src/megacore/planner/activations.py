@@ -19,7 +19,7 @@ What is counted (tests/train/test_planner.py measures a step on CPU):
   saves what the fused RMSNorm does; where it runs as plain ops (on a sequence shard, a q/k norm
   at tp > 1) its fp32 input and fp32 normalised input. A sliding window shorter than the sequence
   adds the S x S mask SDPA saves (not with flash-attn), on the layers that slide
-  (`attention_window`). Latent attention (DeepSeek V3, `kv_lora_rank`) instead of q/k/v: kv_a_proj's
+  (`attention_window`). Latent attention (DeepSeek V3, `attention` type latent) instead of q/k/v: kv_a_proj's
   output (latent + rope wide, whole on every tp rank: its norm's input is a view of it), q_a_proj's
   (q_lora_rank), their norms' fp32 statistics and outputs (under tp plain nn.RMSNorm, with an fp32
   normalised input besides, and in a 2-byte dtype an fp32 copy of the input for it), q and k of
@@ -139,7 +139,7 @@ def _layer_kinds(config: ModelConfig, layers: Sequence[int]) -> dict[int, int]:
     """A layer of each kind among `layers` (their window and whether sparse: what
     `layer_activations` reads of a layer)
     and how many of `layers` are of its kind; the planner's long-sequence search sizes a layer once."""
-    if config.layer_types is None and not config.dense_layers:  # every layer alike
+    if config.layer_types is None and not (config.moe and config.moe.dense_layers):  # every layer alike
         return {layers[0]: len(layers)} if len(layers) else {}
     kinds: dict[tuple[int | None, bool], list[int]] = {}
     for i in layers:

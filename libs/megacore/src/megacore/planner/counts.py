@@ -36,5 +36,5 @@ def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     matmul += experts_counts(config, tensors)[1]  # the experts' biases too: few, and a token's own
     if config.tie_embeddings:
         matmul += math.prod(tensors["embed.weight"])
-    qk_v = config.head_dim + (config.v_head_dim or config.head_dim)
+    qk_v = config.head_dim + (config.head_dim if config.latent is None else config.latent.v_head_dim)
     return 6.0 * matmul + 6.0 * config.num_layers * config.num_heads * qk_v * seq_length

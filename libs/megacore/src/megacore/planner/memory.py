@@ -286,7 +286,7 @@ def _token_buffers(config: ModelConfig, par: Parallelism, pp_rank: int, micro: i
     if cp > 1:  # a layer's gathered k and v gradients, the whole sequence's, before the reduce-scatter
         total += 2 * micro * seq * kv_width(config, tp) * c
     if par.spec.ep > 1:  # a layer's routed rows as sent and as received, in each all-to-all
-        total += 2 * tokens * config.experts_per_token * config.hidden_size * c
+        total += 2 * tokens * config.moe.experts_per_token * config.hidden_size * c
     if num_stages - 1 in stages:
         vocab = config.padded_vocab_size
         if fused_loss(par):

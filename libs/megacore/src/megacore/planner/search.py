@@ -62,7 +62,7 @@ def _divisors(n: int) -> list[int]:
 def layouts(config: ModelConfig, base: Parallelism, gpus: int, seq: int | None) -> Iterator[Dims]:
     """Every layout of `gpus`: cp only where it can split `seq` (`Dims.check_seq_length`; any with
     None), ep > 1 for a mixture of experts whose experts and dp it divides (FSDP2's dp mode)."""
-    experts = config.num_experts if base.spec.dp_mode == "fsdp" else None
+    experts = config.moe.num_experts if config.moe and base.spec.dp_mode == "fsdp" else None
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             for cp in _divisors(gpus // (tp * pp)):

@@ -69,7 +69,7 @@ def _ep_cost(config: ModelConfig, par: Parallelism, seq: int, micro: int, gpus_p
     tokens = micro * seq
     passes = 6 if par.recompute == "full" else 4
     bandwidth = NODE_BANDWIDTH if tp * par.spec.cp * ep <= gpus_per_node else NETWORK_BANDWIDTH
-    moved = (ep - 1) / ep * tokens * config.experts_per_token * config.hidden_size * c
+    moved = (ep - 1) / ep * tokens * config.moe.experts_per_token * config.hidden_size * c
     comm = passes * (COLLECTIVE_LATENCY + moved / bandwidth)
     compute = tokens * flops_per_token(config, seq) / (config.num_layers * tp * ACHIEVED_FLOPS)
     return comm / compute

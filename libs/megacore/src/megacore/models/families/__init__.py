@@ -14,7 +14,14 @@ from typing import Any
 
 import msgspec
 
-from megacore.config import TOKEN_ID_FIELDS, ModelConfig, RouterLosses, config_differences, pad_vocab
+from megacore.config import (
+    PART_FIELDS,
+    TOKEN_ID_FIELDS,
+    ModelConfig,
+    RouterLosses,
+    config_differences,
+    pad_vocab,
+)
 from megacore.errors import UserError
 from megacore.models.families import (
     deepseek_v3,
@@ -96,14 +103,14 @@ def family_for_model_type(model_type: object, where: str) -> ModuleType:
 def check_expressible(config: ModelConfig, where: str = "config") -> None:
     """UserError, one line naming the family and the fields, when `config` sets a field its family's
     config.json cannot say: one outside SHARED_FIELDS and the family's SWITCHES that is not at
-    ModelConfig's default. Export calls it so nothing is dropped silently, convert so a reader never
-    produces what its writer cannot write back. Value constraints on listed switches (Llama's one
-    attention bias switch, ...) are each writer's."""
+    ModelConfig's default (a part's settings by path: `mlp.router.bias`). Export calls it so nothing
+    is dropped silently, convert so a reader never produces what its writer cannot write back. Value
+    constraints on listed switches (Llama's one attention bias switch, ...) are each writer's."""
     fam = family_of(config)
     allowed = {*SHARED_FIELDS, *fam.SWITCHES}
-    unsaid = [
-        f.name for f in msgspec.structs.fields(config) if f.name not in allowed and not _at_default(config, f)
-    ]
+    fields = [f for f in msgspec.structs.fields(config) if f.name not in PART_FIELDS]
+    unsaid = [f.name for f in fields if f.name not in allowed and not _at_default(config, f)]
+    unsaid += [name for name in _parts_set(config) if name not in allowed]
     if unsaid:
         raise UserError(f"a {fam.NAME} config.json cannot express {', '.join(unsaid)}", where)
 
@@ -121,6 +128,38 @@ def _at_default(config: ModelConfig, f: msgspec.structs.FieldInfo) -> bool:
         return value == getattr(msgspec.structs.replace(config, **{f.name: default}), f.name)
     except ValueError:  # the default does not even make a valid config here
         return False
+
+
+def _parts_set(config: ModelConfig) -> list[str]:
+    """The paths of the parts' settings that are not at their defaults (`_set_paths`)."""
+    fields = msgspec.structs.fields(config)
+    return [
+        p
+        for f in fields
+        if f.name in PART_FIELDS
+        for p in _set_paths(f.name, getattr(config, f.name), f.default_factory())
+    ]
+
+
+def _set_paths(path: str, value: object, default: object) -> list[str]:
+    """The paths under `path` of `value`'s settings that `default` does not have: a part of another
+    kind than the default's its `type`, the fields a part requires (`mlp.num_experts`), the others
+    where they differ from their defaults (a sub-part, `mlp.shared_expert`, field by field)."""
+    if not isinstance(value, msgspec.Struct):
+        return [] if value == default else [path]
+    tagged = type(value).__struct_config__.tag is not None
+    out = [f"{path}.type"] if tagged and type(value) is not type(default) else []
+    for g in msgspec.structs.fields(value):
+        if g.required:
+            plain = None
+        else:
+            plain = g.default if g.default_factory is msgspec.NODEFAULT else g.default_factory()
+        out += (
+            _set_paths(f"{path}.{g.name}", getattr(value, g.name), plain)
+            if not g.required
+            else [f"{path}.{g.name}"]
+        )
+    return out
 
 
 def config_from_hf(
@@ -145,7 +184,7 @@ def training_settings_note(hf: dict[str, Any], config: ModelConfig) -> str | Non
     """The line that says a config.json's load-balancing weight is not carried into the checkpoint:
     a training setting, the run's (None: the config.json sets none, or not for a mixture)."""
     coef = hf.get("router_aux_loss_coef")
-    if config.num_experts is None or config.family not in ROUTER_AUX_FAMILIES or not coef:
+    if config.moe is None or config.family not in ROUTER_AUX_FAMILIES or not coef:
         return None
     return (
         f"config.json's router_aux_loss_coef {coef:g} is a training setting, not the model's: a run sets "
@@ -161,7 +200,7 @@ def config_to_hf(
     config sets a switch the family's config.json cannot express."""
     check_expressible(config)
     out = family_of(config).config_to_hf(config)
-    if router is not None and config.num_experts is not None and config.family in ROUTER_AUX_FAMILIES:
+    if router is not None and config.moe is not None and config.family in ROUTER_AUX_FAMILIES:
         out["router_aux_loss_coef"] = router.aux_loss_coef
     if dtype is not None:
         out["torch_dtype"] = dtype

@@ -42,10 +42,11 @@ MODEL_TYPES = ("deepseek_v3",)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 NAME = "DeepSeek V3"
 SWITCHES = (
-    "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "num_experts",
-    "experts_per_token", "renormalize_top_k", "dense_layers", "dense_ffn_hidden_size",
-    "shared_expert_size", "router_scoring", "router_bias", "expert_groups", "expert_groups_chosen",
-    "routed_scaling",
+    "head_dim", "attention.type", "attention.q_lora_rank", "attention.kv_lora_rank",
+    "attention.qk_rope_head_dim", "attention.v_head_dim", "mlp.type", "mlp.num_experts",
+    "mlp.experts_per_token", "mlp.router.renormalize_top_k", "mlp.dense_layers",
+    "mlp.dense_ffn_hidden_size", "mlp.shared_expert.size", "mlp.router.scoring", "mlp.router.bias",
+    "mlp.router.groups", "mlp.router.groups_chosen", "mlp.router.scaling",
 )  # fmt: skip
 
 
@@ -62,7 +63,6 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     theta, scaling = c.rope(trained=trained)
     nope, rope = c.int("qk_nope_head_dim", 128), c.int("qk_rope_head_dim", 64)
     width = c.int("moe_intermediate_size", 2048)
-    shared = c.int("n_shared_experts", 1, minimum=0)
     dense = list(range(min(c.int("first_k_dense_replace", 3, minimum=0), layers)))
     q_lora = c.data.get("q_lora_rank", 1536)
     return build_config(
@@ -81,34 +81,51 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         head_dim=nope + rope,
         rope_theta=theta,
         rope_scaling=scaling,
-        q_lora_rank=None if q_lora is None else c.int("q_lora_rank"),
-        kv_lora_rank=c.int("kv_lora_rank", 512),
-        qk_rope_head_dim=rope,
-        v_head_dim=c.int("v_head_dim", 128),
-        num_experts=c.int("n_routed_experts", 256),
-        experts_per_token=c.int("num_experts_per_tok", 8),
-        renormalize_top_k=c.bool("norm_topk_prob", True),
-        dense_layers=dense,
-        dense_ffn_hidden_size=c.int("intermediate_size", 18432) if dense else None,
-        shared_expert_size=shared * width if shared else None,
-        router_scoring="sigmoid",
-        router_bias=True,
-        expert_groups=c.int("n_group", 8),
-        expert_groups_chosen=c.int("topk_group", 4),
-        routed_scaling=c.float("routed_scaling_factor", 2.5),
+        attention={
+            "type": "latent",
+            "q_lora_rank": None if q_lora is None else c.int("q_lora_rank"),
+            "kv_lora_rank": c.int("kv_lora_rank", 512),
+            "qk_rope_head_dim": rope,
+            "v_head_dim": c.int("v_head_dim", 128),
+        },
+        mlp=_moe_from_hf(c, width, dense),
         tie_embeddings=c.bool("tie_word_embeddings", False),
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
     )
 
 
+def _moe_from_hf(c: HFConfig, width: int, dense: list[int]) -> dict[str, Any]:
+    """The mixture's part: routed experts `width` wide, the shared ones as one shared expert, dense
+    first layers, and the router's sigmoid scores, bias, groups and scaling."""
+    shared = c.int("n_shared_experts", 1, minimum=0)
+    router = {
+        "scoring": "sigmoid",
+        "renormalize_top_k": c.bool("norm_topk_prob", True),
+        "bias": True,
+        "groups": c.int("n_group", 8),
+        "groups_chosen": c.int("topk_group", 4),
+        "scaling": c.float("routed_scaling_factor", 2.5),
+    }
+    return {
+        "type": "moe",
+        "num_experts": c.int("n_routed_experts", 256),
+        "experts_per_token": c.int("num_experts_per_tok", 8),
+        "router": router,
+        "shared_expert": {"size": shared * width} if shared else None,
+        "dense_layers": dense,
+        "dense_ffn_hidden_size": c.int("intermediate_size", 18432) if dense else None,
+    }
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.kv_lora_rank is None or config.router_scoring != "sigmoid" or not config.router_bias:
+    la, moe = config.latent, config.moe
+    if la is None or moe is None or moe.router.scoring != "sigmoid" or not moe.router.bias:
         raise UserError("DeepSeek V3 has latent attention and sigmoid routing with its bias", "config")
-    dense = len(config.dense_layers)
-    if config.dense_layers != list(range(dense)):
+    dense = len(moe.dense_layers)
+    if moe.dense_layers != list(range(dense)):
         raise UserError("DeepSeek V3's dense layers are its first ones (first_k_dense_replace)", "config")
-    shared, width = config.shared_expert_size or 0, config.ffn_hidden_size
+    shared, width = 0 if moe.shared_expert is None else moe.shared_expert.size, config.ffn_hidden_size
     if shared % width:
         raise UserError("DeepSeek V3's shared experts are whole experts (n_shared_experts)", "config")
     out = llama_style_to_hf(config)
@@ -116,21 +133,21 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "architectures": [ARCHITECTURE],
         "model_type": "deepseek_v3",
         "hidden_act": "silu",
-        "intermediate_size": config.dense_ffn_hidden_size or width,
+        "intermediate_size": moe.dense_ffn_hidden_size or width,
         "moe_intermediate_size": width,
-        "q_lora_rank": config.q_lora_rank,
-        "kv_lora_rank": config.kv_lora_rank,
-        "qk_rope_head_dim": config.qk_rope_head_dim,
-        "qk_nope_head_dim": config.head_dim - config.qk_rope_head_dim,
-        "v_head_dim": config.v_head_dim,
-        "n_routed_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
+        "q_lora_rank": la.q_lora_rank,
+        "kv_lora_rank": la.kv_lora_rank,
+        "qk_rope_head_dim": la.qk_rope_head_dim,
+        "qk_nope_head_dim": config.head_dim - la.qk_rope_head_dim,
+        "v_head_dim": la.v_head_dim,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
         "n_shared_experts": shared // width,
-        "norm_topk_prob": config.renormalize_top_k,
+        "norm_topk_prob": moe.router.renormalize_top_k,
         "first_k_dense_replace": dense,
-        "n_group": config.expert_groups,
-        "topk_group": config.expert_groups_chosen,
-        "routed_scaling_factor": config.routed_scaling,
+        "n_group": moe.router.groups,
+        "topk_group": moe.router.groups_chosen,
+        "routed_scaling_factor": moe.router.scaling,
         "rope_interleave": True,
         "attention_bias": False,
         "num_nextn_predict_layers": 0,
@@ -177,19 +194,20 @@ def _rope_rows(hf: str, ours: str, rope: int, heads: int, width: int) -> TensorM
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    rope, heads, qk = config.qk_rope_head_dim, config.num_heads, config.head_dim
+    la = config.latent
+    rope, heads, qk = la.qk_rope_head_dim, config.num_heads, config.head_dim
     maps = [rename("model.embed_tokens.weight", "embed.weight")]
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         a, b = f"{hf}.self_attn", f"{ours}.attn"
         maps.append(rename(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight"))
-        if config.q_lora_rank is None:
+        if la.q_lora_rank is None:
             maps.append(_rope_rows(f"{a}.q_proj.weight", f"{b}.q_proj.weight", rope, heads, qk))
         else:
             maps.append(rename(f"{a}.q_a_proj.weight", f"{b}.q_a_proj.weight"))
             maps.append(rename(f"{a}.q_a_layernorm.weight", f"{b}.q_a_norm.weight"))
             maps.append(_rope_rows(f"{a}.q_b_proj.weight", f"{b}.q_b_proj.weight", rope, heads, qk))
-        latent = config.kv_lora_rank + rope  # the shared rope rows last: one block
+        latent = la.kv_lora_rank + rope  # the shared rope rows last: one block
         maps.append(_rope_rows(f"{a}.kv_a_proj_with_mqa.weight", f"{b}.kv_a_proj.weight", rope, 1, latent))
         maps.append(rename(f"{a}.kv_a_layernorm.weight", f"{b}.kv_a_norm.weight"))
         maps.append(rename(f"{a}.kv_b_proj.weight", f"{b}.kv_b_proj.weight"))

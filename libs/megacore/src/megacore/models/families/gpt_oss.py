@@ -32,7 +32,7 @@ NAME = "gpt-oss"
 HF_ATTENTION = "eager"  # transformers' GptOssAttention: eager (or flex), no SDPA path for sinks
 SWITCHES = (
     "head_dim", "sliding_window", "layer_types", "attn_bias", "attn_out_bias", "mlp_bias", "attn_sinks",
-    "activation", "swiglu_alpha", "swiglu_limit", "num_experts", "experts_per_token",
+    "activation", "swiglu_alpha", "swiglu_limit", "mlp.type", "mlp.num_experts", "mlp.experts_per_token",
 )  # fmt: skip
 # transformers' GptOssConfig's RoPE when a config.json gives none.
 DEFAULT_ROPE = {
@@ -83,8 +83,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         attn_out_bias=True,
         mlp_bias=True,
         attn_sinks=True,
-        num_experts=c.int("num_local_experts", 128),
-        experts_per_token=c.int("num_experts_per_tok", 4),
+        mlp={
+            "type": "moe",
+            "num_experts": c.int("num_local_experts", 128),
+            "experts_per_token": c.int("num_experts_per_tok", 4),
+        },
         tie_embeddings=c.bool("tie_word_embeddings", False),
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
@@ -93,7 +96,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     fixed = config.attn_bias and config.attn_out_bias and config.mlp_bias and config.attn_sinks
-    if not fixed or config.activation != "clamped_swiglu" or config.num_experts is None:
+    if not fixed or config.activation != "clamped_swiglu" or config.moe is None:
         raise UserError(
             "gpt-oss is a mixture of experts with attention sinks, biases everywhere and the clamped "
             "SwiGLU (attn_sinks, attn_bias, attn_out_bias, mlp_bias, activation clamped_swiglu)",
@@ -107,8 +110,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "attention_bias": True,
         "sliding_window": config.sliding_window,
         "layer_types": list(config.layer_types or ["full_attention"] * config.num_layers),
-        "num_local_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
+        "num_local_experts": config.moe.num_experts,
+        "num_experts_per_tok": config.moe.experts_per_token,
         "swiglu_alpha": config.swiglu_alpha,
         "swiglu_limit": config.swiglu_limit,
     }

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from megacore.config import ROPE_FIELDS, ModelConfig, RopeScaling
 from megacore.errors import UserError
 
@@ -197,9 +199,9 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def build_config(where: str, **fields: Any) -> ModelConfig:
-    """A ModelConfig from config.json values; one that is inconsistent (ModelConfig checks itself)
-    is a UserError naming the file."""
+    """A ModelConfig from config.json values (its parts, `mlp` and `attention`, as their manifest
+    objects); one that is inconsistent (ModelConfig checks itself) is a UserError naming the file."""
     try:
-        return ModelConfig(**fields)
+        return msgspec.convert(fields, ModelConfig)
     except ValueError as e:
         raise UserError(str(e), where) from None

@@ -109,21 +109,20 @@ def moe_experts(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
     """One layer's router and experts under its family's checkpoint names (`EXPERT_NAMES`), each
     projection stacked over the experts; and a shared expert with its gate (Qwen 2 MoE's names)."""
     module, projections = EXPERT_NAMES[config.family]
-    moe, experts = f"{hf}.{module}", range(config.num_experts)
+    spec = config.moe
+    moe, experts = f"{hf}.{module}", range(spec.num_experts)
     maps = (
-        [rename(f"{moe}.gate.e_score_correction_bias", f"{ours}.mlp.router_bias")]
-        if config.router_bias
-        else []
+        [rename(f"{moe}.gate.e_score_correction_bias", f"{ours}.mlp.router_bias")] if spec.router.bias else []
     )
     maps.append(rename(f"{moe}.gate.weight", f"{ours}.mlp.router.weight"))
     for w, p in zip(projections, MLP_NAMES, strict=True):
         names = [f"{moe}.experts.{j}.{w}.weight" for j in experts]
         maps.append(stacked(names, f"{ours}.mlp.experts.{p}.weight"))
-    if config.shared_expert_size is not None:
+    if spec.shared_expert is not None:
         shared = SHARED_EXPERT_NAMES[config.family]
         for p in MLP_NAMES:
             linear(maps, f"{moe}.{shared}.{p}", f"{ours}.mlp.shared_expert.{p}", False)
-    if config.shared_expert_gate:
+    if spec.shared_expert is not None and spec.shared_expert.gate:
         maps.append(rename(f"{moe}.shared_expert_gate.weight", f"{ours}.mlp.shared_expert_gate.weight"))
     return maps
 

@@ -24,8 +24,8 @@ ARCHITECTURE = "MixtralForCausalLM"
 NAME = "Mixtral"
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Mixtral config.json can set to other
 # than their defaults (`families.check_expressible` refuses the rest). The router always
-# renormalises its top-k (renormalize_top_k true).
-SWITCHES = ("head_dim", "sliding_window", "num_experts", "experts_per_token")
+# renormalises its top-k (`mlp.router.renormalize_top_k` true).
+SWITCHES = ("head_dim", "sliding_window", "mlp.type", "mlp.num_experts", "mlp.experts_per_token")
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -38,8 +38,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         family="mixtral",
         **llama.lineage_fields(c),
         sliding_window=mistral.sliding_window(c, None),
-        num_experts=c.int("num_local_experts", 8),
-        experts_per_token=c.int("num_experts_per_tok", 2),
+        mlp={
+            "type": "moe",
+            "num_experts": c.int("num_local_experts", 8),
+            "experts_per_token": c.int("num_experts_per_tok", 2),
+        },
     )
 
 
@@ -47,8 +50,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return {
         **llama.lineage_to_hf(config, ARCHITECTURE, "mixtral"),
         "sliding_window": config.sliding_window,
-        "num_local_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
+        "num_local_experts": config.moe.num_experts,
+        "num_experts_per_tok": config.moe.experts_per_token,
     }
 
 

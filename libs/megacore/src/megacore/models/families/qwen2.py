@@ -35,8 +35,8 @@ MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
 NAME = "Qwen 2"
 # The experts' switches Qwen 2 MoE and Qwen 3 MoE configs share (`moe_fields`).
 MOE_SWITCHES = (
-    "num_experts", "experts_per_token", "renormalize_top_k", "dense_layers",
-    "dense_ffn_hidden_size",
+    "mlp.type", "mlp.num_experts", "mlp.experts_per_token", "mlp.router.renormalize_top_k",
+    "mlp.dense_layers", "mlp.dense_ffn_hidden_size",
 )  # fmt: skip
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 2 (or Qwen 2 MoE) config.json can
 # set to other than their defaults (`families.check_expressible` refuses the rest); attn_bias is
@@ -46,8 +46,8 @@ SWITCHES = (
     "sliding_window",
     "attn_bias",
     *MOE_SWITCHES,
-    "shared_expert_size",
-    "shared_expert_gate",
+    "mlp.shared_expert.size",
+    "mlp.shared_expert.gate",
 )
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -120,27 +120,29 @@ def moe_fields(c: HFConfig, width: int, experts: int, per_token: int) -> dict[st
     if not (isinstance(only, list) and all(type(i) is int and i >= 0 for i in only)):
         raise UserError(f"$.mlp_only_layers: expected a list of layer indices, got {only!r}", c.where)
     dense = [i for i in range(layers) if i in only or (i + 1) % step]
-    return {
-        "ffn_hidden_size": c.int("moe_intermediate_size", width),
+    moe = {
+        "type": "moe",
         # config.json says num_experts; transformers 5's to_dict, num_local_experts
         "num_experts": c.int("num_experts" if "num_experts" in c.data else "num_local_experts", experts),
         "experts_per_token": c.int("num_experts_per_tok", per_token),
-        "renormalize_top_k": c.bool("norm_topk_prob", False),
+        "router": {"renormalize_top_k": c.bool("norm_topk_prob", False)},
         "dense_layers": dense,
         "dense_ffn_hidden_size": c.int("intermediate_size") if dense else None,
     }
+    return {"ffn_hidden_size": c.int("moe_intermediate_size", width), "mlp": moe}
 
 
 def moe_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The experts' config.json keys of Qwen 2 MoE and Qwen 3 MoE."""
+    moe = config.moe
     return {
         "moe_intermediate_size": config.ffn_hidden_size,
-        "intermediate_size": config.dense_ffn_hidden_size or config.ffn_hidden_size,
-        "num_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
-        "norm_topk_prob": config.renormalize_top_k,
+        "intermediate_size": moe.dense_ffn_hidden_size or config.ffn_hidden_size,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "norm_topk_prob": moe.router.renormalize_top_k,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": list(config.dense_layers),
+        "mlp_only_layers": list(moe.dense_layers),
     }
 
 
@@ -150,9 +152,9 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     bias = True
     if hf.get("model_type") == "qwen2_moe":  # defaults as Qwen2MoeConfig's
         fields |= moe_fields(c, 1408, 60, 4)
-        fields |= {
-            "shared_expert_size": c.int("shared_expert_intermediate_size", 5632),
-            "shared_expert_gate": True,
+        fields["mlp"]["shared_expert"] = {
+            "size": c.int("shared_expert_intermediate_size", 5632),
+            "gate": True,
         }
         bias = c.bool("qkv_bias", True)
     return build_config(
@@ -180,10 +182,11 @@ def common_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    moe = config.num_experts is not None
+    moe = config.moe is not None
     if not (config.attn_bias or moe):
         raise UserError("Qwen 2 always has biases on q, k and v; this config has none (attn_bias)", "config")
-    if moe and (config.shared_expert_size is None or not config.shared_expert_gate):
+    shared = moe and config.moe.shared_expert
+    if moe and not (shared and shared.gate):
         raise UserError(
             "Qwen 2 MoE has a gated shared expert in every sparse layer; this config has none", "config"
         )
@@ -202,7 +205,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         out
         | moe_to_hf(config)
         | {
-            "shared_expert_intermediate_size": config.shared_expert_size,
+            "shared_expert_intermediate_size": shared.size,
             "qkv_bias": config.attn_bias,
             "layer_types": [kind] * config.num_layers,
         }

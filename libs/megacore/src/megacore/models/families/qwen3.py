@@ -54,7 +54,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if not config.qk_norm or config.attn_bias != config.attn_out_bias:
         raise UserError("Qwen 3 has q/k norms and one attention bias switch; this config differs", "config")
-    moe = config.num_experts is not None
+    moe = config.moe is not None
     out = {
         "architectures": [MOE_ARCHITECTURE if moe else ARCHITECTURE],
         "model_type": "qwen3_moe" if moe else "qwen3",
