@@ -1,7 +1,9 @@
-"""Artifacts written by an earlier main load, train and export unchanged: tests/fixtures/e9be15e/
-holds a converted tiny Llama and a checkpoint trained 2 steps from it, as the code of commit
-e9be15e (main before issue #50's seams) wrote them (tests/fixtures/make_earlier.py says how). The
-fixture is copied before use: nothing is ever written into the repository."""
+"""Artifacts written by earlier mains load, train and export unchanged: tests/fixtures/e9be15e/ holds
+a converted tiny Llama and a checkpoint trained 2 steps from it, as the code of commit e9be15e (main
+before issue #50's seams, format version 1) wrote them; tests/fixtures/ddb42ca/ the same of a tiny
+DeepSeek V3 (latent attention, a mixture of experts with its router's bias moved as it trained), as
+ddb42ca (main before the config's parts, format version 2) wrote them; tests/fixtures/make_earlier.py
+says how. A fixture is copied before use: nothing is ever written into the repository."""
 
 from __future__ import annotations
 
@@ -17,22 +19,18 @@ from megacore.artifacts import open_artifact
 from megacore.checkpoint import CheckpointReader
 from runlib import metrics, ok, train, write_run
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "e9be15e"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.fixture()
-def earlier(tmp_path: Path) -> Path:
-    return shutil.copytree(FIXTURE, tmp_path / "e9be15e")
-
-
+@pytest.mark.parametrize("commit", ["e9be15e", "ddb42ca"])
 @pytest.mark.parametrize("name", ["converted", "trained"])
 def test_an_earlier_mains_checkpoint_trains_and_exports(
-    tmp_path: Path, earlier: Path, tokens: Path, name: str
+    tmp_path: Path, tokens: Path, commit: str, name: str
 ) -> None:
     """Every file's sha256 as its manifest records it; 2 steps from it as `init` (its vocab and
     tokenizer the data's); its export loads in transformers, whose logits equal the checkpoint's
     Decoder's (fp32, within 1e-5 of their scale: the same weights, two implementations)."""
-    ckpt = earlier / name
+    ckpt = shutil.copytree(FIXTURES / commit / name, tmp_path / commit / name)
     open_artifact(ckpt, "checkpoint", verify="sha256")
     run_json = write_run(tmp_path / "run", tokens, init=ckpt, train_steps=2, eval={"every": 0})
     ok(train(run_json))
