@@ -52,10 +52,12 @@ the CUDA context and kernels, NCCL buffers, allocator fragmentation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from megacore.config import (
     LOSS_CHUNK_ELEMENTS,
@@ -72,7 +74,15 @@ from megacore.parallel.build_rules import (
     fused_loss,
 )
 from megacore.parallel.dims import Dims, Parallelism
-from megacore.parallel.layout import check_parallelism, fsdp_dim, fsdp_unit, is_experts, place, tp_box
+from megacore.parallel.layout import (
+    TensorPlace,
+    check_parallelism,
+    fsdp_dim,
+    fsdp_unit,
+    is_experts,
+    place,
+    tp_box,
+)
 from megacore.parts import adapter_tensors, model_tensors
 from megacore.parts.attention import kv_width
 from megacore.planner.activations import COMPUTE_BYTES, in_flight, rank_activations, sequence_shards
@@ -82,6 +92,7 @@ NF4_TABLE = 17  # an NF4 tensor's scales' mean and its 16 codes' values, in its 
 ALLOWANCE = 4 * GiB  # per GPU, for what the model leaves out (module docstring)
 
 Tensors = list[tuple[str, tuple[int, ...]]]  # a rank's parameters: names and local shapes
+Placer = Callable[[str, int], TensorPlace]  # `layout.place` of a name at a tp size, for one config
 
 
 def _dp_sharded(par: Parallelism, dims: Dims) -> bool:
@@ -105,10 +116,14 @@ class State:
         return self.weights + self.grads + self.optimizer + self.copies
 
 
-def rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> Tensors:
+def rank_tensors(
+    config: ModelConfig, par: Parallelism, pp_rank: int, placer: Placer | None = None
+) -> Tensors:
     """Names and local shapes of the parameters of a pipeline rank's stages: tp-local, and an
     experts tensor's experts / ep under expert parallel. Every tp and ep rank holds the same
-    shapes: the splits are even (`check_tp`, `check_ep`) or the tensor is replicated."""
+    shapes: the splits are even (`check_tp`, `check_ep`) or the tensor is replicated. `placer`:
+    `layout.place` of this config (a search's remembers each name's)."""
+    placer = placer or partial(_place, config)
     layers = check_parallelism(config, par)
     tp, ep, last = par.spec.tp, par.spec.ep, len(layers) - 1
     out = []
@@ -119,7 +134,7 @@ def rank_tensors(config: ModelConfig, par: Parallelism, pp_rank: int) -> Tensors
             modules = [m for m in par.lora.modules if m[: m.index(".", 7) + 1] in mine]
             tensors |= adapter_tensors(config, modules, par.lora.rank)
         for name, shape in tensors.items():
-            local = tp_box(place(name, config, tp), shape, tp, 0)[1]
+            local = tp_box(placer(name, tp), shape, tp, 0)[1]
             out.append((name, (local[0] // ep, *local[1:]) if is_experts(name) else local))
     return out
 
@@ -144,14 +159,20 @@ def _dp_local(shape: tuple[int, ...], dim: int, shards: int, index: int) -> int:
     return max(0, min(size, rows - index * size)) * math.prod(shape) // rows
 
 
-def _shard_groups(config: ModelConfig, par: Parallelism, tensors: Tensors) -> Counter:
+def _place(config: ModelConfig, name: str, tp: int) -> TensorPlace:
+    return place(name, config, tp)
+
+
+def _shard_groups(
+    config: ModelConfig, par: Parallelism, tensors: Tensors, placer: Placer | None = None
+) -> Counter:
     """A rank's tensors counted by (shape, FSDP2's dim (`layout.fsdp_dim`), whether experts): what
     its state bytes depend on, the same on every dp rank."""
-    tp = par.spec.tp
+    tp, placer = par.spec.tp, placer or partial(_place, config)
     return Counter(
         (
             shape,
-            fsdp_dim(name, shape, place(name, config, tp).tp_dim if tp > 1 else None),
+            fsdp_dim(name, shape, placer(name, tp).tp_dim if tp > 1 else None),
             is_experts(name),
             _kind(name, par),
         )
@@ -302,11 +323,23 @@ def _token_buffers(config: ModelConfig, par: Parallelism, pp_rank: int, micro: i
     return total
 
 
-def fixed_bytes(config: ModelConfig, par: Parallelism, dp: int, tensors: list[Tensors]) -> list[int]:
-    """Per pipeline rank (its `tensors`), what neither the sequence nor recompute changes: replica
-    0's state (FSDP2's first chunks are the longest) and the parameters' buffers."""
+@dataclass(frozen=True)
+class RankTensors:
+    """A pipeline rank's tensors (`rank_tensors`) and their `_shard_groups`, what its state bytes are
+    counted from in any layout of the same tp x pp x ep."""
+
+    tensors: Tensors
+    shards: Counter
+
+
+def fixed_bytes(config: ModelConfig, par: Parallelism, dp: int, ranks: list[RankTensors]) -> list[int]:
+    """Per pipeline rank, what neither the sequence nor recompute changes: replica 0's state (FSDP2's
+    first chunks are the longest) and the parameters' buffers."""
     dims = par.dims(dp)
-    return [_state(config, par, dims, 0, t).total + _param_buffers(config, par, dims, t) for t in tensors]
+    return [
+        _state(config, par, dims, 0, r.tensors, r.shards).total + _param_buffers(config, par, dims, r.tensors)
+        for r in ranks
+    ]
 
 
 def peak_bytes(
@@ -321,18 +354,21 @@ def peak_bytes(
     )
 
 
-TensorCache = Callable[[Parallelism], list[Tensors]]
+TensorCache = Callable[[Parallelism], list[RankTensors]]
 
 
 def tensor_cache(config: ModelConfig) -> TensorCache:
-    """Each pipeline rank's tensors by tp x pp x ep, for a search of many layouts: they do not
-    depend on cp, dp, recompute or the microbatches (the caller checks those: `check_parallelism`)."""
-    cache: dict[tuple[int, int, int], list[Tensors]] = {}
+    """Each pipeline rank's tensors and shard groups by tp x pp x ep, for a search of many layouts
+    of one base (its LoRA): they do not depend on cp, dp, recompute or the microbatches (the caller
+    checks those: `check_parallelism`)."""
+    cache: dict[tuple[int, int, int], list[RankTensors]] = {}
+    placer = functools.cache(partial(_place, config))  # the same names at every pp and ep
 
-    def tensors(par: Parallelism) -> list[Tensors]:
+    def tensors(par: Parallelism) -> list[RankTensors]:
         key = (par.spec.tp, par.spec.pp, par.spec.ep)
         if key not in cache:
-            cache[key] = [rank_tensors(config, par, r) for r in range(par.spec.pp)]
+            ranks = (rank_tensors(config, par, r, placer) for r in range(par.spec.pp))
+            cache[key] = [RankTensors(t, _shard_groups(config, par, t, placer)) for t in ranks]
         return cache[key]
 
     return tensors
