@@ -184,6 +184,11 @@ def test_steps_equal_the_formulas_over_transformers(tmp_path: Path, prompts: Pat
             assert math.isclose(g["reward_std"], rewards.std().item(), rel_tol=1e-9)
             lengths = [len(r["completion_ids"]) for r in rollouts[step]]
             assert g["completions/mean_length"] == sum(lengths) / len(lengths)
+    for g in got:  # the step's time split: a rollout's sampling and scoring, then the training
+        rolled = g["step"] in rollouts
+        assert (g["time/generation_s"] > 0) == (g["time/scoring_s"] > 0) == rolled, g
+        parts = g["time/generation_s"] + g["time/scoring_s"] + g["time/training_s"]
+        assert g["time/training_s"] > 0 and parts <= g["step_time_s"] + 1e-3, g
     assert (
         max(w["clip_ratio/low_mean"] for w in want) > 0
         or max(w["kl"] for w in want) > 0

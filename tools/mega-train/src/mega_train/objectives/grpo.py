@@ -19,13 +19,15 @@ a new batch of them is rolled out (`Rollout`), and the steps between reuse it:
   off under LoRA, else by a frozen copy of `model.init` (`setup`).
 Each step's record carries TRL's metrics (`reward`, `reward_std`, `rewards/<name>/mean` and `/std`,
 `frac_reward_zero_std`, `completions/mean_length`, `completions/clipped_ratio`, `kl` with beta, `entropy`,
-`clip_ratio/low_mean`, `/high_mean`, `/region_mean`). Evaluation samples the valid prompts' completions
-the same way and reports their rewards.
+`clip_ratio/low_mean`, `/high_mean`, `/region_mean`) and the step's time split (`time/generation_s`,
+`time/scoring_s`: the rollout's, 0 on a step that reuses it; `time/training_s`: the rest). Evaluation
+samples the valid prompts' completions the same way and reports their rewards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -68,6 +70,10 @@ class Rollout:
     ref: torch.Tensor | None = None  # the reference's
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     table: list[dict] = dataclasses.field(default_factory=list)  # every completion, for `rollout` records
+    # Seconds the sampler took, and the reward functions with the advantages; when scoring ended.
+    generation_s: float = 0.0
+    scoring_s: float = 0.0
+    scored_at: float = 0.0
 
 
 class GRPOObjective(Objective):
@@ -86,6 +92,7 @@ class GRPOObjective(Objective):
         self.reference: ParallelModel | None = None
         self._loss: PolicyLoss | None = None
         self._inputs: dict[int, PolicyInputs] = {}
+        self._times = (0.0, 0.0, 0.0)  # this step's generation and scoring seconds, training since
 
     def roles(self, valid: Dataset | None) -> tuple[None, None]:
         return None, None  # the targets are the completions, made here
@@ -124,6 +131,7 @@ class GRPOObjective(Objective):
         """This step's rows: a new batch of completions every `num_iterations` steps."""
         t = self.t
         k = step // self.spec.num_iterations
+        self._times = (0.0, 0.0, time.perf_counter())  # (generation, scoring, training from)
         if self.rollout is None or self.rollout.index != k:
             try:
                 self.rollout = self._roll_out(t.train_data, k, train=True)
@@ -133,6 +141,7 @@ class GRPOObjective(Objective):
                 raise UserError(
                     f"$.objective.rewards: {e} (step {t.position.step} saved)", str(t.plan.path)
                 ) from None
+            self._times = (self.rollout.generation_s, self.rollout.scoring_s, self.rollout.scored_at)
             every = t.run.logging.every
             if t.position.step == 0 or (t.position.step + 1) % every == 0:
                 for row in self.rollout.table:
@@ -168,8 +177,15 @@ class GRPOObjective(Objective):
     def metrics(self) -> dict[str, torch.Tensor]:
         """The rollout's metrics (every rank holds them) and the loss's, added up over the ranks."""
         t = self.t
+        generation, scoring, since = self._times
+        times = {
+            "time/generation_s": generation,
+            "time/scoring_s": scoring,
+            "time/training_s": time.perf_counter() - since,
+        }
         out = {
-            k: torch.tensor(v, dtype=torch.float64, device=t.device) for k, v in self.rollout.metrics.items()
+            k: torch.tensor(v, dtype=torch.float64, device=t.device)
+            for k, v in {**self.rollout.metrics, **times}.items()
         }
         stats = [s for s in self._loss.stats.values()] if self._loss is not None else []
         if stats:
@@ -190,12 +206,15 @@ class GRPOObjective(Objective):
         b = data.batch(k * P, (k + 1) * P)
         prompts = [data.sources[int(j)].docs.tokens(int(d)).tolist() for j, d in b.documents]
         seeds = np.random.SeedSequence([t.run.seed % 2**64, int(train), k]).generate_state(P * G, np.uint64)
+        start = time.perf_counter()
         completions = sample_parallel(
             t.pm, [p for p in prompts for _ in range(G)], spec.max_completion_length, self.sampling,
             self.stops, where="$.objective", seeds=[int(s) % 2**63 for s in seeds],
         )  # fmt: skip
+        sampled = time.perf_counter()
         values, given, texts = self._scores(b.documents, completions)
         advantages, rewards, zero_std = group_advantages(values, self._weights(), G, spec.scale_rewards)
+        scored = time.perf_counter()
         lengths, clipped = self._lengths(completions)
         metrics = self._rollout_metrics(values, rewards, zero_std, lengths, clipped)
         share = slice(t.dp_rank * P * G // t.dp, (t.dp_rank + 1) * P * G // t.dp)
@@ -205,8 +224,9 @@ class GRPOObjective(Objective):
         weights = token_weights(torch.tensor(lengths), spec.loss, spec.max_completion_length) * (P * G)
         as_rows = {"dtype": torch.float32, "device": t.device}
         r = Rollout(
-            k, tokens, targets, advantages[share].to(**as_rows), weights[share].to(**as_rows), metrics=metrics
-        )
+            k, tokens, targets, advantages[share].to(**as_rows), weights[share].to(**as_rows), metrics=metrics,
+            generation_s=sampled - start, scoring_s=scored - sampled, scored_at=scored,
+        )  # fmt: skip
         r.table = [
             {"prompt": p, "completion": x, "completion_ids": c, "reward": float(rw), "advantage": float(a),
              "rewards": {f.name: None if v != v else float(v) for f, v in zip(self.rewards, vs.tolist(), strict=True)}}
