@@ -1,6 +1,6 @@
 """torchrun worker for tests/parallel/test_sampler.py: the sampler (`parallel.sampler`) on a
 ParallelModel of a tiny model, fresh weights from seed 0, in the layout argv[1] gives (JSON: config,
-tp, ep, prompts); every rank's completions, greedy and drawn, written to argv[2] as rank<r>.json."""
+tp, pp and its schedule, ep, prompts); every rank's completions, greedy and drawn, written to argv[2] as rank<r>.json."""
 
 from __future__ import annotations
 
@@ -25,11 +25,16 @@ DRAWN = Sampling(1.0, top_p=0.9, seed=5)
 def main() -> None:
     case, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     init_distributed()
-    spec = ParallelSpec(tp=case.get("tp", 1), ep=case.get("ep", 1))
-    mesh = build_mesh(spec.tp, 1, 1, spec.ep)
+    spec = ParallelSpec(
+        tp=case.get("tp", 1),
+        pp=case.get("pp", 1),
+        ep=case.get("ep", 1),
+        schedule=case.get("schedule", "1f1b"),
+    )
+    mesh = build_mesh(spec.tp, spec.pp, 1, spec.ep)
     pm = ParallelModel(
         msgspec.convert(case["config"], ModelConfig),
-        Parallelism(spec, "fp32", 1, attention="sdpa"),
+        Parallelism(spec, "fp32", 2 * spec.pp, attention="sdpa"),
         mesh,
         "cpu",
     )

@@ -1,8 +1,9 @@
 """The sampler in a layout (`megacore.parallel.sampler`) equals it in one process: the same fresh
 weights (seed 0, the same in every layout), the same prompts of different lengths, greedy and drawn
 (top-p 0.9, seed 5) completions, on every rank, under torchrun on 2 processes: tp 2 (each rank
-caching its own heads, the logits' vocab shards gathered), dp 2 (FSDP2) and a mixture of experts at
-ep 2; a pipeline, cp, sequence parallel, compiled blocks and fp8 are refused in one line."""
+caching its own heads, the logits' vocab shards gathered), pp 2 (each rank its stage's layers; and
+zbv's two stages a rank, the last on the first rank), dp 2 (FSDP2) and a mixture of experts at ep 2; cp, sequence
+parallel, compiled blocks and fp8 are refused in one line."""
 
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ LLAMA = {"family": "llama", "vocab_size": 96, "hidden_size": 32, "num_layers": 2
          "num_kv_heads": 2, "ffn_hidden_size": 64, "max_seq_len": 64}  # fmt: skip
 MIXTRAL = {**LLAMA, "family": "mixtral", "mlp": {"type": "moe", "num_experts": 4, "experts_per_token": 2}}
 PROMPTS = [[5, 17, 33, 2, 40], [9, 81, 3, 3, 60, 12, 7, 1], [44, 45]]
-CASES = {"tp2": {"config": LLAMA, "tp": 2}, "dp2": {"config": LLAMA}, "ep2": {"config": MIXTRAL, "ep": 2}}
+LLAMA4 = {**LLAMA, "num_layers": 4}
+CASES = {
+    "tp2": {"config": LLAMA, "tp": 2},
+    "pp2": {"config": LLAMA, "pp": 2},
+    "pp2-zbv": {"config": LLAMA4, "pp": 2, "schedule": "zbv"},  # stages 0 and 3 on rank 0,
+    "dp2": {"config": LLAMA},
+    "ep2": {"config": MIXTRAL, "ep": 2},
+}
 
 
 def one_process(config: dict) -> dict[str, list[list[int]]]:
@@ -38,11 +46,13 @@ def one_process(config: dict) -> dict[str, list[list[int]]]:
         return {"greedy": sample(model.eval(), PROMPTS, 10), "drawn": sample(model, PROMPTS, 10, DRAWN)}
 
 
-# 14 s each, in make test-slow: make test runs the sampler at tp 2 in tests/train/test_harness.py
-# (lm-eval's generate_until on a LoRA adapter's model, against transformers on its merged export).
-@pytest.mark.slow
+# 5-6 s each: make test runs zbv's pipeline (two stages a rank, the last on the first rank) and the
+# sampler at tp 2 in tests/train/test_harness.py (lm-eval's generate_until on a LoRA adapter's model,
+# against transformers on its merged export); the other layouts in make test-slow.
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", list(CASES))
+@pytest.mark.parametrize(
+    "layout", [c if c == "pp2-zbv" else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_the_sampler_in_a_layout_equals_one_process(tmp_path: Path, layout: str) -> None:
     case = {**CASES[layout], "prompts": PROMPTS, "new": 10}
     torchrun_script(2, WORKER, json.dumps(case), tmp_path)
@@ -55,7 +65,6 @@ def test_the_sampler_in_a_layout_equals_one_process(tmp_path: Path, layout: str)
 @pytest.mark.parametrize(
     ("par", "name"),
     [
-        (Parallelism(ParallelSpec(pp=2)), "pp"),
         (Parallelism(ParallelSpec(cp=2)), "cp"),
         (Parallelism(ParallelSpec(tp=2, sequence_parallel=True)), "sequence_parallel"),
         (Parallelism(ParallelSpec(), compile=True), "compile"),
@@ -65,9 +74,7 @@ def test_the_sampler_in_a_layout_equals_one_process(tmp_path: Path, layout: str)
 )
 def test_layouts_the_sampler_does_not_run_yet_are_one_line(par: Parallelism, name: str) -> None:
     """There the Generator's forwards serve samples and lm-eval (`runs_sampler` false)."""
-    assert not runs_sampler(par) and runs_sampler(Parallelism(ParallelSpec(tp=2)))
+    assert not runs_sampler(par) and runs_sampler(Parallelism(ParallelSpec(tp=2, pp=2)))
     with pytest.raises(UserError) as e:
         check_sampler_layout(par, "$.samples")
-    assert (
-        str(e.value) == f"$.samples: the sampler runs a whole model on each rank: {name} is not supported yet"
-    )
+    assert str(e.value) == f"$.samples: the sampler does not run under {name} yet"

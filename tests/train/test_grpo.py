@@ -221,10 +221,11 @@ def one_process(tmp_path_factory, prompts: Path, base: tuple[Path, Path]) -> dic
         # `make test-slow` (make test runs the sampler at tp 2 in test_harness, and GRPO's steps
         # against the formulas in one process here)
         pytest.param({"parallel": {"tp": 2}}, marks=pytest.mark.slow),
+        pytest.param({"parallel": {"pp": 2}}, marks=pytest.mark.slow),  # sampled stage by stage
         pytest.param({}, marks=pytest.mark.slow),  # dp 2 (FSDP2)
         pytest.param({"lora": LORA}, marks=pytest.mark.slow),  # dp 2, the reference the base
     ],
-    ids=["tp2", "dp2", "lora-dp2"],
+    ids=["tp2", "pp2", "dp2", "lora-dp2"],
 )
 def test_every_layout_samples_and_trains_as_one_process(
     tmp_path: Path, prompts: Path, base: tuple[Path, Path], one_process: dict[str, Path], layout: dict
@@ -316,10 +317,10 @@ def test_the_dry_run_counts_prompts_and_their_completions(tmp_path: Path, prompt
             {},
             "$.objective.loss: grpo takes grpo or dapo or bnpo or dr_grpo, not sigmoid",
         ),
-        ({}, {"parallel": {"pp": 2}}, "$.parallel.pp: grpo samples its completions with the sampler"),
+        ({}, {"parallel": {"cp": 2}}, "$.parallel.cp: grpo samples its completions with the sampler"),
         ({"max_completion_length": 24}, {}, "$.batch.seq_length: a row holds a prompt and its completion"),
     ],
-    ids=["one-generation", "epsilon", "unknown-reward", "missing-function", "pair-loss", "pp", "no-room"],
+    ids=["one-generation", "epsilon", "unknown-reward", "missing-function", "pair-loss", "cp", "no-room"],
 )
 def test_bad_settings_are_refused_in_one_line(
     tmp_path: Path, prompts: Path, base, objective, overrides, message

@@ -508,19 +508,19 @@ class Decoder(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
 
     def _cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The logits [B, 1, vocab] of the token after x's [B, s], each row's after what `cache`
-        holds of it, which then holds them too: a whole model (one process, or a tensor-parallel
-        one) generating."""
-        if self.embed is None or self.norm is None:
-            raise RuntimeError("a cached forward runs the whole model, not a pipeline stage")
-        b, s = x.shape
+        """The logits [B, 1, vocab] of the token after x's [B, s] (ids, or an earlier pipeline
+        stage's hidden states), each row's after what `cache` holds of it; the stage's layers' cache
+        then holds them too, and the caller advances it once every stage has run
+        (`models.sampling.decode`). A stage without the head returns its hidden states [B, s, h]."""
+        b, s = x.shape[:2]
         segments = cache.start(s)
         h = self._embed(x)
         # the whole length so far: what dynamic RoPE scaling measures growth by
         tables = self._tables(cache.length + s, h, cache.positions(s, b, x.device))
         for block in self.layers.values():
             h = block(h, *tables[block.attn.local_rope], segments, cache)
-        cache.advance(s)
+        if self.norm is None:
+            return h
         return self._logits(self.norm(h[:, -1:]))  # the next token's only: the prompt's are never read
 
     def compile_blocks(self) -> None:

@@ -62,6 +62,11 @@ def next_tokens(
     return torch.cat(drawn).to(logits.device)
 
 
+# The logits [B, vocab] of each row's next token after new ids [B, s] (on the model's device) and what
+# the cache holds of the rows, or None on a rank that draws no tokens (a pipeline's earlier stages).
+Forward = Callable[[torch.Tensor, KVCache], torch.Tensor | None]
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -70,19 +75,40 @@ def sample(
     sampling: Sampling = Sampling(),
     stop_ids: Collection[int] = (),
     pad_id: int = 0,
-    whole: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits,
     done: Callable[[int, list[int]], bool] | None = None,
     seeds: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Each prompt's completion (module docstring): up to `max_new` ids, its stop id included, or
-    up to where `done(row, ids so far)` says; row i draws from `seeds[i]` (None: the sampling's
-    seed + i). `model`: a whole `Decoder` (its `cache` keyword);
-    `whole`: its logits over the whole vocab from what it returns (a tensor-parallel model's vocab
-    shards gathered); the logits past the vocab are never chosen."""
+    """Each prompt's completion (module docstring) from a whole `Decoder` (its `cache` keyword):
+    up to `max_new` ids, its stop id included, or up to where `done(row, ids so far)` says; row i
+    draws from `seeds[i]` (None: the sampling's seed + i)."""
+    vocab = model.config.vocab_size
+    device = next(model.parameters()).device
+    return decode(
+        lambda ids, cache: model(ids, cache=cache)[:, -1, :vocab], prompts, max_new, device,
+        sampling, stop_ids, pad_id, done, seeds,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def decode(
+    forward: Forward,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    device: torch.device,
+    sampling: Sampling = Sampling(),
+    stop_ids: Collection[int] = (),
+    pad_id: int = 0,
+    done: Callable[[int, list[int]], bool] | None = None,
+    seeds: Sequence[int] | None = None,
+    agree: Callable[[torch.Tensor], torch.Tensor] = lambda chosen: chosen,
+) -> list[list[int]]:
+    """`sample` over any `forward` (a model in a layout: `parallel.sampler`): the prompts left-padded
+    into one cache, advanced once a forward, however many parts ran it; `agree(chosen)`: the tokens
+    [B] every rank goes on with, the drawing rank's (a rank whose forward gave None holds
+    placeholders). The logits past the vocab are never chosen (`forward` leaves them out)."""
     if not prompts or max_new < 1:
         return [[] for _ in prompts]
-    device = next(model.parameters()).device
-    vocab, longest = model.config.vocab_size, max(len(p) for p in prompts)
+    longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
@@ -90,15 +116,21 @@ def sample(
     cache = KVCache(longest + max_new, starts if int(starts.max()) > 0 else None)
     seeds = seeds if seeds is not None else [sampling.seed + i for i in range(len(prompts))]
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    logits = whole(model(ids.to(device), cache=cache))[:, -1, :vocab]
+    logits, new = forward(ids.to(device), cache), ids
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool)
     for step in range(max_new):
-        chosen = next_tokens(logits, sampling, generators).cpu()
+        cache.advance(new.shape[1])
+        drawn = next_tokens(logits, sampling, generators) if logits is not None else None
+        chosen = agree(
+            drawn if drawn is not None else torch.zeros(len(prompts), dtype=torch.long, device=device)
+        )
+        chosen = chosen.cpu()
         for i in running.nonzero().flatten().tolist():
             out[i].append(int(chosen[i]))
             running[i] = int(chosen[i]) not in stop_ids and not (done is not None and done(i, out[i]))
         if step == max_new - 1 or not running.any():  # no forward whose logits nobody reads
             break
-        logits = whole(model(chosen[:, None].to(device), cache=cache))[:, -1, :vocab]
+        new = chosen[:, None]
+        logits = forward(new.to(device), cache)
     return out

@@ -366,7 +366,7 @@ class ParallelModel:
                 return self._mean(losses, counted, loss)
             if self.par.spec.schedule == "zbv":
                 last = partial(self._microbatch_loss, on_logits=on_logits, loss=loss)
-                losses = self._forward_stages(_chunks(n, tokens, targets, inputs), last)
+                losses = self.forward_stages(_chunks(n, tokens, targets, inputs), last)
             else:
                 losses = self._scheduled(
                     self.schedule.eval, tokens, targets, inputs, on_logits=on_logits, loss=loss
@@ -383,7 +383,7 @@ class ParallelModel:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Forward only over rows `tokens` [b, s], the same on every rank (generation, scoring): their
         logits [b, s, vocab_size] over the whole vocab in fp32 where `reports_logits`, else None.
-        One microbatch through the stages in turn (`_forward_stages`: any shape, every layout), the
+        One microbatch through the stages in turn (`forward_stages`: any shape, every layout), the
         rows padded on the right to the multiple of their length the layout splits (cp's chunks,
         sequence parallel's shards), which changes no earlier position's logits; LoRA's dropout off."""
         s, got = tokens.shape[1], []
@@ -392,7 +392,7 @@ class ParallelModel:
         grad = self.par.compile and self.tp_mesh is not None  # as `evaluate`
         with adapter_dropout_off(self.parts), torch.set_grad_enabled(grad):
             chunk = self._local(tokens, torch.zeros_like(tokens), None)  # targets: `_report` gathers them too
-            self._forward_stages([chunk], lambda out, y: self._report(out, y, lambda lg, _: got.append(lg)))
+            self.forward_stages([chunk], lambda out, y: self._report(out, y, lambda lg, _: got.append(lg)))
         return got[0][:, :s].float() if got else None
 
     def _local(
@@ -458,7 +458,7 @@ class ParallelModel:
             self.schedule._loss_fn = self._microbatch_loss
         return losses
 
-    def _forward_stages(
+    def forward_stages(
         self, chunks: Iterable[tuple], last: Callable[[torch.Tensor, torch.Tensor], object]
     ) -> list:
         """Forward only through the stages in order, a microbatch (`_chunks`'s) at a time, plain

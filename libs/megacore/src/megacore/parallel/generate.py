@@ -6,7 +6,7 @@ takes part in the same collectives. The ranks that hold the whole vocab's logits
 (`ParallelModel.reports_logits`) work out the next tokens or the log-probabilities, and one
 broadcast from the first of them hands every rank the result, so that all go on alike. Greedy
 completions run on the sampler with its KV cache (`parallel.sampler`) in the layouts it runs in;
-in the others (a pipeline, cp, sequence parallel, compiled blocks, fp8) each new token is a forward
+in the others (cp, sequence parallel, compiled blocks, fp8) each new token is a forward
 over the rows so far (`ParallelModel.logits`), rows of different lengths padded on the right,
 which changes no logit a row reads: a step costs a whole forward there.
 """

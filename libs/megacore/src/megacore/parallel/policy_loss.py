@@ -124,5 +124,6 @@ class TokenLogps(Loss):
         self.logps[mb.index] = self.token_logps(logits.float() / self.temperature, mb.targets).detach()
         return self.logps[mb.index].sum()
 
-    def rows(self) -> torch.Tensor:
-        return torch.cat([self.logps[i] for i in sorted(self.logps)])
+    def rows(self) -> torch.Tensor | None:
+        """[rows, s], the microbatches' in order; None on a pipeline stage without the head."""
+        return torch.cat([self.logps[i] for i in sorted(self.logps)]) if self.logps else None

@@ -175,7 +175,8 @@ class GRPOObjective(Objective):
             )
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        """The rollout's metrics (every rank holds them) and the loss's, added up over the ranks."""
+        """The rollout's metrics (every rank holds them) and the loss's, added up over the ranks that
+        compute it once (`reports_logits`: the last stage's, at tp rank 0)."""
         t = self.t
         generation, scoring, since = self._times
         times = {
@@ -187,14 +188,15 @@ class GRPOObjective(Objective):
             k: torch.tensor(v, dtype=torch.float64, device=t.device)
             for k, v in {**self.rollout.metrics, **times}.items()
         }
-        stats = [s for s in self._loss.stats.values()] if self._loss is not None else []
-        if stats:
-            sums = torch.stack([torch.cat([s.sums, s.counts]) for s in stats]).sum(0)
-            dist.all_reduce(sums, group=t.pm.data_mesh.get_group())
-            n = len(STATS)
-            for j, name in enumerate(STATS):
-                if name != "kl" or self.spec.beta:
-                    out[name] = sums[j] / sums[n + j].clamp(min=1)
+        n = len(STATS)
+        sums = torch.zeros(2 * n, dtype=torch.float64, device=t.device)
+        if t.pm.reports_logits and self._loss is not None:
+            for s in self._loss.stats.values():
+                sums += torch.cat([s.sums, s.counts]).double()
+        dist.all_reduce(sums)
+        for j, name in enumerate(STATS):
+            if name != "kl" or self.spec.beta:
+                out[name] = sums[j] / sums[n + j].clamp(min=1)
         return out
 
     # --- rollouts -------------------------------------------------------------------------------

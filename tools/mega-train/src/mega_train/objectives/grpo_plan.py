@@ -1,8 +1,8 @@
 """An online RL run's settings checked without torch (`objective` grpo), and the settings every
 objective shares checked against its type (`beta`, `loss`).
 
-GRPO samples its completions with the sampler (`megacore.parallel.sampler`), which runs a whole
-model on each rank: a pipeline, cp, sequence parallel and fp8 are refused, and its blocks run eager
+GRPO samples its completions with the sampler (`megacore.parallel.sampler`), which runs under tp,
+pp, dp and ep: cp, sequence parallel and fp8 are refused, and its blocks run eager
 (`compile` true is refused; "auto" never compiles). A row holds a prompt and one completion, so
 `seq_length` leaves room for `max_completion_length` tokens after a prompt. Its reward functions are
 imported here, so a wrong name or file fails the dry run. With `beta` > 0 the KL penalty's
@@ -51,15 +51,14 @@ def _check_grpo(run: RunManifest, has_init: bool, lora: bool, where: str) -> Non
     """What the sampler and the rows need of the layout and the batch."""
     spec, par = run.objective, run.parallel
     unsupported = (
-        ("$.parallel.pp", par.pp > 1), ("$.parallel.cp", par.cp > 1),
+        ("$.parallel.cp", par.cp > 1),
         ("$.parallel.sequence_parallel", par.sequence_parallel), ("$.precision fp8", run.precision == "fp8"),
         ("$.compile true", run.compile is True),
     )  # fmt: skip
     for name, on in unsupported:
         if on:
             raise UserError(
-                f"{name}: grpo samples its completions with the sampler, which runs a whole model on "
-                "each rank and does not run under it yet",
+                f"{name}: grpo samples its completions with the sampler, which does not run under it yet",
                 where,
             )
     if run.batch.seq_length <= spec.max_completion_length:
