@@ -140,6 +140,7 @@ def test_a_failed_save_keeps_nothing_and_training_goes_on(
     assert_same_checkpoint(out / name, uninterrupted / name, "fail-save")
 
 
+@pytest.mark.slow  # 6 s; make test keeps a failed save's run going, above
 def test_three_failed_saves_in_a_row_stop_the_run(tmp_path: Path, tokens: Path) -> None:
     run_json = write_run(tmp_path, tokens, **COMMON, **SYNC)
     proc = train(run_json, env={"MEGA_TRAIN_INJECT": "fail-save@2,fail-save@4,fail-save@6"})

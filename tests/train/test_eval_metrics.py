@@ -80,6 +80,7 @@ def test_evaluate_matches_a_hand_computation(monkeypatch) -> None:
     assert got["accuracy"] == pytest.approx(float(want_acc), abs=1e-9)
 
 
+@pytest.mark.slow  # 8 s; make test checks the evaluation against a hand computation in one process
 def test_user_metric_is_combined_over_dp2(tmp_path: Path, tokens: Path, monkeypatch) -> None:
     """dp2 (FSDP2), eval every 3 of 4 steps (and at the end): the user metric, loss and accuracy in
     each eval record equal a hand computation over the same valid batches with the checkpoint's

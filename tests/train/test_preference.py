@@ -462,6 +462,7 @@ def test_evaluation_on_held_out_pairs_equals_the_plain_loops(
     assert_records_close([got], [want], beta=0.1, names=(*COMPARED, "rewards/accuracies"))
 
 
+@pytest.mark.slow  # 7 s; make test runs DPO under LoRA at dp 2, and resumes killed runs in test_resume_matrix
 def test_dpo_killed_and_resumed_in_another_layout_equals_one_process(
     tmp_path: Path, pairs: Path, base: tuple[Path, Path], one_process: dict[str, Path]
 ) -> None:
