@@ -102,3 +102,28 @@ def test_bad_settings_and_a_full_cache_are_refused() -> None:
     cache.advance(3)
     with pytest.raises(ValueError, match="the cache holds 4 positions; 5 asked"):
         cache.update(0, torch.zeros(1, 2, 2))
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planners_rollout_cache_is_what_the_cache_holds(
+    tmp_path: Path, family: str, precision: str
+) -> None:
+    """The dry run's KV cache of a rollout (`planner.rollout_cache`: grouped kv heads, latent
+    attention's latent, a pipeline rank's stages' layers) equals the bytes of the buffers the cache
+    holds after the prompts' forward of a whole model (fp32, or bf16 weights: bf16 buffers)."""
+    from megacore import planner
+    from megacore.artifacts.run_spec import ParallelSpec
+    from megacore.parallel.layout import Parallelism
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    ours = ours_from_dir(build(case_of(family), tmp_path / "hf")).to(dtype)
+    rows, capacity = 3, 20
+    cache = KVCache(capacity)
+    with torch.no_grad():
+        ours(torch.randint(3, 50, (rows, 7)), cache=cache)
+    held = sum(t.nbytes for buffers in cache.buffers.values() for t in buffers)
+    one = Parallelism(ParallelSpec(), precision, 1)
+    assert planner.rollout_cache(ours.config, one, 0, rows, capacity) == held > 0
+    two = Parallelism(ParallelSpec(pp=2), precision, 2)  # each pipeline rank its stage's layers
+    assert sum(planner.rollout_cache(ours.config, two, r, rows, capacity) for r in (0, 1)) == held

@@ -5,6 +5,7 @@ objectives that learn the documents they read."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -303,6 +304,15 @@ def test_the_dry_run_counts_prompts_and_their_completions(tmp_path: Path, prompt
         "grpo: 4 completions a prompt, up to 8 tokens at temperature 0.9; loss dapo; rewards rewards.py:thirds x 1, exact x 0.5"
         in out
     )
+    assert f"rollout: a KV cache of {P * G} rows x 24 positions" in out
+    # The rollout's KV cache: every completion of the batch, seq_length positions, each layer's k and
+    # v of its kv heads in fp32, from the model's config.json.
+    hf = json.loads((base[0] / "config.json").read_text())
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    per_layer = 2 * P * G * 24 * hf["num_key_value_heads"] * head_dim * 4
+    memory = json.loads(ok(train(run, "--dry-run", "--json")).stdout)["memory"]
+    assert memory["rollout"]["cache"] == hf["num_hidden_layers"] * per_layer
+    assert memory["peak"] >= memory["rollout"]["peak"] > memory["rollout"]["cache"]
 
 
 @pytest.mark.parametrize(

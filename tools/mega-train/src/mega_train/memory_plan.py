@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mega_train.objectives import kind_of
 from mega_train.run_plan import RunPlan
 from megacore import planner
 from megacore.parallel.layout import RECOMPUTE
@@ -21,7 +22,8 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
     par = plan.parallelism
     micro, seq = run.batch.micro_batch_size * plan.rows_per_sample, run.batch.seq_length  # rows
     rows = planner.estimate(config, par, plan.dp, micro, seq, run.attention)
-    peak = planner.peak(rows)
+    rollout = _rollout(plan, rows) if kind_of(run).prompts else None
+    peak = max(planner.peak(rows), rollout["peak"] if rollout else 0)
     out: dict = {
         "memory": {
             "precision": run.precision,
@@ -35,6 +37,7 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
                 | {k: getattr(r, k) for k in COLUMNS}
                 for r in rows
             ],
+            "rollout": rollout,
             "peak": peak,
             "allowance": planner.ALLOWANCE,
             "gpu_memory": gpu_memory,
@@ -52,6 +55,26 @@ def memory_plan(plan: RunPlan, gpu_memory: int | None = None, gpus: int | None =
         assert gpu_memory is not None
         out["layouts"] = _layouts(plan, gpus, gpu_memory)
     return out
+
+
+def _rollout(plan: RunPlan, rows: list[planner.RankMemory]) -> dict:
+    """An objective that samples (online RL): every rank completes the whole batch's rows, up to
+    seq_length positions each, with the KV cache of its stages' layers beside its state and the
+    step's buffers (FSDP2's gathered weights); the step's activations are not held then."""
+    run = plan.run
+    batch = run.batch.global_batch_size * plan.rows_per_sample
+    caches = {
+        r.pp_rank: planner.rollout_cache(
+            plan.config, plan.parallelism, r.pp_rank, batch, run.batch.seq_length
+        )
+        for r in rows
+    }
+    return {
+        "rows": batch,
+        "positions": run.batch.seq_length,
+        "cache": max(caches.values()),
+        "peak": max(r.state + r.buffers + caches[r.pp_rank] for r in rows),
+    }
 
 
 def _layouts(plan: RunPlan, gpus: int, gpu_memory: int) -> dict:
@@ -114,6 +137,12 @@ def memory_lines(report: dict) -> list[str]:
     for r in mem["ranks"]:
         cells = " ".join(f"{gib(r[c]):>11}" for c in COLUMNS)
         lines.append(f"  {rank_list(r['ranks']):<20} {r['pp_rank']:>5} {r['in_flight']:>9} {cells}")
+    if mem["rollout"]:
+        ro = mem["rollout"]
+        lines.append(
+            f"  rollout: a KV cache of {ro['rows']} rows x {ro['positions']} positions, {gib(ro['cache'])} GiB "
+            f"on the fullest rank; with its state and buffers {gib(ro['peak'])} GiB"
+        )
     need = mem["peak"] + mem["allowance"]
     verdict = f"peak {gib(mem['peak'])} GiB + {gib(mem['allowance'])} GiB allowance = {gib(need)} GiB per GPU"
     if mem["gpu_memory"] is not None:

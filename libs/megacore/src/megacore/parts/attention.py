@@ -52,6 +52,12 @@ def kv_width(config: ModelConfig, tp: int) -> int:
     return config.head_dim * (1 if kv_replicated(config, tp) else config.num_kv_heads // tp)
 
 
+def cache_bytes(config: ModelConfig, tp: int, rows: int, positions: int, c: int) -> int:
+    """What a layer's KV cache (`models.kv_cache`) holds on a tp rank for `rows` rows of
+    `positions` positions in the compute dtype's `c` bytes: its k and v."""
+    return 2 * rows * positions * kv_width(config, tp) * c
+
+
 def saves(
     config: ModelConfig, comp: Compute, tokens: int, heads: int, kv: int, keys: int
 ) -> tuple[int, int, int, int]:

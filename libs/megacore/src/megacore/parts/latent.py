@@ -89,6 +89,13 @@ def head_norm_saves(config: ModelConfig, comp: Compute, tokens: int, heads: int,
     return 0
 
 
+def cache_bytes(config: ModelConfig, tp: int, rows: int, positions: int, c: int) -> int:
+    """What a layer's KV cache holds: the normed latent and the rotated k every head shares, whole
+    on every tp rank (k and v are expanded from them each step)."""
+    la = config.latent
+    return rows * positions * (la.kv_lora_rank + la.qk_rope_head_dim) * c
+
+
 def cp_gathered(config: ModelConfig, micro: int, seq: int, kv: int, c: int) -> int:
     """0: the whole rows' k and v are the kernel's inputs, counted in `saves`."""
     return 0

@@ -24,6 +24,7 @@ from megacore.planner.memory import (
     peak,
     rank_buffers,
     rank_state,
+    rollout_cache,
 )
 from megacore.planner.search import Candidate, candidate_parallelism, search
 from megacore.planner.throughput import DP_EFFICIENCY, relative_throughput
@@ -48,6 +49,7 @@ __all__ = [
     "rank_buffers",
     "rank_state",
     "relative_throughput",
+    "rollout_cache",
     "search",
     "stage_activations",
 ]

@@ -83,7 +83,7 @@ from megacore.parallel.layout import (
     place,
     tp_box,
 )
-from megacore.parts import adapter_tensors, model_tensors
+from megacore.parts import adapter_tensors, attention_part, model_tensors
 from megacore.parts.attention import kv_width
 from megacore.planner.activations import COMPUTE_BYTES, in_flight, rank_activations, sequence_shards
 
@@ -340,6 +340,18 @@ def fixed_bytes(config: ModelConfig, par: Parallelism, dp: int, ranks: list[Rank
         _state(config, par, dims, 0, r.tensors, r.shards).total + _param_buffers(config, par, dims, r.tensors)
         for r in ranks
     ]
+
+
+def rollout_cache(config: ModelConfig, par: Parallelism, pp_rank: int, rows: int, positions: int) -> int:
+    """The KV cache a pipeline rank holds while the sampler (`parallel.sampler`) completes `rows`
+    rows of up to `positions` positions (prompt and completion): its stages' layers', each its
+    attention part's (`cache_bytes`: k and v of the rank's kv heads, or latent attention's latent),
+    in the compute dtype, allocated whole when the prompts' forward starts (`models.kv_cache`)."""
+    layers = check_parallelism(config, par)
+    per_layer = attention_part(config).cache_bytes(
+        config, par.spec.tp, rows, positions, COMPUTE_BYTES[par.precision]
+    )
+    return per_layer * sum(len(layers[s]) for s in par.rank_stages(pp_rank))
 
 
 def peak_bytes(
