@@ -1,8 +1,8 @@
-"""The sampler (`megacore.models.sampling`, its KV cache `models.kv_cache`; #51's first part of
-item 1: one process, pipeline and tensor parallel not yet): greedy completions of a batch of
-prompts of different lengths (left-padded) equal transformers' `generate` with its own cache and
-attention mask, token for token, for every family; the sampling filters equal transformers' logits
-warpers; draws are the seed's."""
+"""The sampler (`megacore.models.sampling`, its KV cache `models.kv_cache`) in one process (in a
+layout: tests/parallel/test_sampler.py): greedy completions of a batch of prompts of different
+lengths (left-padded) equal transformers' `generate` with its own cache and attention mask, token
+for token, for every family; the sampling filters equal transformers' logits warpers; draws are the
+seed's; the planner's rollout cache is what the cache holds."""
 
 from __future__ import annotations
 
