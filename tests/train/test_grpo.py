@@ -190,11 +190,10 @@ def test_steps_equal_the_formulas_over_transformers(tmp_path: Path, prompts: Pat
         assert (g["time/generation_s"] > 0) == (g["time/scoring_s"] > 0) == rolled, g
         parts = g["time/generation_s"] + g["time/scoring_s"] + g["time/training_s"]
         assert g["time/training_s"] > 0 and parts <= g["step_time_s"] + 1e-3, g
-    assert (
-        max(w["clip_ratio/low_mean"] for w in want) > 0
-        or max(w["kl"] for w in want) > 0
-        or spec["num_iterations"] == 1
-    )
+    # The clip ratio and KL compared are not all 0, but where neither can be (one update a batch,
+    # no beta: the ratio is 1 and the KL not reported).
+    compared = [w["clip_ratio/low_mean"] for w in want] + [w["kl"] for w in want if spec.get("beta")]
+    assert max(compared) > 0 or (spec["num_iterations"] == 1 and not spec.get("beta"))
 
 
 LORA = {

@@ -68,12 +68,8 @@ class Experts(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        e, hidden, ffn, bias = (
-            config.moe.num_experts,
-            config.hidden_size,
-            config.ffn_hidden_size,
-            config.mlp_bias,
-        )
+        e, bias = config.moe.num_experts, config.mlp_bias
+        hidden, ffn = config.hidden_size, config.ffn_hidden_size
         self.gate_proj = GroupedLinear(e, hidden, ffn, bias)
         self.up_proj = GroupedLinear(e, hidden, ffn, bias)
         self.down_proj = GroupedLinear(e, ffn, hidden, bias)

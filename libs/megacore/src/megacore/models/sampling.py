@@ -121,11 +121,11 @@ def decode(
     running = torch.ones(len(prompts), dtype=torch.bool)
     for step in range(max_new):
         cache.advance(new.shape[1])
-        drawn = next_tokens(logits, sampling, generators) if logits is not None else None
-        chosen = agree(
-            drawn if drawn is not None else torch.zeros(len(prompts), dtype=torch.long, device=device)
-        )
-        chosen = chosen.cpu()
+        if logits is not None:
+            chosen = next_tokens(logits, sampling, generators)
+        else:  # a placeholder: `agree` hands this rank the drawing rank's
+            chosen = torch.zeros(len(prompts), dtype=torch.long, device=device)
+        chosen = agree(chosen).cpu()
         for i in running.nonzero().flatten().tolist():
             out[i].append(int(chosen[i]))
             running[i] = int(chosen[i]) not in stop_ids and not (done is not None and done(i, out[i]))

@@ -52,12 +52,11 @@ the CUDA context and kernels, NCCL buffers, allocator fragmentation.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 from megacore.config import (
     LOSS_CHUNK_ELEMENTS,
@@ -373,15 +372,15 @@ def tensor_cache(config: ModelConfig) -> TensorCache:
     """Each pipeline rank's tensors and shard groups by tp x pp x ep, for a search of many layouts
     of one base (its LoRA): they do not depend on cp, dp, recompute or the microbatches (the caller
     checks those: `check_parallelism`)."""
-    cache: dict[tuple[int, int, int], list[RankTensors]] = {}
-    placer = functools.cache(partial(_place, config))  # the same names at every pp and ep
+    by_layout: dict[tuple[int, int, int], list[RankTensors]] = {}
+    placer = cache(partial(_place, config))  # the same names at every pp and ep
 
     def tensors(par: Parallelism) -> list[RankTensors]:
         key = (par.spec.tp, par.spec.pp, par.spec.ep)
-        if key not in cache:
+        if key not in by_layout:
             ranks = (rank_tensors(config, par, r, placer) for r in range(par.spec.pp))
-            cache[key] = [RankTensors(t, _shard_groups(config, par, t, placer)) for t in ranks]
-        return cache[key]
+            by_layout[key] = [RankTensors(t, _shard_groups(config, par, t, placer)) for t in ranks]
+        return by_layout[key]
 
     return tensors
 

@@ -70,10 +70,9 @@ class Rollout:
     ref: torch.Tensor | None = None  # the reference's
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     table: list[dict] = dataclasses.field(default_factory=list)  # every completion, for `rollout` records
-    # Seconds the sampler took, and the reward functions with the advantages; when scoring ended.
+    # Seconds the sampler took, and the reward functions with the advantages.
     generation_s: float = 0.0
     scoring_s: float = 0.0
-    scored_at: float = 0.0
 
 
 class GRPOObjective(Objective):
@@ -92,7 +91,7 @@ class GRPOObjective(Objective):
         self.reference: ParallelModel | None = None
         self._loss: PolicyLoss | None = None
         self._inputs: dict[int, PolicyInputs] = {}
-        self._times = (0.0, 0.0, 0.0)  # this step's generation and scoring seconds, training since
+        self._times = (0.0, 0.0, 0.0)  # this step's generation and scoring seconds, and its start
 
     def roles(self, valid: Dataset | None) -> tuple[None, None]:
         return None, None  # the targets are the completions, made here
@@ -131,7 +130,7 @@ class GRPOObjective(Objective):
         """This step's rows: a new batch of completions every `num_iterations` steps."""
         t = self.t
         k = step // self.spec.num_iterations
-        self._times = (0.0, 0.0, time.perf_counter())  # (generation, scoring, training from)
+        self._times = (0.0, 0.0, time.perf_counter())
         if self.rollout is None or self.rollout.index != k:
             try:
                 self.rollout = self._roll_out(t.train_data, k, train=True)
@@ -141,7 +140,7 @@ class GRPOObjective(Objective):
                 raise UserError(
                     f"$.objective.rewards: {e} (step {t.position.step} saved)", str(t.plan.path)
                 ) from None
-            self._times = (self.rollout.generation_s, self.rollout.scoring_s, self.rollout.scored_at)
+            self._times = (self.rollout.generation_s, self.rollout.scoring_s, self._times[2])
             every = t.run.logging.every
             if t.position.step == 0 or (t.position.step + 1) % every == 0:
                 for row in self.rollout.table:
@@ -178,11 +177,11 @@ class GRPOObjective(Objective):
         """The rollout's metrics (every rank holds them) and the loss's, added up over the ranks that
         compute it once (`reports_logits`: the last stage's, at tp rank 0)."""
         t = self.t
-        generation, scoring, since = self._times
+        generation, scoring, start = self._times
         times = {
             "time/generation_s": generation,
             "time/scoring_s": scoring,
-            "time/training_s": time.perf_counter() - since,
+            "time/training_s": time.perf_counter() - start - generation - scoring,
         }
         out = {
             k: torch.tensor(v, dtype=torch.float64, device=t.device)
@@ -227,7 +226,7 @@ class GRPOObjective(Objective):
         as_rows = {"dtype": torch.float32, "device": t.device}
         r = Rollout(
             k, tokens, targets, advantages[share].to(**as_rows), weights[share].to(**as_rows), metrics=metrics,
-            generation_s=sampled - start, scoring_s=scored - sampled, scored_at=scored,
+            generation_s=sampled - start, scoring_s=scored - sampled,
         )  # fmt: skip
         r.table = [
             {"prompt": p, "completion": x, "completion_ids": c, "reward": float(rw), "advantage": float(a),

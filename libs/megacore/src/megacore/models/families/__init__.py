@@ -151,14 +151,10 @@ def _set_paths(path: str, value: object, default: object) -> list[str]:
     out = [f"{path}.type"] if tagged and type(value) is not type(default) else []
     for g in msgspec.structs.fields(value):
         if g.required:
-            plain = None
-        else:
-            plain = g.default if g.default_factory is msgspec.NODEFAULT else g.default_factory()
-        out += (
-            _set_paths(f"{path}.{g.name}", getattr(value, g.name), plain)
-            if not g.required
-            else [f"{path}.{g.name}"]
-        )
+            out.append(f"{path}.{g.name}")
+            continue
+        plain = g.default if g.default_factory is msgspec.NODEFAULT else g.default_factory()
+        out += _set_paths(f"{path}.{g.name}", getattr(value, g.name), plain)
     return out
 
 
