@@ -27,17 +27,22 @@ S, B, GLOBAL_BATCH = 4096, 1, 64
 # --- the models' published shapes, Megatron-LLM's FAQ layouts -------------------------------------
 
 # The models' published shapes (their Hugging Face config.json), sequence 4096.
-LLAMA2 = {"family": "llama", "vocab_size": 32000, "norm_eps": 1e-5, "max_seq_len": 4096}
+LLAMA2 = {
+    "family": "llama",
+    "vocab_size": 32000,
+    "norm": {"type": "rmsnorm", "eps": 1e-5},
+    "max_seq_len": 4096,
+}
 SHAPES = {
     "llama2-7b": {**LLAMA2, "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 32,
                   "ffn_hidden_size": 11008},
     "mistral-7b": {"family": "mistral", "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32,
                    "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336, "max_seq_len": 4096,
-                   "norm_eps": 1e-5, "sliding_window": 4096},
-    "falcon-40b": {"family": "falcon", "norm": "layernorm", "norm_bias": True, "activation": "gelu",
-                   "tie_embeddings": True, "parallel_attn": True, "max_seq_len": 4096, "vocab_size": 65024,
+                   "norm": {"type": "rmsnorm", "eps": 1e-5}, "sliding_window": 4096},
+    "falcon-40b": {"family": "falcon", "norm": {"type": "layernorm", "bias": True}, "activation": "gelu",
+                   "tie_embeddings": True, "block": {"type": "parallel", "norms": 2}, "max_seq_len": 4096, "vocab_size": 65024,
                    "hidden_size": 8192, "num_layers": 60, "num_heads": 128, "num_kv_heads": 8,
-                   "ffn_hidden_size": 32768, "num_ln_in_parallel_attn": 2},
+                   "ffn_hidden_size": 32768},
     "llama2-70b": {**LLAMA2, "hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8,
                    "ffn_hidden_size": 28672},
 }  # fmt: skip
@@ -70,8 +75,8 @@ def dry_run(capsys, *argv: object) -> tuple[int, str, str]:
 # Mixtral 8x7B's published shape (its config.json).
 MIXTRAL_8X7B = {
     "family": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32, "num_heads": 32,
-    "num_kv_heads": 8, "ffn_hidden_size": 14336, "max_seq_len": 32768, "norm_eps": 1e-5,
-    "rope_theta": 1e6, "mlp": {"type": "moe", "num_experts": 8, "experts_per_token": 2},
+    "num_kv_heads": 8, "ffn_hidden_size": 14336, "max_seq_len": 32768, "norm": {"type": "rmsnorm", "eps": 1e-5},
+    "rope": {"theta": 1e6}, "mlp": {"type": "moe", "num_experts": 8, "experts_per_token": 2},
 }  # fmt: skip
 
 

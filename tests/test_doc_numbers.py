@@ -252,13 +252,14 @@ def plan(shape: str, gpus: int, seq: int, tp: int = 1, pp: int = 1) -> tuple[int
     from mega_train.cli import parse_size
     from mega_train.run_plan import parallelism
     from megacore.artifacts.codec import decode_manifest
-    from megacore.config import RopeScaling, with_context
+    from megacore.config import with_context
+    from megacore.config_parts import RopeScaling
 
     micro, batch, trained = planner_test("B"), planner_test("GLOBAL_BATCH"), planner_test("S")
     if shape == "mixtral-8x7b":
         config = msgspec.convert(planner_test("MIXTRAL_8X7B"), ModelConfig)
     else:
-        config = ModelConfig(**planner_test("SHAPES")[shape])
+        config = msgspec.convert(planner_test("SHAPES")[shape], ModelConfig)
     if seq > config.max_seq_len:  # a longer context, as a run from init sets it beside `init`
         scaling = RopeScaling(type="yarn", factor=seq / trained, original_max_position_embeddings=trained)
         config = with_context(config, seq, scaling)
@@ -384,14 +385,14 @@ def yarn_defaults() -> tuple[float | str, float | str]:
     (`truncate: false`, so every other value moves the ramp)."""
     import torch
 
-    from megacore.config import RopeScaling
+    from megacore.config_parts import RopeScaling, RopeSpec
     from megacore.models.rope import inv_freq
 
     def freqs(**beta: float) -> torch.Tensor:
         scaling = RopeScaling("yarn", 4.0, 4096, truncate=False, **beta)
         shape = {"vocab_size": 128, "hidden_size": 512, "num_heads": 4, "num_kv_heads": 4, "num_layers": 1}
         config = ModelConfig(
-            family="llama", ffn_hidden_size=64, max_seq_len=16384, rope_scaling=scaling, **shape
+            family="llama", ffn_hidden_size=64, max_seq_len=16384, rope=RopeSpec(scaling=scaling), **shape
         )
         return inv_freq(config, 16384)
 
@@ -428,7 +429,7 @@ def flops_coefficients() -> tuple[float, float]:
     projection's included, the embedding lookup not) and per layer x head x head_dim x position."""
     from megacore.planner.counts import flops_per_token
 
-    config = ModelConfig(**planner_test("SHAPES")["llama2-7b"])
+    config = msgspec.convert(planner_test("SHAPES")["llama2-7b"], ModelConfig)
     matmul = sum(
         math.prod(s) for n, s in model_tensors(config).items() if len(s) == 2 and n != "embed.weight"
     )

@@ -1,9 +1,11 @@
 """Manifests of earlier format versions read as today's (`megacore.artifacts.upgrade`). Version 2: a
 mixture of experts' training settings left the model config for the run (#50). Version 3: the
-config's attention and MLP became tagged parts. The v1 manifests are the fixture an earlier main
+config's attention and MLP became tagged parts. Version 4: its norm, RoPE and block parts, and
+standard attention's switches in its part. The v1 manifests are the fixture an earlier main
 wrote (tests/fixtures/e9be15e/) and that fixture's manifest turned into a mixture's by hand, as a
 version 1 Mixtral checkpoint trained with a load-balancing weight records it; the v2 ones are that
-fixture as version 2 wrote a DeepSeek V3 config, its latent attention and experts flat."""
+fixture as version 2 wrote a DeepSeek V3 config, its latent attention and experts flat; the v3
+ones that fixture as version 3 wrote a Gemma 3, a Falcon and a DeepSeek V3 config."""
 
 from __future__ import annotations
 
@@ -17,7 +19,20 @@ from mega_train.checkpoints import check_resumable
 from megacore.artifacts import FORMAT_VERSION
 from megacore.artifacts.codec import decode_manifest
 from megacore.config import RouterLosses
-from megacore.config_parts import LatentAttentionSpec, MoESpec, RouterSpec, SharedExpertSpec
+from megacore.config_parts import (
+    LatentAttentionSpec,
+    LayerNormSpec,
+    MoESpec,
+    ParallelBlockSpec,
+    PlusOneRMSNormSpec,
+    RMSNormSpec,
+    RopeScaling,
+    RopeSpec,
+    RouterSpec,
+    SequentialBlockSpec,
+    SharedExpertSpec,
+    StandardAttentionSpec,
+)
 from megacore.errors import UserError
 
 TRAINED = Path(__file__).resolve().parents[1] / "fixtures" / "e9be15e" / "trained" / "manifest.json"
@@ -27,6 +42,12 @@ V2_PARTS = (
     "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "num_experts", "experts_per_token",
     "renormalize_top_k", "dense_layers", "dense_ffn_hidden_size", "shared_expert_size", "shared_expert_gate",
     "router_scoring", "router_bias", "expert_groups", "expert_groups_chosen", "routed_scaling",
+)  # fmt: skip
+# Version 3's flat fields of the norm, the RoPE, the block and standard attention.
+V3_PARTS = (
+    "norm", "norm_eps", "norm_bias", "rope_theta", "rope_scaling", "local_rope_theta", "parallel_attn",
+    "num_ln_in_parallel_attn", "sandwich_norm", "attn_bias", "attn_out_bias", "qk_norm", "attn_sinks",
+    "attn_scalar",
 )  # fmt: skip
 
 
@@ -43,7 +64,7 @@ def _v1_mixtral(aux: float) -> dict:
 
 def test_the_fixture_is_version_1_with_the_router_fields_in_its_config() -> None:
     raw = json.loads(TRAINED.read_text())
-    assert raw["format_version"] == 1 < FORMAT_VERSION == 3
+    assert raw["format_version"] == 1 < FORMAT_VERSION == 4
     assert {k: raw["config"][k] for k in ROUTER} == dict.fromkeys(ROUTER, 0.0)
 
 
@@ -52,9 +73,14 @@ def test_a_dense_v1_checkpoint_drops_its_zero_router_settings_and_keeps_its_fing
     m = decode_manifest(TRAINED.read_bytes(), "fixture", "checkpoint")
     encoded = json.loads(msgspec.json.encode(m.config))
     assert not set(ROUTER) & set(encoded)
-    kept = {k: v for k, v in raw["config"].items() if k not in (*ROUTER, *V2_PARTS)}
-    assert {k: v for k, v in encoded.items() if k in raw["config"]} == kept
-    assert (encoded["attention"], encoded["mlp"]) == ({"type": "standard"}, {"type": "dense"})
+    kept = {k: v for k, v in raw["config"].items() if k not in (*ROUTER, *V2_PARTS, *V3_PARTS)}
+    assert {k: v for k, v in encoded.items() if k in kept} == kept
+    assert m.config.attention == StandardAttentionSpec() and encoded["mlp"] == {"type": "dense"}
+    assert (m.config.norm, m.config.rope, m.config.block) == (
+        RMSNormSpec(eps=1e-6),
+        RopeSpec(),
+        SequentialBlockSpec(),
+    )
     assert m.training.fingerprint == raw["training"]["run"]  # nothing added for a dense model
 
 
@@ -121,3 +147,47 @@ def test_a_dense_v2_config_drops_its_defaults_and_refuses_any_other_by_name() ->
     assert (m.config.moe, m.config.latent) == (None, None)
     with pytest.raises(UserError, match=r"^v2: \$\.config: object contains unknown field routed_scaling$"):
         decode_manifest(_v2({**dense, "routed_scaling": 2.5}), "v2", "checkpoint")
+
+
+def _v3(config: dict) -> bytes:
+    """The fixture as version 3 wrote it, with `config`'s fields over its own."""
+    raw = json.loads(TRAINED.read_text())
+    raw["format_version"] = 3
+    flat = {k: v for k, v in raw["config"].items() if k not in (*ROUTER, *V2_PARTS)}
+    raw["config"] = flat | {"attention": {"type": "standard"}, "mlp": {"type": "dense"}} | config
+    return json.dumps(raw).encode()
+
+
+def test_v3_gemma_and_falcon_switches_become_their_parts() -> None:
+    gemma = {
+        "family": "gemma3", "norm": "rmsnorm_plus1", "norm_eps": 1e-6, "rope_theta": 1e6,
+        "rope_scaling": {"type": "linear", "factor": 8.0}, "local_rope_theta": 1e4, "sandwich_norm": True,
+        "qk_norm": True, "attn_scalar": 24.0, "sliding_window": 4, "scale_embeddings": True,
+    }  # fmt: skip
+    m = decode_manifest(_v3(gemma), "v3", "checkpoint")
+    assert (m.config.norm, m.config.block) == (
+        PlusOneRMSNormSpec(eps=1e-6),
+        SequentialBlockSpec(sandwich_norm=True),
+    )
+    assert m.config.rope == RopeSpec(
+        theta=1e6, scaling=RopeScaling(type="linear", factor=8.0), local_theta=1e4
+    )
+    assert m.config.attention == StandardAttentionSpec(qk_norm=True, scalar=24.0)
+    falcon = {"family": "falcon", "norm": "layernorm", "norm_bias": True, "parallel_attn": True,
+              "num_ln_in_parallel_attn": 2, "attn_bias": True, "attn_out_bias": True, "mlp_bias": True}  # fmt: skip
+    m = decode_manifest(_v3(falcon), "v3", "checkpoint")
+    assert (m.config.norm, m.config.block) == (LayerNormSpec(eps=1e-6, bias=True), ParallelBlockSpec(norms=2))
+    assert m.config.attention == StandardAttentionSpec(bias=True, out_bias=True) and m.config.mlp_bias
+
+
+def test_v3_settings_that_did_nothing_go_and_latent_attention_refuses_standard_ones_by_name() -> None:
+    """A norm bias beside an RMSNorm, a parallel block's norm count beside a sequential one, and
+    standard attention's switches at their defaults beside latent attention read nothing in version 3
+    and are dropped; a standard switch set beside latent attention was refused and still is."""
+    latent = {"family": "deepseek_v3", "num_heads": 2, "num_kv_heads": 2, "head_dim": 24,
+              "attention": {"type": "latent", "kv_lora_rank": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}}  # fmt: skip
+    m = decode_manifest(_v3({**latent, "norm_bias": True, "num_ln_in_parallel_attn": 2}), "v3", "checkpoint")
+    assert (m.config.norm, m.config.block) == (RMSNormSpec(eps=1e-6), SequentialBlockSpec())
+    assert m.config.latent == LatentAttentionSpec(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12)
+    with pytest.raises(UserError, match=r"^v3: \$\.config: object contains unknown field attn_sinks$"):
+        decode_manifest(_v3({**latent, "attn_sinks": True}), "v3", "checkpoint")

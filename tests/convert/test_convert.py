@@ -18,6 +18,7 @@ from mega_export.export import export_hf
 from megacore.artifacts import MANIFEST_NAME, open_artifact, sha256_file
 from megacore.artifacts.manifest import HFSource, License
 from megacore.artifacts.pieces import safetensors_layout
+from megacore.config_parts import ParallelBlockSpec
 from megacore.errors import UserError
 
 
@@ -297,7 +298,9 @@ def test_early_falcon_config_names(tmp_path: Path) -> None:
     (src / "config.json").write_text(json.dumps(cfg))
     convert_hf(src, tmp_path / "c_old", log=quiet)
     a, b = open_artifact(tmp_path / "c_new", "checkpoint"), open_artifact(tmp_path / "c_old", "checkpoint")
-    assert a.config == b.config and a.config.num_kv_heads == 1 and a.config.num_ln_in_parallel_attn == 1
+    assert (
+        a.config == b.config and a.config.num_kv_heads == 1 and a.config.block == ParallelBlockSpec(norms=1)
+    )
     ta, tb = load_file(tmp_path / "c_new" / WEIGHTS), load_file(tmp_path / "c_old" / WEIGHTS)
     assert sorted(ta) == sorted(tb)
     for k in ta:

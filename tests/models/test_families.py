@@ -17,8 +17,18 @@ import pytest
 from transformers import AutoConfig, Gemma3TextConfig
 
 from hf_cases import CASES, case_of
-from megacore.config import EXPERT_FAMILIES, ModelConfig, config_fields
-from megacore.config_parts import LatentAttentionSpec, MoESpec, RouterSpec, SharedExpertSpec
+from megacore.config import EXPERT_FAMILIES, PART_FIELDS, ModelConfig, config_fields
+from megacore.config_parts import (
+    LatentAttentionSpec,
+    MoESpec,
+    PlusOneRMSNormSpec,
+    RopeScaling,
+    RopeSpec,
+    RouterSpec,
+    SequentialBlockSpec,
+    SharedExpertSpec,
+    StandardAttentionSpec,
+)
 from megacore.errors import UserError
 from megacore.models import FAMILIES, config_from_hf, config_to_hf
 from megacore.models.families import SHARED_FIELDS, differences_from_hf
@@ -82,12 +92,12 @@ def test_qwen_defaults_as_transformers() -> None:
     """Keys a config.json leaves out take the transformers class's defaults."""
     bare = {k: v for k, v in _QWEN.items() if k != "num_key_value_heads"}
     q2 = config_from_hf({"model_type": "qwen2", **bare, "num_attention_heads": 32, "hidden_size": 256})
-    assert (q2.num_kv_heads, q2.head_dim, q2.norm_eps, q2.max_seq_len) == (32, 8, 1e-6, 32768)
-    assert (q2.attn_bias, q2.attn_out_bias, q2.mlp_bias, q2.qk_norm) == (True, False, False, False)
+    assert (q2.num_kv_heads, q2.head_dim, q2.norm.eps, q2.max_seq_len) == (32, 8, 1e-6, 32768)
+    assert q2.attention == StandardAttentionSpec(bias=True) and not q2.mlp_bias
     q3 = config_from_hf({"model_type": "qwen3", **_QWEN, "num_key_value_heads": None})
-    assert (q3.num_kv_heads, q3.head_dim, q3.qk_norm, q3.attn_bias) == (4, 128, True, False)
+    assert (q3.num_kv_heads, q3.head_dim, q3.attention) == (4, 128, StandardAttentionSpec(qk_norm=True))
     biased = config_from_hf({"model_type": "qwen3", **_QWEN, "attention_bias": True})
-    assert biased.attn_bias and biased.attn_out_bias
+    assert biased.attention.bias and biased.attention.out_bias
 
 
 @functools.cache
@@ -126,15 +136,13 @@ def test_gemma3_maps_both_ways_through_transformers_config() -> None:
     cls, kwargs, _ = CASES["gemma3"]
     source = cls(**kwargs)
     cfg = config_from_hf(source)
-    assert (cfg.family, cfg.norm, cfg.activation) == ("gemma3", "rmsnorm_plus1", "geglu_tanh")
-    assert cfg.qk_norm and cfg.sandwich_norm and cfg.scale_embeddings and cfg.tie_embeddings
+    assert (cfg.family, cfg.norm, cfg.activation) == ("gemma3", PlusOneRMSNormSpec(eps=1e-6), "geglu_tanh")
+    assert cfg.attention.qk_norm and cfg.block == SequentialBlockSpec(sandwich_norm=True)
+    assert cfg.scale_embeddings and cfg.tie_embeddings
     assert cfg.layer_types == source.layer_types == [_SLIDING, _SLIDING, _FULL, _SLIDING]
-    assert (cfg.sliding_window, cfg.head_dim, cfg.attn_scalar) == (8, 32, 24)
-    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (
-        5e5,
-        20_000.0,
-        "linear",
-        8.0,
+    assert (cfg.sliding_window, cfg.head_dim, cfg.attention.scalar) == (8, 32, 24)
+    assert cfg.rope == RopeSpec(
+        theta=5e5, local_theta=20_000.0, scaling=RopeScaling(type="linear", factor=8.0)
     )
     exported = config_to_hf(cfg)
     hf = AutoConfig.for_model(**exported)
@@ -151,16 +159,16 @@ def test_gemma3_published_config_form_and_defaults() -> None:
     cfg = config_from_hf(_GEMMA_CLASSIC)
     assert cfg == config_from_hf(Gemma3TextConfig(**_GEMMA_CLASSIC))
     assert cfg.layer_types == [_SLIDING] * 5 + [_FULL] + [_SLIDING] * 2
-    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    assert (cfg.rope.theta, cfg.rope.local_theta, cfg.rope.scaling.factor) == (1e6, 1e4, 8.0)
     bare = config_from_hf({"model_type": "gemma3_text", **_GEMMA, "num_hidden_layers": 6})
     assert bare == config_from_hf(Gemma3TextConfig(**{**_GEMMA, "num_hidden_layers": 6}))
-    assert (bare.sliding_window, bare.attn_scalar, bare.rope_scaling, bare.norm_eps) == (
+    assert (bare.sliding_window, bare.attention.scalar, bare.rope.scaling, bare.norm.eps) == (
         4096,
         256,
         None,
         1e-6,
     )
-    assert (bare.rope_theta, bare.local_rope_theta, bare.bos_id, bare.eos_id) == (1e6, 1e4, 2, 1)
+    assert (bare.rope.theta, bare.rope.local_theta, bare.bos_id, bare.eos_id) == (1e6, 1e4, 2, 1)
     assert bare.layer_types == [_SLIDING] * 5 + [_FULL] and bare.tie_embeddings
 
 
@@ -195,6 +203,9 @@ FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
 # The parts' settings by path, and the defaults of those that have one (written out here: a
 # required one, `mlp.num_experts`, is set whenever it is there).
 PART_DEFAULTS = {
+    "norm.type": "rmsnorm", "norm.bias": False, "rope.local_theta": None, "block.type": "sequential",
+    "block.sandwich_norm": False, "block.norms": 1, "attention.bias": False, "attention.out_bias": False,
+    "attention.qk_norm": False, "attention.sinks": False, "attention.scalar": None,
     "attention.type": "standard", "attention.q_lora_rank": None, "mlp.type": "dense",
     "mlp.router.scoring": "softmax", "mlp.router.renormalize_top_k": True, "mlp.router.bias": False,
     "mlp.router.groups": None, "mlp.router.groups_chosen": None, "mlp.router.scaling": 1.0,
@@ -205,7 +216,7 @@ PART_REQUIRED = ("attention.kv_lora_rank", "attention.qk_rope_head_dim", "attent
 # The switches: every ModelConfig field but those every family writes (or none carries), a part's
 # settings by path.
 SWITCHES = [
-    *(name for name in FIELDS if name not in (*SHARED_FIELDS, "attention", "mlp")),
+    *(name for name in FIELDS if name not in (*SHARED_FIELDS, *PART_FIELDS)),
     *PART_DEFAULTS,
     *PART_REQUIRED,
 ]
@@ -216,32 +227,45 @@ def _moe(**changes: Any) -> dict[str, Any]:
 
 
 def _latent(c: ModelConfig, **changes: Any) -> dict[str, Any]:
-    """Latent attention on a base: one k/v head per q head, no biases or q/k norms."""
+    """Latent attention on a base (standard attention's settings gone with it): one k/v head per q
+    head."""
     latent = LatentAttentionSpec(kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, **changes)
-    return {"attention": latent, "num_kv_heads": c.num_heads, "head_dim": 12, "attn_bias": False,
-            "attn_out_bias": False, "qk_norm": False}  # fmt: skip
+    return {"attention": latent, "num_kv_heads": c.num_heads, "head_dim": 12}
+
+
+def _with(cfg: ModelConfig, changes: dict[str, Any]) -> ModelConfig:
+    """`cfg` with settings replaced by name or by path (`attention.bias`), a part's kind replaced
+    whole (`{"block": {"type": "parallel"}}`); ValueError when that is no valid config."""
+    raw = msgspec.to_builtins(cfg)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        target = raw
+        for p in parents:
+            target = target[p]
+        target[leaf] = msgspec.to_builtins(value)
+    return msgspec.convert(raw, ModelConfig)
 
 
 # Each switch at a value other than its default, with what that value needs to make a valid
-# ModelConfig on a family's base. A switch added to ModelConfig needs an entry here; it is then
+# ModelConfig on a family's base (changes by name or path, `_with`). A switch added to ModelConfig needs an entry here; it is then
 # refused by every family whose SWITCHES do not list it (and `check_expressible` refuses it
 # whether or not this table has it).
 NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
-    "norm": lambda c: {"norm": "layernorm"},
+    "norm.type": lambda c: {"norm": {"type": "layernorm"}},
+    "norm.bias": lambda c: {"norm": {"type": "layernorm", "bias": True}},
     "activation": lambda c: {"activation": "gelu"},
     "head_dim": lambda c: {"head_dim": 2 * c.hidden_size // c.num_heads},
     "sliding_window": lambda c: {"sliding_window": 8},
     "layer_types": lambda c: {"sliding_window": 8, "layer_types": [_SLIDING] + [_FULL] * (c.num_layers - 1)},
-    "local_rope_theta": lambda c: {"local_rope_theta": 20_000.0},
-    "attn_scalar": lambda c: {"attn_scalar": 24.0},
-    "parallel_attn": lambda c: {"parallel_attn": True, "sandwich_norm": False},
-    "num_ln_in_parallel_attn": lambda c: {"num_ln_in_parallel_attn": 2},
-    "attn_bias": lambda c: {"attn_bias": True},
-    "attn_out_bias": lambda c: {"attn_out_bias": True},
+    "rope.local_theta": lambda c: {"rope.local_theta": 20_000.0},
+    "attention.scalar": lambda c: {"attention.scalar": 24.0},
+    "block.type": lambda c: {"block": {"type": "parallel"}},
+    "block.norms": lambda c: {"block": {"type": "parallel", "norms": 2}},
+    "attention.bias": lambda c: {"attention.bias": True},
+    "attention.out_bias": lambda c: {"attention.out_bias": True},
     "mlp_bias": lambda c: {"mlp_bias": True},
-    "norm_bias": lambda c: {"norm_bias": True},
-    "qk_norm": lambda c: {"qk_norm": True},
-    "sandwich_norm": lambda c: {"sandwich_norm": True, "parallel_attn": False},
+    "attention.qk_norm": lambda c: {"attention.qk_norm": True},
+    "block.sandwich_norm": lambda c: {"block": {"type": "sequential", "sandwich_norm": True}},
     "scale_embeddings": lambda c: {"scale_embeddings": True},
     "mlp.type": lambda c: _moe(),
     "mlp.num_experts": lambda c: _moe(),
@@ -261,25 +285,23 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "attention.kv_lora_rank": lambda c: _latent(c),
     "attention.qk_rope_head_dim": lambda c: _latent(c),
     "attention.v_head_dim": lambda c: _latent(c),
-    "attn_sinks": lambda c: {"attn_sinks": True},
+    "attention.sinks": lambda c: {"attention.sinks": True},
     "swiglu_alpha": lambda c: {"activation": "clamped_swiglu", "swiglu_alpha": 1.5},
     "swiglu_limit": lambda c: {"activation": "clamped_swiglu", "swiglu_limit": 3.0},
 }  # fmt: skip
 # Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 2/3,
 # and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
 _EXPERT_SWITCHES = tuple(s for s in SWITCHES if s.startswith("mlp."))
-_LATENT_SWITCHES = tuple(s for s in SWITCHES if s.startswith("attention."))
+_STANDARD_SWITCHES = tuple(f"attention.{f.name}" for f in msgspec.structs.fields(StandardAttentionSpec))
 UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EXPERT_SWITCHES} | {
     ("mixtral", "activation"),
-    # DeepSeek V3's experts (SwiGLU) and latent attention (no biases, q/k norms or sinks).
-    *(("deepseek_v3", s) for s in ("activation", "attn_bias", "attn_out_bias", "qk_norm", "attn_sinks")),
-    # gpt-oss's sinks are standard attention's, not latent attention's.
-    *(("gpt_oss", s) for s in _LATENT_SWITCHES),
+    # DeepSeek V3's experts (SwiGLU) and latent attention (none of standard attention's settings).
+    *(("deepseek_v3", s) for s in ("activation", *_STANDARD_SWITCHES)),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
-    "qwen3": [{"attn_bias": True, "attn_out_bias": True}],
-    "gemma3": [{"attn_bias": True, "attn_out_bias": True}],
+    "qwen3": [{"attention.bias": True, "attention.out_bias": True}],
+    "gemma3": [{"attention.bias": True, "attention.out_bias": True}],
     "gpt_oss": [{"swiglu_alpha": 1.5}],
 }
 OFF_LIST = [(f, s) for f in FAMILIES for s in SWITCHES if s not in FAMILIES[f].SWITCHES]
@@ -294,7 +316,7 @@ def _base(family: str) -> ModelConfig:
 def _vary(family: str, switch: str) -> ModelConfig:
     assert switch in NON_DEFAULT, f"give the new switch {switch} a non-default value in NON_DEFAULT"
     base = _base(family)
-    return msgspec.structs.replace(base, **NON_DEFAULT[switch](base))
+    return _with(base, NON_DEFAULT[switch](base))
 
 
 def _non_default(cfg: ModelConfig, name: str) -> bool:
@@ -335,7 +357,7 @@ def _samples(family: str, switch: str) -> list[ModelConfig]:
     base = _base(family)
     for changes in [*VARIANTS.get(family, []), NON_DEFAULT[switch](base)]:
         with contextlib.suppress(ValueError):
-            out.append(msgspec.structs.replace(base, **changes))
+            out.append(_with(base, changes))
     return out
 
 
@@ -383,7 +405,7 @@ def test_convert_refuses_what_the_family_writer_cannot_write_back(monkeypatch: p
     cls, kwargs, _ = CASES["llama-bias-tied"]
     monkeypatch.setattr(FAMILIES["llama"], "SWITCHES", ())
     with pytest.raises(
-        UserError, match="a Llama config.json cannot express attn_bias, attn_out_bias, mlp_bias"
+        UserError, match="a Llama config.json cannot express mlp_bias, attention.bias, attention.out_bias"
     ):
         config_from_hf(cls(**kwargs))
 
@@ -395,33 +417,33 @@ def test_mistral_and_mixtral_read_no_bias_keys() -> None:
         cls, kwargs, _ = CASES[case]
         hf = {**cls(**kwargs).to_dict(), "attention_bias": True, "mlp_bias": True}
         cfg = config_from_hf(hf)
-        assert not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias)
+        assert not (cfg.attention.bias or cfg.attention.out_bias or cfg.mlp_bias)
         assert "attention_bias" not in config_to_hf(cfg) and "mlp_bias" not in config_to_hf(cfg)
 
 
 @pytest.mark.parametrize(
     ("case", "changes", "fragment"),
     [
-        ("llama", {"attn_bias": True}, "Llama has one attention bias switch"),
+        ("llama", {"attention.bias": True}, "Llama has one attention bias switch"),
         ("falcon-7b", {"mlp_bias": True}, "Falcon has one `bias` switch"),
-        ("falcon-7b", {"norm": "rmsnorm"}, "Falcon needs layernorm with bias and a gelu MLP"),
+        ("falcon-7b", {"norm": {"type": "rmsnorm"}}, "Falcon needs layernorm with bias and a gelu MLP"),
         ("falcon-7b", {"activation": "swiglu"}, "Falcon needs layernorm with bias and a gelu MLP"),
-        ("qwen2", {"attn_bias": False}, "Qwen 2 always has biases on q, k and v"),
-        ("qwen3", {"qk_norm": False}, "Qwen 3 has q/k norms and one attention bias switch"),
-        ("qwen3", {"attn_out_bias": True}, "Qwen 3 has q/k norms and one attention bias switch"),
-        ("gemma3", {"norm": "rmsnorm"}, "Gemma 3 config.json always has norm 'rmsnorm_plus1'"),
+        ("qwen2", {"attention.bias": False}, "Qwen 2 always has biases on q, k and v"),
+        ("qwen3", {"attention.qk_norm": False}, "Qwen 3 has q/k norms and one attention bias switch"),
+        ("qwen3", {"attention.out_bias": True}, "Qwen 3 has q/k norms and one attention bias switch"),
+        ("gemma3", {"norm": {"type": "rmsnorm"}}, "Gemma 3 config.json always has norm.type 'rmsnorm_plus1'"),
         ("gemma3", {"activation": "swiglu"}, "always has activation 'geglu_tanh'"),
-        ("gemma3", {"sandwich_norm": False, "scale_embeddings": False, "qk_norm": False},
-         "always has qk_norm True, sandwich_norm True, scale_embeddings True; this config differs"),
-        ("gemma3", {"attn_out_bias": True}, "Gemma 3 has one attention bias switch"),
-        ("gemma3", {"local_rope_theta": None}, "local_rope_theta"),
-        ("gpt-oss", {"attn_sinks": False}, "gpt-oss is a mixture of experts with attention sinks"),
+        ("gemma3", {"block.sandwich_norm": False, "scale_embeddings": False, "attention.qk_norm": False},
+         "always has attention.qk_norm True, block.sandwich_norm True, scale_embeddings True; this config differs"),
+        ("gemma3", {"attention.out_bias": True}, "Gemma 3 has one attention bias switch"),
+        ("gemma3", {"rope.local_theta": None}, "rope.local_theta"),
+        ("gpt-oss", {"attention.sinks": False}, "gpt-oss is a mixture of experts with attention sinks"),
         ("gpt-oss", {"activation": "swiglu", "swiglu_limit": 7.0}, "gpt-oss is a mixture of experts with attention sinks"),
     ],
 )  # fmt: skip
 def test_export_refuses_values_the_family_cannot_take(case: str, changes: dict, fragment: str) -> None:
     """Switches on a family's list whose values its config.json still fixes: each writer's checks."""
-    cfg = msgspec.structs.replace(_case(case), **changes)
+    cfg = _with(_case(case), changes)
     with pytest.raises(UserError, match=re.escape(fragment)) as e:
         config_to_hf(cfg)
     assert "\n" not in str(e.value)

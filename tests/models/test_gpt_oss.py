@@ -26,7 +26,12 @@ def test_gpt_oss_logits_and_every_gradient_match_transformers(tmp_path: Path) ->
     path = build("gpt-oss", tmp_path / "hf")
     hf = load_hf(path).train()
     cfg = config_from_hf(hf.config)
-    assert cfg.attn_sinks and cfg.mlp_bias and cfg.activation == "clamped_swiglu" and cfg.swiglu_limit == 0.3
+    assert (
+        cfg.attention.sinks
+        and cfg.mlp_bias
+        and cfg.activation == "clamped_swiglu"
+        and cfg.swiglu_limit == 0.3
+    )
     assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 8
     ours = Decoder(cfg)
     ours.load_state_dict(hf_state_dict_to_ours(cfg, load_file(path / "model.safetensors")))

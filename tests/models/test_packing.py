@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megacore.config import ModelConfig
+from megacore.config_parts import PlusOneRMSNormSpec, RopeSpec, SequentialBlockSpec, StandardAttentionSpec
 from megacore.models import Decoder
 from megacore.models.attention import document_mask
 from megacore.models.loss import IGNORE
@@ -22,10 +23,10 @@ BASE = dict(
 # Gemma 3: a local layer (window 4, shorter than most documents, its own RoPE base) and a global one,
 # (1 + w) norms (four per block, and on q/k heads), scaled embeddings, tanh GeGLU, its score scale.
 GEMMA3 = dict(
-    family="gemma3", norm="rmsnorm_plus1", activation="geglu_tanh", head_dim=16, qk_norm=True,
-    sandwich_norm=True, scale_embeddings=True, sliding_window=4,
-    layer_types=["sliding_attention", "full_attention"], local_rope_theta=100.0, attn_scalar=12.0,
-    tie_embeddings=True,
+    family="gemma3", norm=PlusOneRMSNormSpec(), activation="geglu_tanh", head_dim=16,
+    attention=StandardAttentionSpec(qk_norm=True, scalar=12.0), block=SequentialBlockSpec(sandwich_norm=True),
+    scale_embeddings=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+    rope=RopeSpec(local_theta=100.0), tie_embeddings=True,
 )  # fmt: skip
 REL = 1e-5  # fp32: the packed and the separate runs round differently (batched, masked kernels)
 LENGTHS = [(7, 12, 5), (24,), (3, 3, 9, 9)]  # documents per row; every row is 24 tokens
@@ -53,7 +54,7 @@ def packed_rows(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[li
         ({}, "selective"),
         ({}, "full"),
         ({"family": "mistral", "sliding_window": 4}, "none"),
-        *[({"family": "qwen3", "qk_norm": True, "head_dim": 16}, mode) for mode in ("selective", "full")],
+        *[({"family": "qwen3", "attention": StandardAttentionSpec(qk_norm=True), "head_dim": 16}, mode) for mode in ("selective", "full")],
         *[(GEMMA3, mode) for mode in ("selective", "full")],
     ],
     ids=["llama", "selective", "full", "mistral-window-4", "qwen3-selective", "qwen3-full",

@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from megacore.config import ModelConfig, RopeScaling
+from megacore.config import ModelConfig
+from megacore.config_parts import RopeScaling, RopeSpec
 from megacore.models.rope import attention_scale, inv_freq, rope_tables
 
 # Llama 3.1 8B: head_dim 128, theta 500000 and its llama3 scaling parameters.
@@ -23,9 +24,9 @@ def test_llama31_scaling_matches_transformers_in_every_band() -> None:
     ones) equal transformers' llama3 init."""
     ours_cfg = ModelConfig(
         family="llama", vocab_size=128256, hidden_size=4096, num_layers=1, num_heads=32, num_kv_heads=8,
-        ffn_hidden_size=14336, max_seq_len=131072, rope_theta=THETA,
-        rope_scaling=RopeScaling(type="llama3", factor=FACTOR, low_freq_factor=LOW, high_freq_factor=HIGH,
-                                 original_max_position_embeddings=CONTEXT),
+        ffn_hidden_size=14336, max_seq_len=131072,
+        rope=RopeSpec(theta=THETA, scaling=RopeScaling(type="llama3", factor=FACTOR, low_freq_factor=LOW,
+                                                       high_freq_factor=HIGH, original_max_position_embeddings=CONTEXT)),
     )  # fmt: skip
     hf_cfg = LlamaConfig(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -90,8 +91,8 @@ def test_yarn_matches_transformers(name: str) -> None:
     ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, torch.device("cpu"))
     ours_cfg = ModelConfig(
         family="llama", vocab_size=100, hidden_size=heads * head_dim, num_layers=1, num_heads=heads,
-        num_kv_heads=heads, ffn_hidden_size=64, max_seq_len=hf_cfg.max_position_embeddings, rope_theta=theta,
-        rope_scaling=RopeScaling(type="yarn", **params),
+        num_kv_heads=heads, ffn_hidden_size=64, max_seq_len=hf_cfg.max_position_embeddings,
+        rope=RopeSpec(theta=theta, scaling=RopeScaling(type="yarn", **params)),
     )  # fmt: skip
     got = inv_freq(ours_cfg, 16)
     assert got.dtype == torch.float32 and torch.equal(got, ref), (got - ref).abs().max()
@@ -114,7 +115,7 @@ def test_rope_scaling_fields_are_checked() -> None:
     base = {"family": "llama", "vocab_size": 10, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
             "num_kv_heads": 2, "ffn_hidden_size": 8}  # fmt: skip
     with pytest.raises(ValueError, match="yarn needs original_max_position_embeddings"):
-        ModelConfig(**base, rope_scaling=RopeScaling(type="yarn", factor=4.0))
+        ModelConfig(**base, rope=RopeSpec(scaling=RopeScaling(type="yarn", factor=4.0)))
 
 
 @pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])

@@ -29,12 +29,23 @@ from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import (
     LoRA,
     ModelConfig,
-    RopeScaling,
     RouterLosses,
     is_adapter_tensor,
     is_block_projection,
 )
-from megacore.config_parts import LatentAttentionSpec, MoESpec, RouterSpec, SharedExpertSpec
+from megacore.config_parts import (
+    LatentAttentionSpec,
+    LayerNormSpec,
+    MoESpec,
+    ParallelBlockSpec,
+    PlusOneRMSNormSpec,
+    RopeScaling,
+    RopeSpec,
+    RouterSpec,
+    SequentialBlockSpec,
+    SharedExpertSpec,
+    StandardAttentionSpec,
+)
 from megacore.models import Decoder, adapters
 from megacore.models.decoder import initial_value
 from megacore.models.lora import add_lora, freeze_base
@@ -71,8 +82,8 @@ FAMILIES = {
                          num_heads=4, num_kv_heads=2, ffn_hidden_size=64),
     # Falcon 7B style: parallel attention with one LayerNorm, multi-query, GELU, tied embeddings.
     "falcon": ModelConfig(family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
-                          ffn_hidden_size=128, norm="layernorm", norm_bias=True, activation="gelu",
-                          tie_embeddings=True, parallel_attn=True),
+                          ffn_hidden_size=128, norm=LayerNormSpec(bias=True), activation="gelu",
+                          tie_embeddings=True, block=ParallelBlockSpec()),
     # Mistral: GQA and a sliding window shorter than the sequence.
     "mistral": ModelConfig(family="mistral", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
                            num_kv_heads=2, ffn_hidden_size=64, sliding_window=4),
@@ -83,15 +94,14 @@ FAMILIES = {
     # Falcon 40B style (new_decoder_architecture): parallel attention with two LayerNorms, kv groups
     # (8 heads, 2 kv heads), with biases; untied (an lm_head under tp, unlike the tied 7B case).
     "falcon40b": ModelConfig(family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=8,
-                             num_kv_heads=2, ffn_hidden_size=128, norm="layernorm", norm_bias=True,
-                             activation="gelu", parallel_attn=True, num_ln_in_parallel_attn=2, attn_bias=True,
-                             attn_out_bias=True, mlp_bias=True),
+                             num_kv_heads=2, ffn_hidden_size=128, norm=LayerNormSpec(bias=True),
+                             activation="gelu", block=ParallelBlockSpec(norms=2),
+                             attention=StandardAttentionSpec(bias=True, out_bias=True), mlp_bias=True),
     # Tied embeddings under pipeline parallel (the last stage's output layer a copy of the first's
     # embedding): Falcon 40B's architecture as Falcon ties it, and Llama 3.2 style (GQA, tied).
     "falcon40b-tied": ModelConfig(family="falcon", vocab_size=64, hidden_size=32, num_layers=4, num_heads=8,
-                                  num_kv_heads=2, ffn_hidden_size=128, norm="layernorm", norm_bias=True,
-                                  activation="gelu", parallel_attn=True, num_ln_in_parallel_attn=2,
-                                  tie_embeddings=True),
+                                  num_kv_heads=2, ffn_hidden_size=128, norm=LayerNormSpec(bias=True),
+                                  activation="gelu", block=ParallelBlockSpec(norms=2), tie_embeddings=True),
     "llama-tied": ModelConfig(family="llama", vocab_size=60, padded_vocab_size=64, hidden_size=32, num_layers=4,
                               num_heads=4, num_kv_heads=2, ffn_hidden_size=64, tie_embeddings=True),
     # Qwen 2.5 small style: biases on q, k, v only, GQA (4 query heads per kv head, as 0.5B's 14 over
@@ -99,22 +109,23 @@ FAMILIES = {
     # too slow to turn in 8 tokens got a pure rounding-noise gradient (6e-6 of its tensor's norm)
     # that AdamW amplified past ADAM_REL; head_dim 4 leaves none (1e-3).
     "qwen2": ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_heads=8, num_kv_heads=2,
-                         ffn_hidden_size=64, attn_bias=True, tie_embeddings=True),
+                         ffn_hidden_size=64, attention=StandardAttentionSpec(bias=True), tie_embeddings=True),
     # Qwen 3: per-head q/k norms, head_dim 16 (not 32 / 4 heads), one kv head: under tp 2 k is
     # replicated and both ranks' q heads add to k_norm's gradient.
     "qwen3": ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=1,
-                         ffn_hidden_size=64, head_dim=16, qk_norm=True),
+                         ffn_hidden_size=64, head_dim=16, attention=StandardAttentionSpec(qk_norm=True)),
     # Gemma 3 (1B style: one kv head, tied): (1 + w) norms, four per block and on q/k heads (plain
     # ops on DTensors under sp and tp), scaled embeddings, tanh GeGLU, head_dim 16 (not 32 / 4),
     # query_pre_attn_scalar 12; local layers (window 4 < SEQ, RoPE base 100) and a global one (base
     # 10000, linear scaling): pp 2's first stage holds only local layers, its second both kinds.
     "gemma3": ModelConfig(family="gemma3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
-                          num_kv_heads=1, ffn_hidden_size=64, head_dim=16, norm="rmsnorm_plus1", norm_eps=1e-6,
-                          activation="geglu_tanh", qk_norm=True, sandwich_norm=True, scale_embeddings=True,
+                          num_kv_heads=1, ffn_hidden_size=64, head_dim=16, norm=PlusOneRMSNormSpec(eps=1e-6),
+                          activation="geglu_tanh", attention=StandardAttentionSpec(qk_norm=True, scalar=12.0),
+                          block=SequentialBlockSpec(sandwich_norm=True), scale_embeddings=True,
                           sliding_window=4, layer_types=["sliding_attention"] * 2 + ["full_attention",
                                                                                      "sliding_attention"],
-                          local_rope_theta=100.0, rope_scaling=RopeScaling(type="linear", factor=4.0),
-                          attn_scalar=12.0, tie_embeddings=True),
+                          rope=RopeSpec(local_theta=100.0, scaling=RopeScaling(type="linear", factor=4.0)),
+                          tie_embeddings=True),
     # Mixtral: 4 experts, top-2, both router losses on. Its batch runs as MOE_CHUNKS microbatches of
     # rows (the router losses are per microbatch): dp x microbatches is 2 in every "mixtral"
     # scenario, 4 in every "mixtral4" one (the same model).
@@ -143,8 +154,9 @@ FAMILIES = {
     # down one's added once after the sum over tp) and the clamped SwiGLU (limit 0.5: it binds),
     # the router's bias; no load-balancing loss (cp takes none).
     "gpt-oss": ModelConfig(family="gpt_oss", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
-                           num_kv_heads=2, ffn_hidden_size=24, head_dim=8, attn_bias=True, attn_out_bias=True,
-                           mlp_bias=True, attn_sinks=True, activation="clamped_swiglu", swiglu_limit=0.5,
+                           num_kv_heads=2, ffn_hidden_size=24, head_dim=8,
+                           attention=StandardAttentionSpec(bias=True, out_bias=True, sinks=True),
+                           mlp_bias=True, activation="clamped_swiglu", swiglu_limit=0.5,
                            sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
                            mlp=MoESpec(num_experts=4, experts_per_token=2)),
 }  # fmt: skip

@@ -13,7 +13,7 @@ from helpers import assert_bitwise_equal, assert_one_line_error, run_in_process,
 from megacore.artifacts import TensorReader, open_artifact
 from megacore.artifacts.manifest import TrainingState
 from megacore.config import ModelConfig
-from megacore.config_parts import MoESpec
+from megacore.config_parts import LayerNormSpec, MoESpec, ParallelBlockSpec, StandardAttentionSpec
 from megacore.parallel import optim_state_name
 from megacore.parts import model_tensors
 
@@ -29,8 +29,8 @@ MIXTRAL = ModelConfig(
 )  # fmt: skip
 FALCON = ModelConfig(
     family="falcon", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
-    ffn_hidden_size=128, norm="layernorm", norm_bias=True, activation="gelu", parallel_attn=True,
-    attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+    ffn_hidden_size=128, norm=LayerNormSpec(bias=True), activation="gelu", block=ParallelBlockSpec(),
+    attention=StandardAttentionSpec(bias=True, out_bias=True), mlp_bias=True, tie_embeddings=True,
 )  # fmt: skip
 
 

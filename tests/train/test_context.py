@@ -98,10 +98,11 @@ def test_extended_context_exports_what_transformers_reproduces(
     ckpt = extended(init, model, tmp_path, tokens)
     config = open_artifact(ckpt, "checkpoint").config
     before = open_artifact(init, "checkpoint").config
-    assert config.max_seq_len == LONG and config.rope_scaling.type == kind
-    assert msgspec.structs.replace(config, max_seq_len=TRAINED, rope_scaling=None) == before
+    assert config.max_seq_len == LONG and config.rope.scaling.type == kind
+    unscaled = msgspec.structs.replace(config.rope, scaling=None)
+    assert msgspec.structs.replace(config, max_seq_len=TRAINED, rope=unscaled) == before
     if kind != "linear":
-        assert config.rope_scaling.original_max_position_embeddings == TRAINED
+        assert config.rope.scaling.original_max_position_embeddings == TRAINED
     export_hf(ckpt, tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["rope_scaling"]["rope_type"] == kind and hf["rope_scaling"]["factor"] == 4.0
@@ -133,7 +134,7 @@ def test_a_run_trains_the_longer_context_and_its_export_matches_transformers(
     )
     last = tmp_path / "run" / "checkpoints" / "latest"
     config = open_artifact(last, "checkpoint").config
-    assert (config.max_seq_len, config.rope_scaling.type, config.rope_scaling.factor) == (LONG, "linear", 4.0)
+    assert (config.max_seq_len, config.rope.scaling.type, config.rope.scaling.factor) == (LONG, "linear", 4.0)
     export_hf(last, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"]["factor"] == 4.0
     assert_transformers_logits_equal_ours(last, tmp_path / "hf")
@@ -148,8 +149,8 @@ def test_only_the_context_can_be_set_beside_init(init: Path, tmp_path: Path, tok
     """Beside `init`, a model field other than max_seq_len and rope_scaling is one line naming it; so
     is the context beside `config`, a scaling missing what it needs, a longer sequence than the
     model's context without a new one, and a mixture's router settings for a dense model."""
-    run_json = context_run(tmp_path, tokens, {"init": str(init), "max_seq_len": LONG, "rope_theta": 1e6})
-    assert_one_line_error(train(run_json, "--dry-run"), "$.model.rope_theta: a run from `init` keeps")
+    run_json = context_run(tmp_path, tokens, {"init": str(init), "max_seq_len": LONG, "rope": {"theta": 1e6}})
+    assert_one_line_error(train(run_json, "--dry-run"), "$.model.rope: a run from `init` keeps")
     config = open_artifact(init, "checkpoint").config
     cases = [
         ({"init": str(init), "config": config}, "$.model.config: give exactly one of"),

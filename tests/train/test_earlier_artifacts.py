@@ -2,8 +2,10 @@
 a converted tiny Llama and a checkpoint trained 2 steps from it, as the code of commit e9be15e (main
 before issue #50's seams, format version 1) wrote them; tests/fixtures/ddb42ca/ the same of a tiny
 DeepSeek V3 (latent attention, a mixture of experts with its router's bias moved as it trained), as
-ddb42ca (main before the config's parts, format version 2) wrote them; tests/fixtures/make_earlier.py
-says how. A fixture is copied before use: nothing is ever written into the repository."""
+ddb42ca (main before the config's parts, format version 2) wrote them; tests/fixtures/63fb4c6/ the
+same of a tiny Gemma 3 (Gemma's norms, four a block and on q/k heads, local and global RoPE, its
+score scalar), as 63fb4c6 (main before the norm, RoPE and block parts, format version 3) wrote them;
+tests/fixtures/make_earlier.py says how. A fixture is copied before use: nothing is ever written into the repository."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from runlib import metrics, ok, train, write_run
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.mark.parametrize("commit", ["e9be15e", "ddb42ca"])
+@pytest.mark.parametrize("commit", ["e9be15e", "ddb42ca", "63fb4c6"])
 @pytest.mark.parametrize("name", ["converted", "trained"])
 def test_an_earlier_mains_checkpoint_trains_and_exports(
     tmp_path: Path, tokens: Path, commit: str, name: str

@@ -16,6 +16,7 @@ import pytest
 from megacore import planner
 from megacore.artifacts.run_spec import ParallelSpec
 from megacore.config import ModelConfig
+from megacore.config_parts import StandardAttentionSpec
 from megacore.parallel.layout import Parallelism
 from megacore.planner import GiB
 from planner_cases import SHAPES, dry_run
@@ -155,8 +156,8 @@ def test_latent_attention_layers_are_sized_by_their_own_tensors(
 # and o biases, sinks, a window of 16 on its first layer, the clamped SwiGLU with biases.
 SINKS = {
     "family": "gpt_oss", "vocab_size": 512, "hidden_size": 128, "num_layers": 2, "num_heads": 8,
-    "num_kv_heads": 2, "head_dim": 16, "ffn_hidden_size": 96, "max_seq_len": 256, "attn_bias": True,
-    "attn_out_bias": True, "mlp_bias": True, "attn_sinks": True, "activation": "clamped_swiglu",
+    "num_kv_heads": 2, "head_dim": 16, "ffn_hidden_size": 96, "max_seq_len": 256,
+    "attention": StandardAttentionSpec(bias=True, out_bias=True, sinks=True), "mlp_bias": True, "activation": "clamped_swiglu",
     "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
 }  # fmt: skip
 
@@ -357,7 +358,7 @@ def test_cp_is_proposed_where_it_helps() -> None:
 def test_cp_costs_less_the_longer_the_sequence() -> None:
     """The throughput model: cp's collectives against a layer's compute weigh less at 128k than at
     4k, more when the cp group spans nodes, and cp 1 pays nothing for them."""
-    config = ModelConfig(**{**SHAPES["llama2-7b"], "max_seq_len": 1 << 17})
+    config = msgspec.convert({**SHAPES["llama2-7b"], "max_seq_len": 1 << 17}, ModelConfig)
 
     def throughput(cp: int, seq: int, gpus_per_node: int = 8) -> float:
         par = Parallelism(ParallelSpec(cp=cp), "bf16", 1, False, "none")

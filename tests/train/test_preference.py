@@ -568,6 +568,7 @@ def reference_logps(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "reference-logps.safetensors")
 
 
+@pytest.mark.slow  # 9-12 s; in make test: a live reference under LoRA equals the precomputed one
 def test_dpo_after_lora_sft_compares_with_the_sft_model(
     tmp_path: Path, pairs: Path, base: tuple[Path, Path], tokens: Path
 ) -> None:

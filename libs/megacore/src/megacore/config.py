@@ -20,11 +20,18 @@ from typing import Literal
 import msgspec
 
 from megacore.config_parts import (
+    ROPE_FIELDS,
     AttentionSpec,
+    BlockSpec,
     DenseMLPSpec,
     LatentAttentionSpec,
     MLPSpec,
     MoESpec,
+    NormSpec,
+    RMSNormSpec,
+    RopeScaling,
+    RopeSpec,
+    SequentialBlockSpec,
     StandardAttentionSpec,
 )
 from megacore.structs import Positive, PositiveFloat, Struct
@@ -37,67 +44,6 @@ DEFAULT_PAD_MULTIPLE = 128
 # full speed. Here, torch-free, because the memory planner counts that scratch too.
 LOSS_CHUNK_ELEMENTS = 1 << 26
 
-RopeType = Literal["linear", "dynamic", "llama3", "yarn"]
-# The fields each RoPE scaling type reads besides `type` and `factor`; a field of another type is
-# refused, so a config never carries a number that does nothing.
-ROPE_FIELDS: dict[str, tuple[str, ...]] = {
-    "linear": (),
-    "dynamic": ("original_max_position_embeddings",),
-    "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-    "yarn": (
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    ),
-}
-_ROPE_OPTIONAL = tuple(dict.fromkeys(name for names in ROPE_FIELDS.values() for name in names))
-
-
-class RopeScaling(Struct, omit_defaults=True):
-    """RoPE scaling (its unset fields left out of manifests, as before yarn's were added), each type as transformers' `modeling_rope_utils` computes it (`models/rope.py`):
-    `linear` divides every frequency by `factor`; `dynamic` (NTK) stretches the base once a sequence
-    outgrows `original_max_position_embeddings` (None: the config's max_seq_len); `llama3` (Llama
-    3.1) divides the long wavelengths, keeps the short ones, with a ramp between; `yarn` (YaRN)
-    interpolates by how many turns a frequency makes over the original context (a ramp from
-    `beta_slow` to `beta_fast` turns; `truncate` rounds its ends) and scales cos and sin by
-    `attention_factor`. YaRN's optional fields left None take transformers' defaults: beta_fast 32,
-    beta_slow 1, truncate true, attention_factor 0.1 ln(factor) + 1, or the ratio of that form with
-    `mscale` and with `mscale_all_dim` when both are set. `original_max_position_embeddings`, the
-    context the weights were pretrained for, is needed by llama3 and yarn (`ModelConfig` checks)."""
-
-    type: RopeType
-    factor: PositiveFloat
-    original_max_position_embeddings: Positive | None = None
-    low_freq_factor: PositiveFloat | None = None
-    high_freq_factor: PositiveFloat | None = None
-    attention_factor: PositiveFloat | None = None
-    beta_fast: PositiveFloat | None = None
-    beta_slow: PositiveFloat | None = None
-    mscale: PositiveFloat | None = None
-    mscale_all_dim: PositiveFloat | None = None
-    truncate: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.factor < 1:  # a factor below 1 would squeeze the trained positions, not stretch them
-            raise ValueError(
-                f"rope_scaling factor {self.factor:g} is below 1; a scaling stretches the context"
-            )
-        if self.type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor):
-            raise ValueError("llama3 rope scaling needs low_freq_factor and high_freq_factor")
-        reads = ROPE_FIELDS[self.type]
-        for name in _ROPE_OPTIONAL:
-            if getattr(self, name) is not None and name not in reads:
-                raise ValueError(
-                    f"{self.type} rope scaling has no {name} (it reads factor"
-                    + "".join(f", {f}" for f in reads)
-                    + ")"
-                )
-
-
 # A layer's attention: over every earlier token, or through the `sliding_window` most recent ones.
 LayerType = Literal["full_attention", "sliding_attention"]
 # MLPs with a gate (gate, up, down projections): SwiGLU and GeGLU with GELU's tanh approximation.
@@ -106,8 +52,9 @@ GATED_ACTIVATIONS = ("swiglu", "geglu_tanh", "clamped_swiglu")
 
 
 class ModelConfig(Struct):
-    """Everything needed to build the decoder; every family is a choice of these switches and of its
-    parts (`attention`, `mlp`)."""
+    """Everything needed to build the decoder: its sizes, its parts (`norm`, `rope`, `block`,
+    `attention`, `mlp`: `megacore.config_parts`) and the switches their kinds share; every family is
+    a choice of these."""
 
     family: Literal[
         "llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral", "deepseek_v3", "gpt_oss"
@@ -120,49 +67,28 @@ class ModelConfig(Struct):
     ffn_hidden_size: Positive
     max_seq_len: Positive = 4096
     padded_vocab_size: Positive | None = None  # None: vocab_size (resolved on construction)
-    # rmsnorm_plus1 (Gemma): x / rms(x) · (1 + weight), all in fp32 and rounded once; its weights are
-    # stored as Gemma stores them (0 is the identity scale). It is the q/k norms' kind too (qk_norm).
-    norm: Literal["rmsnorm", "layernorm", "rmsnorm_plus1"] = "rmsnorm"
-    norm_eps: PositiveFloat = 1e-5
     # swiglu: down(silu(gate) · up); geglu_tanh: down(gelu_tanh(gate) · up) (Gemma's
     # gelu_pytorch_tanh); gelu: down(gelu(up)) (Falcon); clamped_swiglu (gpt-oss): gate clamped
     # to at most `swiglu_limit`, up to ±`swiglu_limit`, down(gate · sigmoid(`swiglu_alpha` · gate)
-    # · (up + 1)).
+    # · (up + 1)). The dense MLP's and the experts' alike.
     activation: Literal["swiglu", "gelu", "geglu_tanh", "clamped_swiglu"] = "swiglu"
     swiglu_alpha: PositiveFloat = 1.702
     swiglu_limit: PositiveFloat = 7.0
     head_dim: Positive | None = None  # None: hidden_size // num_heads (resolved on construction)
-    rope_theta: PositiveFloat = 10000.0
-    rope_scaling: RopeScaling | None = None
     sliding_window: Positive | None = None
     # Per layer, full or sliding-window attention (Gemma 3's local / global layers); None: every layer
     # alike, through `sliding_window` when it is set. `attention_window` reads it.
     layer_types: list[LayerType] | None = None
-    # The sliding layers' own RoPE base, unscaled (Gemma 3's local RoPE: rope_theta and rope_scaling
-    # then apply to the full-attention layers only); None: every layer rope_theta and rope_scaling.
-    local_rope_theta: PositiveFloat | None = None
-    # Attention scores scaled by attn_scalar ** -0.5 (Gemma's query_pre_attn_scalar); None: head_dim.
-    attn_scalar: PositiveFloat | None = None
-    # Attention sinks (gpt-oss): a learned logit per head ("attn.sinks.weight" [heads]) in every
-    # softmax's denominator, with no value: a query may attend to nothing.
-    attn_sinks: bool = False
-    parallel_attn: bool = False
-    num_ln_in_parallel_attn: Literal[1, 2] = 1
-    attn_bias: bool = False
-    attn_out_bias: bool = False
     mlp_bias: bool = False
-    norm_bias: bool = False
-    # RMSNorm over each q and k head (head_dim wide, its own weight), before RoPE (Qwen 3, Gemma 3).
-    qk_norm: bool = False
-    # A norm on the attention's and the MLP's outputs too, before each joins the residual stream
-    # (Gemma 2/3: four norms per block; `attn_post_norm`, `mlp_post_norm`).
-    sandwich_norm: bool = False
     # The embedding's output times sqrt(hidden_size), that factor rounded to the activations' dtype
     # (Gemma).
     scale_embeddings: bool = False
     tie_embeddings: bool = False
-    # The layers' parts (`megacore.config_parts`): standard or latent attention, a dense MLP or a
-    # mixture of experts; `moe` and `latent` read them.
+    # The parts (`megacore.config_parts`): every norm's kind, the rotary embedding, how a block
+    # arranges its norms, standard or latent attention, a dense MLP or a mixture of experts.
+    norm: NormSpec = msgspec.field(default_factory=RMSNormSpec)
+    rope: RopeSpec = msgspec.field(default_factory=RopeSpec)
+    block: BlockSpec = msgspec.field(default_factory=SequentialBlockSpec)
     attention: AttentionSpec = msgspec.field(default_factory=StandardAttentionSpec)
     mlp: MLPSpec = msgspec.field(default_factory=DenseMLPSpec)
     bos_id: int | None = None
@@ -201,15 +127,7 @@ class ModelConfig(Struct):
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
         if self.activation != "clamped_swiglu" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
             raise ValueError("swiglu_alpha and swiglu_limit are clamped_swiglu's (activation)")
-        if self.sandwich_norm and self.parallel_attn:
-            raise ValueError("sandwich_norm needs sequential blocks (parallel_attn false)")
         self._check_experts()
-        s = self.rope_scaling
-        if s is not None and s.type in ("llama3", "yarn") and s.original_max_position_embeddings is None:
-            raise ValueError(
-                f"rope_scaling: {s.type} needs original_max_position_embeddings, the context the "
-                "weights were pretrained for"
-            )
 
     @property
     def moe(self) -> MoESpec | None:
@@ -229,10 +147,8 @@ class ModelConfig(Struct):
             raise ValueError(
                 f"qk_rope_head_dim {latent.qk_rope_head_dim} must be below head_dim {self.head_dim}"
             )
-        if self.num_kv_heads != self.num_heads or self.attn_bias or self.attn_out_bias or self.qk_norm:
-            raise ValueError("latent attention has a k and v head per q head, no biases and no q/k norms")
-        if self.attn_sinks:
-            raise ValueError("attention sinks are standard attention's (not latent attention)")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError("latent attention has a k and v head per q head (num_kv_heads num_heads)")
 
     def _check_experts(self) -> None:
         moe = self.moe
@@ -282,15 +198,16 @@ def attention_window(config: ModelConfig, layer: int) -> int | None:
 
 
 def local_rope(config: ModelConfig, layer: int) -> bool:
-    """Layer `layer` rotates by the local RoPE (`local_rope_theta`, unscaled), not the global one."""
-    return config.local_rope_theta is not None and attention_window(config, layer) is not None
+    """Layer `layer` rotates by the local RoPE (`rope.local_theta`, unscaled), not the global one."""
+    return config.rope.local_theta is not None and attention_window(config, layer) is not None
 
 
 # Fields that name tokens, not shapes: two configs that differ only there build the same model.
 TOKEN_ID_FIELDS = ("bos_id", "eos_id")
-# The context a model trains for: what a run from a checkpoint (`model.init`) may set of its model.
-# Neither changes a tensor, so the checkpoint's weights load as they are.
-CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
+# The context a model trains for: what a run from a checkpoint (`model.init`) may set of its model,
+# the config's settings by path -> the run manifest's `model` field that sets them. Neither changes
+# a tensor, so the checkpoint's weights load as they are.
+CONTEXT_FIELDS = {"max_seq_len": "max_seq_len", "rope.scaling": "rope_scaling"}
 
 # Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe), DeepSeek V3, gpt-oss
 EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss")
@@ -353,15 +270,14 @@ def with_context(
             rope_scaling = msgspec.structs.replace(
                 rope_scaling, original_max_position_embeddings=config.max_seq_len
             )
+    rope = config.rope if rope_scaling is None else msgspec.structs.replace(config.rope, scaling=rope_scaling)
     return msgspec.structs.replace(
-        config,
-        max_seq_len=config.max_seq_len if max_seq_len is None else max_seq_len,
-        rope_scaling=config.rope_scaling if rope_scaling is None else rope_scaling,
+        config, max_seq_len=config.max_seq_len if max_seq_len is None else max_seq_len, rope=rope
     )
 
 
 # The config's tagged parts (`megacore.config_parts`): `config_fields` names their settings by path.
-PART_FIELDS = ("attention", "mlp")
+PART_FIELDS = ("norm", "rope", "block", "attention", "mlp")
 
 
 def part_fields(name: str, part: msgspec.Struct) -> dict[str, object]:
@@ -397,7 +313,12 @@ def config_differences(
     (`mlp.shared_expert`) alone where one config has none."""
     fa, fb = config_fields(a), config_fields(b)
     missing = object()
-    diff = {k for k in {*fa, *fb} if k not in ignore and fa.get(k, missing) != fb.get(k, missing)}
+    ignored = tuple(f"{i}." for i in ignore)  # a part's or sub-part's settings with it
+    diff = {
+        k
+        for k in {*fa, *fb}
+        if k not in ignore and not k.startswith(ignored) and fa.get(k, missing) != fb.get(k, missing)
+    }
     # What a wider difference covers: a part of another kind its settings, a sub-part its own.
     kinds = {f"{p}.type" for p in PART_FIELDS} & diff
     covered = {k.removesuffix("type") for k in kinds} | {f"{k}." for k in diff}

@@ -1,10 +1,12 @@
-"""The model config's tagged parts (`ModelConfig.attention`, `ModelConfig.mlp`): what kind of
-attention and of MLP a model's layers have, each kind with the settings only it reads, so a family is
-a choice of parts and a new kind of layer is one more variant here (and its module in
-`megacore.parts`: its tensors, tp rows and planner terms).
+"""The model config's tagged parts (`ModelConfig.norm`, `.rope`, `.block`, `.attention`, `.mlp`):
+what kind of norm, rotary embedding, block arrangement, attention and MLP a model's layers have, each
+kind with the settings only it reads, so a family is a choice of parts and a new kind of layer is
+one more variant here (and its module in `megacore.parts`: its tensors, tp rows and planner terms).
 
-In a manifest each is an object tagged by `type`: `"attention": {"type": "latent", "kv_lora_rank":
-512, ...}`, `"mlp": {"type": "moe", "num_experts": 8, "experts_per_token": 2, "router": {...}}`.
+In a manifest each is an object, the kinds tagged by `type`: `"norm": {"type": "layernorm", "eps":
+1e-05, "bias": true}`, `"block": {"type": "parallel", "norms": 2}`, `"attention": {"type": "latent",
+"kv_lora_rank": 512, ...}`, `"mlp": {"type": "moe", "num_experts": 8, "experts_per_token": 2,
+"router": {...}}`; `"rope": {"theta": 10000.0, "scaling": {...}, "local_theta": null}` has one kind.
 A part checks what it can alone; what it needs of the rest of the config (the layer count, the
 heads, the family) `ModelConfig` checks.
 """
@@ -17,10 +19,170 @@ import msgspec
 
 from megacore.structs import Positive, PositiveFloat, Struct
 
+# --- norm ----------------------------------------------------------------------------------------
+
+
+class RMSNormSpec(Struct, tag="rmsnorm", tag_field="type"):
+    """RMSNorm: x / rms(x) · weight."""
+
+    eps: PositiveFloat = 1e-5
+
+
+class LayerNormSpec(Struct, tag="layernorm", tag_field="type"):
+    """LayerNorm (Falcon), with a bias beside its weight when `bias`."""
+
+    eps: PositiveFloat = 1e-5
+    bias: bool = False
+
+
+class PlusOneRMSNormSpec(Struct, tag="rmsnorm_plus1", tag_field="type"):
+    """Gemma's RMSNorm: x / rms(x) · (1 + weight), all in fp32 and rounded once; its weights stored
+    as Gemma stores them (0 is the identity scale)."""
+
+    eps: PositiveFloat = 1e-5
+
+
+# Every norm of the model is of this kind: the blocks', the final one, and the q/k norms.
+NormSpec = RMSNormSpec | LayerNormSpec | PlusOneRMSNormSpec
+
+# --- rope ----------------------------------------------------------------------------------------
+
+RopeType = Literal["linear", "dynamic", "llama3", "yarn"]
+# The fields each RoPE scaling type reads besides `type` and `factor`; a field of another type is
+# refused, so a config never carries a number that does nothing.
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "dynamic": ("original_max_position_embeddings",),
+    "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": (
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+_ROPE_OPTIONAL = tuple(dict.fromkeys(name for names in ROPE_FIELDS.values() for name in names))
+
+
+class RopeScaling(Struct, omit_defaults=True):
+    """RoPE scaling (its unset fields left out of manifests, as before yarn's were added), each type as transformers' `modeling_rope_utils` computes it (`models/rope.py`):
+    `linear` divides every frequency by `factor`; `dynamic` (NTK) stretches the base once a sequence
+    outgrows `original_max_position_embeddings` (None: the config's max_seq_len); `llama3` (Llama
+    3.1) divides the long wavelengths, keeps the short ones, with a ramp between; `yarn` (YaRN)
+    interpolates by how many turns a frequency makes over the original context (a ramp from
+    `beta_slow` to `beta_fast` turns; `truncate` rounds its ends) and scales cos and sin by
+    `attention_factor`. YaRN's optional fields left None take transformers' defaults: beta_fast 32,
+    beta_slow 1, truncate true, attention_factor 0.1 ln(factor) + 1, or the ratio of that form with
+    `mscale` and with `mscale_all_dim` when both are set. `original_max_position_embeddings`, the
+    context the weights were pretrained for, is needed by llama3 and yarn (`RopeSpec` checks)."""
+
+    type: RopeType
+    factor: PositiveFloat
+    original_max_position_embeddings: Positive | None = None
+    low_freq_factor: PositiveFloat | None = None
+    high_freq_factor: PositiveFloat | None = None
+    attention_factor: PositiveFloat | None = None
+    beta_fast: PositiveFloat | None = None
+    beta_slow: PositiveFloat | None = None
+    mscale: PositiveFloat | None = None
+    mscale_all_dim: PositiveFloat | None = None
+    truncate: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:  # a factor below 1 would squeeze the trained positions, not stretch them
+            raise ValueError(
+                f"rope_scaling factor {self.factor:g} is below 1; a scaling stretches the context"
+            )
+        if self.type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor):
+            raise ValueError("llama3 rope scaling needs low_freq_factor and high_freq_factor")
+        reads = ROPE_FIELDS[self.type]
+        for name in _ROPE_OPTIONAL:
+            if getattr(self, name) is not None and name not in reads:
+                raise ValueError(
+                    f"{self.type} rope scaling has no {name} (it reads factor"
+                    + "".join(f", {f}" for f in reads)
+                    + ")"
+                )
+
+
+class RopeSpec(Struct):
+    """Rotary position embeddings over `config.rope_dim` dims of each head: base `theta`, stretched
+    by `scaling` (None: none); `local_theta` (Gemma 3's local RoPE) the sliding layers' own base,
+    unscaled, `theta` and `scaling` then the full-attention layers' only (None: every layer alike)."""
+
+    theta: PositiveFloat = 10000.0
+    scaling: RopeScaling | None = None
+    local_theta: PositiveFloat | None = None
+
+    def __post_init__(self) -> None:
+        s = self.scaling
+        if s is not None and s.type in ("llama3", "yarn") and s.original_max_position_embeddings is None:
+            raise ValueError(
+                f"rope scaling: {s.type} needs original_max_position_embeddings, the context the "
+                "weights were pretrained for"
+            )
+
+
+# --- block ---------------------------------------------------------------------------------------
+
+
+class SequentialBlockSpec(Struct, tag="sequential", tag_field="type"):
+    """Attention, then the MLP, a norm before each; with `sandwich_norm` (Gemma 2/3) one after each
+    too, before it joins the residual stream (`attn_post_norm`, `mlp_post_norm`)."""
+
+    sandwich_norm: bool = False
+
+    @property
+    def parallel(self) -> bool:
+        return False
+
+    @property
+    def mlp_norm(self) -> bool:
+        """Whether the MLP reads its input through a norm of its own."""
+        return True
+
+
+class ParallelBlockSpec(Struct, tag="parallel", tag_field="type"):
+    """Attention and MLP read the same input and add to the residual together (Falcon), through one
+    shared norm or one each (`norms`, Falcon's num_ln_in_parallel_attn)."""
+
+    norms: Literal[1, 2] = 1
+
+    @property
+    def parallel(self) -> bool:
+        return True
+
+    @property
+    def sandwich_norm(self) -> bool:
+        return False
+
+    @property
+    def mlp_norm(self) -> bool:
+        return self.norms == 2
+
+
+BlockSpec = SequentialBlockSpec | ParallelBlockSpec
+
+# --- attention -----------------------------------------------------------------------------------
+
 
 class StandardAttentionSpec(Struct, tag="standard", tag_field="type"):
     """Multi-head attention with grouped kv heads (`num_kv_heads`), head_dim wide, RoPE over all of
-    it; its optional switches (biases, q/k norms, sinks, windows) are the config's."""
+    it. `bias`: q, k and v projections with biases; `out_bias`: the output projection too.
+    `qk_norm` (Qwen 3, Gemma 3): a norm over each q and k head (head_dim wide, one weight for all
+    q heads, one for all k heads), before RoPE. `sinks` (gpt-oss): a learned logit per head
+    ("attn.sinks.weight" [heads]) in every softmax's denominator, with no value: a query may attend
+    to nothing. `scalar` (Gemma's query_pre_attn_scalar): scores scaled by scalar ** -0.5 (None:
+    head_dim's). Its windows are per layer (the config's `sliding_window`, `layer_types`)."""
+
+    bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    sinks: bool = False
+    scalar: PositiveFloat | None = None
 
 
 class LatentAttentionSpec(Struct, tag="latent", tag_field="type"):

@@ -16,9 +16,9 @@ from megacore.config import (
     CONTEXT_FIELDS,
     DEFAULT_PAD_MULTIPLE,
     ModelConfig,
-    RopeScaling,
     with_context,
 )
+from megacore.config_parts import RopeScaling
 from megacore.data.indexed import IndexedReader
 from megacore.errors import UserError
 from megacore.tokenizer_files import first_difference, recorded_vocabulary
@@ -63,7 +63,7 @@ def model_config(
     `max_seq_len` and `rope_scaling` set."""
     m = run.model
     if init is None:
-        for name in CONTEXT_FIELDS:
+        for name in CONTEXT_FIELDS.values():
             if getattr(m, name) is not None:
                 raise UserError(
                     f"$.model.{name}: a run from `config` or `hf_config` sets it in the model's config "
@@ -78,11 +78,11 @@ def model_config(
         config = with_context(before, m.max_seq_len, m.rope_scaling)
     except ValueError as e:  # llama3 / yarn without the original context
         raise UserError(f"$.model: {e}", where) from None
-    if all(getattr(config, f) == getattr(before, f) for f in CONTEXT_FIELDS):
+    if config == before:
         return config, []
     note = (
         f"the model's context: {config.max_seq_len:,} positions (the init's {before.max_seq_len:,}), "
-        f"RoPE {_describe_rope(config.rope_scaling)}; the run's checkpoints record this config"
+        f"RoPE {_describe_rope(config.rope.scaling)}; the run's checkpoints record this config"
     )
     return config, [note]
 

@@ -29,7 +29,7 @@ def check_schedule(run: RunManifest, config: ModelConfig, from_init: bool, where
             "$.attention: 'flash' (FlashAttention kernels) runs in bf16 or fp16, and $.precision is fp32",
             where,
         )
-    if run.attention == "flash" and config.attn_sinks:
+    if run.attention == "flash" and config.latent is None and config.attention.sinks:
         raise UserError(
             "$.attention: 'flash': the model has attention sinks (gpt-oss) and no FlashAttention "
             "kernel here has a sink (nor its backward); use auto or sdpa",

@@ -121,7 +121,10 @@ class RunPlan:
             return f"$.model.hf_config (its config.json's {name})"
         if self.init is None:
             return f"$.model.config.{name}"
-        return f"$.model.{name}" if name in CONTEXT_FIELDS else f"$.model.init (its config's {name})"
+        for path, manifest_field in CONTEXT_FIELDS.items():
+            if name == path or name.startswith(f"{path}."):
+                return f"$.model.{manifest_field}"
+        return f"$.model.init (its config's {name})"
 
     @property
     def packs_pairs(self) -> bool:

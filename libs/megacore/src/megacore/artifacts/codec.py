@@ -109,7 +109,7 @@ _UNKNOWN_MODEL_FIELD = re.compile(r"\$\.model: object contains unknown field (\w
 
 
 def _model_field(message: str) -> str:
-    """A run manifest's `model` given a field of the model config (`rope_theta` beside `init`)
+    """A run manifest's `model` given a field of the model config (`rope` beside `init`)
     is refused naming it, with what can be set there instead; other messages are returned as they are."""
     m = _UNKNOWN_MODEL_FIELD.fullmatch(message)
     if m is None or m.group(1) not in ModelConfig.__struct_fields__:

@@ -17,7 +17,8 @@ from megacore.artifacts.header import (
     Ref,
     precision_name,
 )
-from megacore.config import ModelConfig, Positive, PositiveFloat, RopeScaling, Struct
+from megacore.config import ModelConfig, Positive, PositiveFloat, Struct
+from megacore.config_parts import RopeScaling
 
 Schedule = Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "interleavedzb"]
 

@@ -15,6 +15,16 @@ version 2 config's flat latent-attention and mixture-of-experts fields move into
 router's settings into `mlp.router`, the shared expert's into `mlp.shared_expert`). A dense or
 standard config's flat fields at their old defaults are dropped; any other is left where it was,
 so the strict decoding refuses it by name, as version 2 refused it.
+
+Version 4 made the norm, the RoPE and the block parts too, and moved standard attention's switches
+into its part: a version 3 config's `norm`, `norm_eps`, `norm_bias` become `norm` (its `type`,
+`eps`, and `bias` where it is a LayerNorm: another norm had none to read), `rope_theta`,
+`rope_scaling`, `local_rope_theta` become `rope` (`theta`, `scaling`, `local_theta`),
+`parallel_attn`, `num_ln_in_parallel_attn`, `sandwich_norm` become `block` (`parallel` with its
+`norms`, or `sequential` with its `sandwich_norm`; the other kind's setting had nothing to do), and
+`attn_bias`, `attn_out_bias`, `qk_norm`, `attn_sinks`, `attn_scalar` move into standard attention
+(`bias`, `out_bias`, `qk_norm`, `sinks`, `scalar`). Beside latent attention they are dropped at
+their defaults and left where they were otherwise, to be refused by name.
 """
 
 from __future__ import annotations
@@ -31,6 +41,9 @@ def upgrade(raw: dict[str, Any], version: int) -> dict[str, Any]:
     if version < 3:
         for config in _configs(raw):
             _flat_fields_to_parts(config)
+    if version < 4:
+        for config in _configs(raw):
+            _v3_fields_to_parts(config)
     return raw
 
 
@@ -90,6 +103,44 @@ def _flat_fields_to_parts(config: dict[str, Any]) -> None:
         if shared is not None and shared.get("size") is None and not shared.get("gate"):  # none
             del nested["shared_expert"]
         config[part] = nested
+
+
+# Version 3's flat fields of the parts version 4 made, and their names there.
+V3_NORM = {"norm": "type", "norm_eps": "eps", "norm_bias": "bias"}
+V3_ROPE = {"rope_theta": "theta", "rope_scaling": "scaling", "local_rope_theta": "local_theta"}
+V3_STANDARD = {
+    "attn_bias": ("bias", False),
+    "attn_out_bias": ("out_bias", False),
+    "qk_norm": ("qk_norm", False),
+    "attn_sinks": ("sinks", False),
+    "attn_scalar": ("scalar", None),
+}
+
+
+def _v3_fields_to_parts(config: dict[str, Any]) -> None:
+    if "norm" not in config or isinstance(config["norm"], str):  # else today's: the strict decoding's
+        norm = {"type": "rmsnorm"}
+        norm.update({ours: config.pop(name) for name, ours in V3_NORM.items() if name in config})
+        if norm["type"] != "layernorm":
+            norm.pop("bias", None)
+        config["norm"] = norm
+    if "rope" not in config:
+        config["rope"] = {ours: config.pop(name) for name, ours in V3_ROPE.items() if name in config}
+    if "block" not in config:
+        parallel, norms = config.pop("parallel_attn", False), config.pop("num_ln_in_parallel_attn", 1)
+        sandwich = config.pop("sandwich_norm", False)
+        block = {"type": "parallel", "norms": norms} if parallel else {"type": "sequential"}
+        config["block"] = {**block, "sandwich_norm": sandwich} if sandwich or not parallel else block
+    attention = config.setdefault("attention", {"type": "standard"})
+    if not isinstance(attention, dict):
+        return
+    for name, (ours, default) in V3_STANDARD.items():
+        if name not in config:
+            continue
+        if attention.get("type", "standard") == "standard":
+            attention[ours] = config.pop(name)
+        elif config[name] == default:
+            del config[name]
 
 
 def _router_settings_to_the_run(raw: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from megacore.config import (
     mlp_width,
     sparse_layer,
 )
+from megacore.config_parts import PlusOneRMSNormSpec, RMSNormSpec
 from megacore.models.attention import Impl, causal_attention, document_ids, suffix_attention
 from megacore.models.kv_cache import KVCache
 from megacore.models.lora import delta, has_adapter
@@ -145,11 +146,12 @@ def make_norm(config: ModelConfig, fast: FastPaths, head_dim: int | None = None)
     (Qwen 3's), of Gemma's kind (`PlusOneRMSNorm`) with rmsnorm_plus1."""
     dim = config.hidden_size if head_dim is None else head_dim
     fused = fast.norms if head_dim is None else fast.head_norms
-    if config.norm == "rmsnorm_plus1":
-        return PlusOneRMSNorm(dim, config.norm_eps, fused)
-    if config.norm == "rmsnorm" or head_dim is not None:
-        return RMSNorm(dim, config.norm_eps, fused)
-    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
+    kind = config.norm
+    if isinstance(kind, PlusOneRMSNormSpec):
+        return PlusOneRMSNorm(dim, kind.eps, fused)
+    if isinstance(kind, RMSNormSpec) or head_dim is not None:
+        return RMSNorm(dim, kind.eps, fused)
+    return nn.LayerNorm(dim, eps=kind.eps, bias=kind.bias)
 
 
 class Sinks(nn.Module):
@@ -168,7 +170,8 @@ class Sinks(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention of layer `layer`: its window (`attention_window`: Gemma 3's local
     layers slide, its global ones do not), its RoPE tables (`local_rope`: the caller passes them),
-    the score scale (head_dim ** -0.5, or `attn_scalar` ** -0.5) and its sinks (`attn_sinks`)."""
+    the score scale (head_dim ** -0.5, or its `scalar` ** -0.5) and its sinks: `config.attention`, a
+    `StandardAttentionSpec`."""
 
     # The attention core; context parallel (`megacore.parallel.cp`) sets its own.
     kernel = staticmethod(causal_attention)
@@ -186,19 +189,20 @@ class Attention(nn.Module):
         self.head_dim, self.layer = hd, layer
         self.window = attention_window(config, layer)
         self.local_rope = local_rope(config, layer)
-        self.scale = None if config.attn_scalar is None else config.attn_scalar**-0.5
+        spec = config.attention
+        self.scale = None if spec.scalar is None else spec.scalar**-0.5
         self.impl = impl
         self.recompute = recompute  # recompute the attention core in backward (selective recompute)
         self.fused = fast.projections  # q/k/v as one matmul
-        self.q_proj = nn.Linear(hidden, config.num_heads * hd, bias=config.attn_bias)
-        self.k_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
-        self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=config.attn_bias)
-        self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=config.attn_out_bias)
+        self.q_proj = nn.Linear(hidden, config.num_heads * hd, bias=spec.bias)
+        self.k_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=spec.bias)
+        self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=spec.bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=spec.out_bias)
         # qk_norm (Qwen 3, Gemma 3): one RMSNorm weight for every q head and one for every k head;
         # acting per head, it needs no change when a tensor-parallel shard holds only some heads.
-        self.q_norm = make_norm(config, fast, hd) if config.qk_norm else None
-        self.k_norm = make_norm(config, fast, hd) if config.qk_norm else None
-        self.sinks = Sinks(config.num_heads) if config.attn_sinks else None
+        self.q_norm = make_norm(config, fast, hd) if spec.qk_norm else None
+        self.k_norm = make_norm(config, fast, hd) if spec.qk_norm else None
+        self.sinks = Sinks(config.num_heads) if spec.sinks else None
 
     def forward(
         self,
@@ -354,22 +358,21 @@ class Block(nn.Module):
         fast: FastPaths = FastPaths(),
     ) -> None:
         super().__init__()
-        self.parallel = config.parallel_attn
+        self.parallel = config.block.parallel
         # full: keep only the block's input for backward and run it again there
         self.recompute = recompute == "full"
         # Registered in the naming contract's order (`model_tensors`).
         self.attn_norm = make_norm(config, fast)
         kind = Attention if config.latent is None else LatentAttention
         self.attn = kind(config, layer, attention, recompute == "selective", fast)
-        self.attn_post_norm = make_norm(config, fast) if config.sandwich_norm else None
-        one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
-        self.mlp_norm = None if one_norm else make_norm(config, fast)
+        self.attn_post_norm = make_norm(config, fast) if config.block.sandwich_norm else None
+        self.mlp_norm = make_norm(config, fast) if config.block.mlp_norm else None
         if sparse_layer(config, layer):
             shared = config.moe.shared_expert
             self.mlp = MoE(config, None if shared is None else MLP(config, fast, shared.size))
         else:
             self.mlp = MLP(config, fast, mlp_width(config, layer))
-        self.mlp_post_norm = make_norm(config, fast) if config.sandwich_norm else None
+        self.mlp_post_norm = make_norm(config, fast) if config.block.sandwich_norm else None
 
     def forward(
         self,
@@ -556,7 +559,7 @@ def initial_value(
     if name.endswith((LORA_B, ".bias", ".sinks.weight")):  # biases: experts' are [experts, out]
         return torch.zeros(shape)
     if len(shape) == 1:
-        zero = name.endswith("router_bias") or config.norm == "rmsnorm_plus1"
+        zero = name.endswith("router_bias") or isinstance(config.norm, PlusOneRMSNormSpec)
         return torch.zeros(shape) if zero else torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(LORA_A):

@@ -15,17 +15,18 @@ import math
 
 import torch
 
-from megacore.config import ModelConfig, RopeScaling, rope_dim
+from megacore.config import ModelConfig, rope_dim
+from megacore.config_parts import RopeScaling
 
 
 def inv_freq(
     config: ModelConfig, seq_len: int, device: torch.device | str | None = None, local: bool = False
 ) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32 for a sequence of `seq_len` positions; `local`:
-    the sliding layers' own RoPE (`local_rope_theta`, unscaled: Gemma 3's local layers)."""
+    the sliding layers' own RoPE (`rope.local_theta`, unscaled: Gemma 3's local layers)."""
     dim = rope_dim(config)
-    base = config.local_rope_theta if local else config.rope_theta
-    scaling = None if local else config.rope_scaling
+    base = config.rope.local_theta if local else config.rope.theta
+    scaling = None if local else config.rope.scaling
     if scaling is not None and scaling.type == "dynamic":
         # Dynamic NTK: stretch the base only once the sequence outgrows the trained context.
         trained = scaling.original_max_position_embeddings or config.max_seq_len
@@ -66,7 +67,7 @@ def _yarn(scaling: RopeScaling, base: float, dim: int, device: torch.device | st
     the dimensions (its ends rounded outwards unless `truncate` is false)."""
     fast, slow = scaling.beta_fast or 32, scaling.beta_slow or 1
     context = scaling.original_max_position_embeddings
-    assert context is not None  # ModelConfig requires it for yarn
+    assert context is not None  # RopeSpec requires it for yarn
 
     def dimension(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
         return (dim * math.log(context / (turns * 2 * math.pi))) / (2 * math.log(base))
@@ -88,7 +89,7 @@ def attention_scale(config: ModelConfig, local: bool = False) -> float:
     """The factor on cos and sin (attention scores scale by its square): YaRN's `attention_factor`,
     given or transformers' default (0.1 ln(factor) + 1, or that form with `mscale` over it with
     `mscale_all_dim` when both are set); 1 for every other RoPE, and for the local layers'."""
-    scaling = None if local else config.rope_scaling
+    scaling = None if local else config.rope.scaling
     if scaling is None or scaling.type != "yarn":
         return 1.0
     if scaling.attention_factor is not None:
@@ -109,7 +110,7 @@ def latent_attention_scale(config: ModelConfig) -> float:
     """Latent attention's score scale: head_dim ** -0.5, under YaRN times mscale(factor,
     mscale_all_dim) squared (DeepSeek's softmax_scale; transformers' `yarn_apply_mscale`)."""
     scale = config.head_dim**-0.5
-    s = config.rope_scaling
+    s = config.rope.scaling
     if s is not None and s.type == "yarn" and s.mscale_all_dim:
         m = _mscale(s.factor, s.mscale_all_dim)
         scale = scale * m * m

@@ -1,5 +1,6 @@
 """The standard attention part: q, k and v projections (grouped-query: `num_kv_heads` k and v
-heads), the output projection, optional per-head q/k norms (`qk_norm`) and sinks (`attn_sinks`).
+heads), the output projection, optional per-head q/k norms (`qk_norm`) and sinks (`sinks`):
+`config.attention`, a `StandardAttentionSpec`.
 Its tensors, where tensor parallel splits them (by heads: q, k, v and the sinks on their rows, the
 output projection on its columns; k and v replicated when there are fewer kv heads than tp), and
 what it saves for backward (the planner's terms, `planner.activations`)."""
@@ -7,21 +8,22 @@ what it saves for backward (the planner's terms, `planner.activations`)."""
 from __future__ import annotations
 
 from megacore.config import ModelConfig
+from megacore.config_parts import PlusOneRMSNormSpec
 from megacore.parts import norm
 from megacore.parts.compute import Compute, Shapes, linear
 
 
 def tensors(out: Shapes, config: ModelConfig, at: str) -> None:
     """`at`: "layers.<i>.attn"."""
-    hidden, hd = config.hidden_size, config.head_dim
-    linear(out, f"{at}.q_proj", config.num_heads * hd, hidden, config.attn_bias)
-    linear(out, f"{at}.k_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-    linear(out, f"{at}.v_proj", config.num_kv_heads * hd, hidden, config.attn_bias)
-    linear(out, f"{at}.o_proj", hidden, config.num_heads * hd, config.attn_out_bias)
-    if config.qk_norm:
+    hidden, hd, spec = config.hidden_size, config.head_dim, config.attention
+    linear(out, f"{at}.q_proj", config.num_heads * hd, hidden, spec.bias)
+    linear(out, f"{at}.k_proj", config.num_kv_heads * hd, hidden, spec.bias)
+    linear(out, f"{at}.v_proj", config.num_kv_heads * hd, hidden, spec.bias)
+    linear(out, f"{at}.o_proj", hidden, config.num_heads * hd, spec.out_bias)
+    if spec.qk_norm:
         out[f"{at}.q_norm.weight"] = (hd,)
         out[f"{at}.k_norm.weight"] = (hd,)
-    if config.attn_sinks:
+    if spec.sinks:
         out[f"{at}.sinks.weight"] = (config.num_heads,)
 
 
@@ -76,13 +78,13 @@ def saves(
 def head_norm_saves(config: ModelConfig, comp: Compute, tokens: int, heads: int, kv: int) -> int:
     """The per-head q/k norms' (qk_norm): their fp32 rstd per head, and with unfused projections
     their inputs (the projections' outputs, otherwise freed by RoPE; fused, views of the kept q/k/v)."""
-    if not config.qk_norm:
+    if not config.attention.qk_norm:
         return 0
     hd = config.head_dim
     total = tokens * (heads + kv // hd) * 4
     if not comp.fast["projections"]:
         head_in = tokens * (heads * hd + kv) * comp.c
-        plain = not comp.fast["head_norms"] and config.norm == "rmsnorm_plus1"
+        plain = not comp.fast["head_norms"] and isinstance(config.norm, PlusOneRMSNormSpec)
         total += head_in + (norm.plain_extra(config, head_in, comp.c) if plain else 0)
     return total
 

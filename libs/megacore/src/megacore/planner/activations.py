@@ -124,12 +124,13 @@ def layer_activations(
     norms = block.norm_saves(config, comp, tokens) + attn.head_norm_saves(config, comp, tokens, heads, kv)
     kernel = out + micro * heads * local * 4  # the kernel's output and log-sum-exp
     window = attention_window(config, layer)
-    if config.attn_sinks:  # its saves (copies of q, k, v) instead of the kernel's and q, k, v, which
+    sinks = config.latent is None and config.attention.sinks
+    if sinks:  # its saves (copies of q, k, v) instead of the kernel's and q, k, v, which
         # selective recompute keeps as the rerun's inputs
         kernel = standard_attention.sink_saves(config, comp, micro, local, heads) - qkv
     if cp > 1:  # selective recompute reruns the cp kernel whole, its gather included
         kernel += _cp_attention(config, par, micro, seq, kv, layer, attention)
-    elif window is not None and seq > window and attention != "flash" and not config.attn_sinks:
+    elif window is not None and seq > window and attention != "flash" and not sinks:
         kernel += seq * seq * comp.c  # SDPA's additive mask
     total = norms + qkv + o_proj_in + mlp + weights + mlp_weights
     return total if mode == "selective" else total + kernel

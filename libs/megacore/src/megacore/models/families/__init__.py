@@ -60,9 +60,9 @@ WRITTEN_BY_ALL = (
     "num_kv_heads",
     "ffn_hidden_size",
     "max_seq_len",
-    "norm_eps",
-    "rope_theta",
-    "rope_scaling",
+    "norm.eps",
+    "rope.theta",
+    "rope.scaling",
     "tie_embeddings",
     "bos_id",
     "eos_id",
@@ -110,9 +110,15 @@ def check_expressible(config: ModelConfig, where: str = "config") -> None:
     allowed = {*SHARED_FIELDS, *fam.SWITCHES}
     fields = [f for f in msgspec.structs.fields(config) if f.name not in PART_FIELDS]
     unsaid = [f.name for f in fields if f.name not in allowed and not _at_default(config, f)]
-    unsaid += [name for name in _parts_set(config) if name not in allowed]
+    unsaid += [path for path in _parts_set(config) if not _allowed(path, allowed)]
     if unsaid:
         raise UserError(f"a {fam.NAME} config.json cannot express {', '.join(unsaid)}", where)
+
+
+def _allowed(path: str, allowed: set[str]) -> bool:
+    """Whether `path` or a part holding it (`rope.scaling` for `rope.scaling.factor`) is allowed."""
+    parts = path.split(".")
+    return any(".".join(parts[:n]) in allowed for n in range(1, len(parts) + 1))
 
 
 def _at_default(config: ModelConfig, f: msgspec.structs.FieldInfo) -> bool:
@@ -209,7 +215,7 @@ def differences_from_hf(config: ModelConfig, hf_config: ModelConfig) -> list[str
     dynamic RoPE scaling, max_seq_len (its max_position_embeddings is then the original context,
     what transformers' dynamic NTK measures growth against: `max_positions_to_hf`)."""
     ignore = (*TOKEN_ID_FIELDS, *NOT_CARRIED)
-    s = config.rope_scaling
+    s = config.rope.scaling
     if s is not None and s.type == "dynamic" and hf_config.max_seq_len == max_positions_to_hf(config):
         ignore = (*ignore, "max_seq_len")
     return config_differences(config, hf_config, ignore)

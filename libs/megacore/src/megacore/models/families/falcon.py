@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from megacore.config import ModelConfig
+from megacore.config_parts import LayerNormSpec
 from megacore.errors import UserError
 from megacore.models.families.hf_config import HFConfig, build_config, max_positions_to_hf, rope_to_hf
 from megacore.models.families.tensor_map import TensorMap, linear, rename
@@ -30,13 +31,13 @@ NAME = "Falcon"
 # their defaults (`families.check_expressible` refuses the rest): its norm and activation are fixed
 # (layernorm with bias, gelu), its biases one `bias` switch; head_dim is always hidden / heads.
 SWITCHES = (
-    "norm",
-    "norm_bias",
+    "norm.type",
+    "norm.bias",
     "activation",
-    "parallel_attn",
-    "num_ln_in_parallel_attn",
-    "attn_bias",
-    "attn_out_bias",
+    "block.type",
+    "block.norms",
+    "attention.bias",
+    "attention.out_bias",
     "mlp_bias",
 )
 # Key names of the first Falcon configs (model_type RefinedWeb / RefinedWebModel).
@@ -77,16 +78,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         num_kv_heads=kv,
         ffn_hidden_size=c.int("ffn_hidden_size", 4 * hidden),
         max_seq_len=c.int("max_position_embeddings", 2048),
-        norm="layernorm",
-        norm_eps=c.float("layer_norm_epsilon", 1e-5),
-        norm_bias=True,
+        norm={"type": "layernorm", "eps": c.float("layer_norm_epsilon", 1e-5), "bias": True},
         activation="gelu",
-        rope_theta=theta,
-        rope_scaling=scaling,
-        parallel_attn=parallel,
-        num_ln_in_parallel_attn=n_ln,
-        attn_bias=bias,
-        attn_out_bias=bias,
+        rope={"theta": theta, "scaling": scaling},
+        block={"type": "parallel", "norms": n_ln} if parallel else {"type": "sequential"},
+        attention={"type": "standard", "bias": bias, "out_bias": bias},
         mlp_bias=bias,
         tie_embeddings=c.bool("tie_word_embeddings", True),
         bos_id=c.opt_int("bos_token_id"),
@@ -95,21 +91,19 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 
 def _new_arch(config: ModelConfig) -> bool:
-    return (config.parallel_attn and config.num_ln_in_parallel_attn == 2) or config.num_kv_heads not in (
-        1,
-        config.num_heads,
-    )
+    two_norms = config.block.parallel and config.block.mlp_norm
+    return two_norms or config.num_kv_heads not in (1, config.num_heads)
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.norm != "layernorm" or not config.norm_bias or config.activation != "gelu":
+    if not isinstance(config.norm, LayerNormSpec) or not config.norm.bias or config.activation != "gelu":
         raise UserError(
-            "Falcon needs layernorm with bias and a gelu MLP (norm, norm_bias, activation)", "config"
+            "Falcon needs layernorm with bias and a gelu MLP (norm.type, norm.bias, activation)", "config"
         )
-    if not config.attn_bias == config.attn_out_bias == config.mlp_bias:
+    if not config.attention.bias == config.attention.out_bias == config.mlp_bias:
         raise UserError("Falcon has one `bias` switch; this config's bias switches differ", "config")
     new_arch = _new_arch(config)
-    if new_arch and not config.parallel_attn:
+    if new_arch and not config.block.parallel:
         raise UserError("Falcon kv groups need parallel attention", "config")
     return {
         "architectures": [ARCHITECTURE],
@@ -121,13 +115,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "num_kv_heads": config.num_kv_heads,
         "new_decoder_architecture": new_arch,
         "multi_query": not new_arch and config.num_kv_heads == 1,
-        "parallel_attn": config.parallel_attn,
-        "num_ln_in_parallel_attn": config.num_ln_in_parallel_attn if new_arch else None,
+        "parallel_attn": config.block.parallel,
+        "num_ln_in_parallel_attn": config.block.norms if new_arch else None,  # new_arch: parallel
         "ffn_hidden_size": config.ffn_hidden_size,
         "activation": "gelu",
-        "bias": config.attn_bias,
+        "bias": config.attention.bias,
         "alibi": False,
-        "layer_norm_epsilon": config.norm_eps,
+        "layer_norm_epsilon": config.norm.eps,
         "max_position_embeddings": max_positions_to_hf(config),
         **rope_to_hf(config),
         "tie_word_embeddings": config.tie_embeddings,
@@ -174,18 +168,18 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
     for i in range(config.num_layers):
         hf, ours = f"transformer.h.{i}", f"layers.{i}"
-        two = config.parallel_attn and config.num_ln_in_parallel_attn == 2
+        two = config.block.parallel and config.block.mlp_norm
         norm(f"{hf}.ln_attn" if two else f"{hf}.input_layernorm", f"{ours}.attn_norm")
         if two:
             norm(f"{hf}.ln_mlp", f"{ours}.mlp_norm")
-        elif not config.parallel_attn:
+        elif not config.block.parallel:
             norm(f"{hf}.post_attention_layernorm", f"{ours}.mlp_norm")
         qkv = f"{hf}.self_attention.query_key_value"
         names = tuple(f"{ours}.attn.{p}_proj" for p in "qkv")
         maps.append(TensorMap((f"{qkv}.weight",), tuple(f"{n}.weight" for n in names), split, fuse))
-        if config.attn_bias:
+        if config.attention.bias:
             maps.append(TensorMap((f"{qkv}.bias",), tuple(f"{n}.bias" for n in names), split, fuse))
-        linear(maps, f"{hf}.self_attention.dense", f"{ours}.attn.o_proj", config.attn_out_bias)
+        linear(maps, f"{hf}.self_attention.dense", f"{ours}.attn.o_proj", config.attention.out_bias)
         linear(maps, f"{hf}.mlp.dense_h_to_4h", f"{ours}.mlp.up_proj", config.mlp_bias)
         linear(maps, f"{hf}.mlp.dense_4h_to_h", f"{ours}.mlp.down_proj", config.mlp_bias)
     norm("transformer.ln_f", "norm")

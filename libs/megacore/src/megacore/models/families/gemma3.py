@@ -1,20 +1,21 @@
 """Gemma 3 text models (Gemma3ForCausalLM, model_type "gemma3_text": Gemma 3 1B and the text
 decoders of the larger sizes) as switches of the one decoder:
 
-- RMSNorm of the (1 + weight) kind everywhere (`norm` "rmsnorm_plus1"), the per-head q/k norms
-  included (`qk_norm`), weights stored as Gemma stores them, so conversion is a pure rename;
-- four norms per block (`sandwich_norm`): input_layernorm -> attn_norm, post_attention_layernorm
+- RMSNorm of the (1 + weight) kind everywhere (`norm.type` "rmsnorm_plus1"), the per-head q/k
+  norms included (`attention.qk_norm`), weights stored as Gemma stores them, so conversion is a
+  pure rename;
+- four norms per block (`block.sandwich_norm`): input_layernorm -> attn_norm, post_attention_layernorm
   -> attn_post_norm, pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm ->
   mlp_post_norm;
 - embeddings times sqrt(hidden_size) in the activations' dtype (`scale_embeddings`);
 - GeGLU with GELU's tanh approximation (`activation` "geglu_tanh": hidden_activation
   gelu_pytorch_tanh);
 - local and global layers (`layer_types`): the local ones ("sliding_attention") attend through
-  `sliding_window` tokens with their own unscaled RoPE base (`local_rope_theta`: transformers 5's
+  `sliding_window` tokens with their own unscaled RoPE base (`rope.local_theta`: transformers 5's
   rope_parameters.sliding_attention, the classic rope_local_base_freq), the global ones with
-  rope_theta and rope_scaling (rope_parameters.full_attention; rope_theta, rope_scaling). Without
+  `rope.theta` and `rope.scaling` (rope_parameters.full_attention; rope_theta, rope_scaling). Without
   `layer_types` every `sliding_window_pattern`-th layer (6) is global, as Gemma3TextConfig reads it;
-- the score scale query_pre_attn_scalar ** -0.5 (`attn_scalar`), an explicit head_dim (256 by
+- the score scale query_pre_attn_scalar ** -0.5 (`attention.scalar`), an explicit head_dim (256 by
   default, not hidden / heads), tied embeddings by default.
 
 HF layout: model.embed_tokens, model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megacore.config import ModelConfig
+from megacore.config import ModelConfig, config_fields
 from megacore.errors import UserError
 from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
 from megacore.models.families.tensor_map import TensorMap, linear, rename
@@ -45,26 +46,26 @@ NAME = "Gemma 3"
 # norm / embedding switches are fixed (`config_to_hf`).
 SWITCHES = (
     "head_dim",
-    "norm",
+    "norm.type",
     "activation",
     "sliding_window",
     "layer_types",
-    "local_rope_theta",
-    "attn_scalar",
-    "attn_bias",
-    "attn_out_bias",
-    "qk_norm",
-    "sandwich_norm",
+    "rope.local_theta",
+    "attention.scalar",
+    "attention.bias",
+    "attention.out_bias",
+    "attention.qk_norm",
+    "block.sandwich_norm",
     "scale_embeddings",
 )
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATION = "gelu_pytorch_tanh"
-# The switches every Gemma 3 sets (of those on SWITCHES), and their values.
+# The switches every Gemma 3 sets (of those on SWITCHES), by path (`config_fields`), and their values.
 _FIXED = {
-    "norm": "rmsnorm_plus1",
+    "norm.type": "rmsnorm_plus1",
     "activation": "geglu_tanh",
-    "qk_norm": True,
-    "sandwich_norm": True,
+    "attention.qk_norm": True,
+    "block.sandwich_norm": True,
     "scale_embeddings": True,
 }
 
@@ -148,20 +149,20 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         num_kv_heads=c.int("num_key_value_heads", 4),
         ffn_hidden_size=c.int("intermediate_size"),
         max_seq_len=c.int("max_position_embeddings", 131_072),
-        norm="rmsnorm_plus1",
-        norm_eps=c.float("rms_norm_eps", 1e-6),
+        norm={"type": "rmsnorm_plus1", "eps": c.float("rms_norm_eps", 1e-6)},
         activation="geglu_tanh",
         head_dim=c.int("head_dim", 256),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        rope={"theta": theta, "scaling": scaling, "local_theta": local_theta},
         sliding_window=window,
         layer_types=types,
-        local_rope_theta=local_theta,
-        attn_scalar=c.float("query_pre_attn_scalar", 256),
-        attn_bias=bias,
-        attn_out_bias=bias,
-        qk_norm=True,
-        sandwich_norm=True,
+        attention={
+            "type": "standard",
+            "scalar": c.float("query_pre_attn_scalar", 256),
+            "bias": bias,
+            "out_bias": bias,
+            "qk_norm": True,
+        },
+        block={"type": "sequential", "sandwich_norm": True},
         scale_embeddings=True,
         tie_embeddings=c.bool("tie_word_embeddings", True),
         bos_id=c.opt_int("bos_token_id") if "bos_token_id" in c.data else 2,
@@ -179,25 +180,26 @@ def _pattern(types: list[str]) -> int | None:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    fixed = [f"{k} {v!r}" for k, v in _FIXED.items() if getattr(config, k) != v]
+    fields = config_fields(config)
+    fixed = [f"{k} {v!r}" for k, v in _FIXED.items() if fields.get(k) != v]
     if fixed:
         raise UserError(f"a Gemma 3 config.json always has {', '.join(fixed)}; this config differs", "config")
-    if config.attn_bias != config.attn_out_bias:
-        raise UserError("Gemma 3 has one attention bias switch; attn_bias and attn_out_bias differ", "config")
-    if config.sliding_window is None or config.local_rope_theta is None:
+    if config.attention.bias != config.attention.out_bias:
+        raise UserError("Gemma 3 has one attention bias switch; attention.bias and out_bias differ", "config")
+    if config.sliding_window is None or config.rope.local_theta is None:
         raise UserError(
-            "Gemma 3 configs need a sliding_window and the local layers' local_rope_theta", "config"
+            "Gemma 3 configs need a sliding_window and the local layers' rope.local_theta", "config"
         )
     types = config.layer_types or ["sliding_attention"] * config.num_layers
-    scalar = config.attn_scalar if config.attn_scalar is not None else config.head_dim
+    scalar = config.attention.scalar if config.attention.scalar is not None else config.head_dim
     out = {
         "architectures": [ARCHITECTURE],
         "model_type": "gemma3_text",
         **llama_style_to_hf(config),  # its RoPE: the global layers' (classic form)
         "head_dim": config.head_dim,
         "hidden_activation": _ACTIVATION,
-        "rope_local_base_freq": config.local_rope_theta,
-        "attention_bias": config.attn_bias,
+        "rope_local_base_freq": config.rope.local_theta,
+        "attention_bias": config.attention.bias,
         "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
         "sliding_window": config.sliding_window,
         "layer_types": list(types),
@@ -215,7 +217,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         maps.append(rename(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight"))
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", config.attn_bias)
+            linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", config.attention.bias)
         maps.append(rename(f"{hf}.self_attn.q_norm.weight", f"{ours}.attn.q_norm.weight"))
         maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.attn_post_norm.weight"))

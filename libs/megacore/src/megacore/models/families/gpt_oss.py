@@ -2,7 +2,7 @@
 one decoder.
 
 Attention: GQA with biases on q, k, v and o (`attention_bias`), a learned sink logit per head in
-every softmax (`attn_sinks`, `self_attn.sinks`: `models/sinks.py`), sliding-window layers (128
+every softmax (`attention.sinks`, `self_attn.sinks`: `models/sinks.py`), sliding-window layers (128
 tokens) alternating with full ones (`layer_types`, even layers sliding by default), YaRN RoPE
 (factor 32 over 4096 positions, theta 150000, by default). Experts: a router with a bias, softmax
 over its top-k logits (our softmax, top-k and renormalise: the same weights), every expert's
@@ -31,7 +31,8 @@ ARCHITECTURE = "GptOssForCausalLM"
 NAME = "gpt-oss"
 HF_ATTENTION = "eager"  # transformers' GptOssAttention: eager (or flex), no SDPA path for sinks
 SWITCHES = (
-    "head_dim", "sliding_window", "layer_types", "attn_bias", "attn_out_bias", "mlp_bias", "attn_sinks",
+    "head_dim", "sliding_window", "layer_types", "attention.bias", "attention.out_bias", "mlp_bias",
+    "attention.sinks",
     "activation", "swiglu_alpha", "swiglu_limit", "mlp.type", "mlp.num_experts", "mlp.experts_per_token",
 )  # fmt: skip
 # transformers' GptOssConfig's RoPE when a config.json gives none.
@@ -70,19 +71,16 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         num_kv_heads=c.int("num_key_value_heads", 8),
         ffn_hidden_size=c.int("intermediate_size", 2880),
         max_seq_len=trained,
-        norm_eps=c.float("rms_norm_eps", 1e-5),
+        norm={"type": "rmsnorm", "eps": c.float("rms_norm_eps", 1e-5)},
         activation="clamped_swiglu",
         swiglu_alpha=c.float("swiglu_alpha", 1.702),
         swiglu_limit=c.float("swiglu_limit", 7.0),
         head_dim=c.int("head_dim", 64),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        rope={"theta": theta, "scaling": scaling},
         sliding_window=window,
         layer_types=gemma3.layer_types(HFConfig({"layer_types": types}, where), layers),
-        attn_bias=True,
-        attn_out_bias=True,
+        attention={"type": "standard", "bias": True, "out_bias": True, "sinks": True},
         mlp_bias=True,
-        attn_sinks=True,
         mlp={
             "type": "moe",
             "num_experts": c.int("num_local_experts", 128),
@@ -95,11 +93,11 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    fixed = config.attn_bias and config.attn_out_bias and config.mlp_bias and config.attn_sinks
+    fixed = config.attention.bias and config.attention.out_bias and config.mlp_bias and config.attention.sinks
     if not fixed or config.activation != "clamped_swiglu" or config.moe is None:
         raise UserError(
             "gpt-oss is a mixture of experts with attention sinks, biases everywhere and the clamped "
-            "SwiGLU (attn_sinks, attn_bias, attn_out_bias, mlp_bias, activation clamped_swiglu)",
+            "SwiGLU (attention.sinks, attention.bias, attention.out_bias, mlp_bias, activation clamped_swiglu)",
             "config",
         )
     return llama_style_to_hf(config) | {

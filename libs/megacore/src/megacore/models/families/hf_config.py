@@ -10,7 +10,8 @@ from typing import Any
 
 import msgspec
 
-from megacore.config import ROPE_FIELDS, ModelConfig, RopeScaling
+from megacore.config import ModelConfig
+from megacore.config_parts import ROPE_FIELDS, RopeScaling
 from megacore.errors import UserError
 
 
@@ -169,7 +170,7 @@ def llama_style_to_hf(config: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "max_position_embeddings": max_positions_to_hf(config),
-        "rms_norm_eps": config.norm_eps,
+        "rms_norm_eps": config.norm.eps,
         **rope_to_hf(config),
         "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": config.bos_id,
@@ -180,7 +181,7 @@ def llama_style_to_hf(config: ModelConfig) -> dict[str, Any]:
 def max_positions_to_hf(config: ModelConfig) -> int:
     """config.json's max_position_embeddings: max_seq_len, but under dynamic scaling the original
     context, which transformers' dynamic NTK measures a sequence's growth against."""
-    s = config.rope_scaling
+    s = config.rope.scaling
     if s is not None and s.type == "dynamic" and s.original_max_position_embeddings is not None:
         return s.original_max_position_embeddings
     return config.max_seq_len
@@ -189,13 +190,13 @@ def max_positions_to_hf(config: ModelConfig) -> int:
 def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
     """Classic form (top-level rope_theta + rope_scaling): what transformers 4.45+ and 5 both load.
     Every field the scaling type reads is written, those left None (transformers' defaults) not."""
-    s = config.rope_scaling
+    s = config.rope.scaling
     scaling = None
     if s is not None:
         scaling = {"rope_type": s.type, "factor": s.factor}
         if s.type in ("llama3", "yarn"):
             scaling.update({k: getattr(s, k) for k in ROPE_FIELDS[s.type] if getattr(s, k) is not None})
-    return {"rope_theta": config.rope_theta, "rope_scaling": scaling}
+    return {"rope_theta": config.rope.theta, "rope_scaling": scaling}
 
 
 def build_config(where: str, **fields: Any) -> ModelConfig:

@@ -22,7 +22,7 @@ ARCHITECTURE = "LlamaForCausalLM"
 NAME = "Llama"
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Llama config.json can set to other than
 # their defaults (`families.check_expressible` refuses the rest): head_dim and the bias switches.
-SWITCHES = ("head_dim", "attn_bias", "attn_out_bias", "mlp_bias")
+SWITCHES = ("head_dim", "attention.bias", "attention.out_bias", "mlp_bias")
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -33,8 +33,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         where,
         family="llama",
         **lineage_fields(c),
-        attn_bias=bias,
-        attn_out_bias=bias,
+        attention={"type": "standard", "bias": bias, "out_bias": bias},
         mlp_bias=c.bool("mlp_bias", False),
     )
 
@@ -55,12 +54,10 @@ def lineage_fields(c: HFConfig) -> dict[str, Any]:
         "num_kv_heads": c.int("num_key_value_heads", heads),
         "ffn_hidden_size": c.int("intermediate_size"),
         "max_seq_len": c.int("max_position_embeddings", 2048),
-        "norm": "rmsnorm",
-        "norm_eps": c.float("rms_norm_eps", 1e-6),
+        "norm": {"type": "rmsnorm", "eps": c.float("rms_norm_eps", 1e-6)},
         "activation": "swiglu",
         "head_dim": c.int("head_dim") if c.data.get("head_dim") else None,
-        "rope_theta": theta,
-        "rope_scaling": scaling,
+        "rope": {"theta": theta, "scaling": scaling},
         "tie_embeddings": c.bool("tie_word_embeddings", False),
         "bos_id": c.opt_int("bos_token_id"),
         "eos_id": c.opt_int("eos_token_id"),
@@ -68,13 +65,13 @@ def lineage_fields(c: HFConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.attn_bias != config.attn_out_bias:
+    if config.attention.bias != config.attention.out_bias:
         raise UserError(
-            "Llama has one attention bias switch; this config's attn_bias and attn_out_bias differ", "config"
+            "Llama has one attention bias switch; this config's attention.bias and out_bias differ", "config"
         )
     return {
         **lineage_to_hf(config, ARCHITECTURE, "llama"),
-        "attention_bias": config.attn_bias,
+        "attention_bias": config.attention.bias,
         "mlp_bias": config.mlp_bias,
     }
 
@@ -137,12 +134,12 @@ def tensor_maps(
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         maps.append(rename(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight"))
         for p in ("q_proj", "k_proj", "v_proj"):
-            linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", config.attn_bias)
-        linear(maps, f"{hf}.self_attn.o_proj", f"{ours}.attn.o_proj", config.attn_out_bias)
-        if config.qk_norm:  # Qwen 3, which keeps Llama's names otherwise
+            linear(maps, f"{hf}.self_attn.{p}", f"{ours}.attn.{p}", config.attention.bias)
+        linear(maps, f"{hf}.self_attn.o_proj", f"{ours}.attn.o_proj", config.attention.out_bias)
+        if config.attention.qk_norm:  # Qwen 3, which keeps Llama's names otherwise
             maps.append(rename(f"{hf}.self_attn.q_norm.weight", f"{ours}.attn.q_norm.weight"))
             maps.append(rename(f"{hf}.self_attn.k_norm.weight", f"{ours}.attn.k_norm.weight"))
-        if config.attn_sinks:  # gpt-oss's
+        if config.attention.sinks:  # gpt-oss's
             maps.append(rename(f"{hf}.self_attn.sinks", f"{ours}.attn.sinks.weight"))
         maps.append(rename(f"{hf}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight"))
         if sparse_layer(config, i):

@@ -39,12 +39,12 @@ MOE_SWITCHES = (
     "mlp.dense_layers", "mlp.dense_ffn_hidden_size",
 )  # fmt: skip
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 2 (or Qwen 2 MoE) config.json can
-# set to other than their defaults (`families.check_expressible` refuses the rest); attn_bias is
+# set to other than their defaults (`families.check_expressible` refuses the rest); attention.bias is
 # always set, but for a Qwen 2 MoE without qkv_bias.
 SWITCHES = (
     "head_dim",
     "sliding_window",
-    "attn_bias",
+    "attention.bias",
     *MOE_SWITCHES,
     "mlp.shared_expert.size",
     "mlp.shared_expert.gate",
@@ -99,11 +99,9 @@ def common_fields(c: HFConfig) -> dict[str, Any]:
         "num_kv_heads": heads if kv is None else c.int("num_key_value_heads", 32),
         "ffn_hidden_size": c.int("intermediate_size"),
         "max_seq_len": trained,
-        "norm": "rmsnorm",
-        "norm_eps": c.float("rms_norm_eps", 1e-6),
+        "norm": {"type": "rmsnorm", "eps": c.float("rms_norm_eps", 1e-6)},
         "activation": "swiglu",
-        "rope_theta": theta,
-        "rope_scaling": scaling,
+        "rope": {"theta": theta, "scaling": scaling},
         "sliding_window": sliding_window(c, layers),
         "tie_embeddings": c.bool("tie_word_embeddings", False),
         "bos_id": c.opt_int("bos_token_id"),
@@ -162,8 +160,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         family="qwen2",
         **fields,
         head_dim=c.int("head_dim") if c.data.get("head_dim") else None,
-        attn_bias=bias,
-        attn_out_bias=False,
+        attention={"type": "standard", "bias": bias},
         mlp_bias=False,
     )
 
@@ -183,8 +180,10 @@ def common_hf(config: ModelConfig) -> dict[str, Any]:
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     moe = config.moe is not None
-    if not (config.attn_bias or moe):
-        raise UserError("Qwen 2 always has biases on q, k and v; this config has none (attn_bias)", "config")
+    if not (config.attention.bias or moe):
+        raise UserError(
+            "Qwen 2 always has biases on q, k and v; this config has none (attention.bias)", "config"
+        )
     shared = moe and config.moe.shared_expert
     if moe and not (shared and shared.gate):
         raise UserError(
@@ -206,7 +205,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         | moe_to_hf(config)
         | {
             "shared_expert_intermediate_size": shared.size,
-            "qkv_bias": config.attn_bias,
+            "qkv_bias": config.attention.bias,
             "layer_types": [kind] * config.num_layers,
         }
     )

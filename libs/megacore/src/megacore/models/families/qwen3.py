@@ -31,7 +31,14 @@ NAME = "Qwen 3"
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 3 (or Qwen 3 MoE) config.json can
 # set to other than their defaults (`families.check_expressible` refuses the rest); qk_norm is
 # always set.
-SWITCHES = ("head_dim", "sliding_window", "attn_bias", "attn_out_bias", "qk_norm", *qwen2.MOE_SWITCHES)
+SWITCHES = (
+    "head_dim",
+    "sliding_window",
+    "attention.bias",
+    "attention.out_bias",
+    "attention.qk_norm",
+    *qwen2.MOE_SWITCHES,
+)
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -44,15 +51,13 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         family="qwen3",
         **fields,
         head_dim=c.int("head_dim", 128),
-        qk_norm=True,
-        attn_bias=bias,
-        attn_out_bias=bias,
+        attention={"type": "standard", "qk_norm": True, "bias": bias, "out_bias": bias},
         mlp_bias=False,
     )
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if not config.qk_norm or config.attn_bias != config.attn_out_bias:
+    if not config.attention.qk_norm or config.attention.bias != config.attention.out_bias:
         raise UserError("Qwen 3 has q/k norms and one attention bias switch; this config differs", "config")
     moe = config.moe is not None
     out = {
@@ -60,7 +65,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "model_type": "qwen3_moe" if moe else "qwen3",
         **qwen2.common_hf(config),
         "head_dim": config.head_dim,
-        "attention_bias": config.attn_bias,
+        "attention_bias": config.attention.bias,
     }
     if not moe:
         return out
