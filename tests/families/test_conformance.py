@@ -199,7 +199,4 @@ def test_tp2_and_pp2_train_as_one_process(
 @pytest.mark.parametrize("family", _rows())
 def test_planner_against_a_measured_step(family: str, tmp_path: Path, converted) -> None:
     config = msgspec.to_builtins(open_artifact(converted(family), "checkpoint").config)
-    # The worker builds its ModelConfig from plain JSON, where rope_scaling would stay a dict; the
-    # scaling changes no tensor's size, so none.
-    config["rope_scaling"] = None
     launch(tmp_path, 1, [{"microbatches": 1, "seq": 32, "measure": True, "config": config}])
