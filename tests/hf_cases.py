@@ -14,6 +14,7 @@ from transformers import (
     DeepseekV3Config,
     FalconConfig,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -266,6 +267,18 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 0.3,
          "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
+        24,
+    ),
+    # GLM-4.5 (Glm4MoeForCausalLM): GQA with q/k/v biases, q/k norms and RoPE over the first half
+    # of each head (partial_rotary_factor 0.5); the first layer dense, then 8 routed experts in 2
+    # groups (the best 1 chosen) beside a shared one, sigmoid routing with the balancing bias, top-2
+    # renormalised and scaled by 2.5.
+    "glm4-moe": (
+        Glm4MoeConfig,
+        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
+         "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+         "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+         "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
         24,
     ),
 }  # fmt: skip

@@ -203,7 +203,7 @@ FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
 # The parts' settings by path, and the defaults of those that have one (written out here: a
 # required one, `mlp.num_experts`, is set whenever it is there).
 PART_DEFAULTS = {
-    "norm.type": "rmsnorm", "norm.bias": False, "rope.local_theta": None, "block.type": "sequential",
+    "norm.type": "rmsnorm", "norm.bias": False, "rope.local_theta": None, "rope.partial_rotary_factor": 1.0, "block.type": "sequential",
     "block.sandwich_norm": False, "block.norms": 1, "attention.bias": False, "attention.out_bias": False,
     "attention.qk_norm": False, "attention.sinks": False, "attention.scalar": None,
     "attention.type": "standard", "attention.q_lora_rank": None, "mlp.type": "dense",
@@ -258,6 +258,7 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "sliding_window": lambda c: {"sliding_window": 8},
     "layer_types": lambda c: {"sliding_window": 8, "layer_types": [_SLIDING] + [_FULL] * (c.num_layers - 1)},
     "rope.local_theta": lambda c: {"rope.local_theta": 20_000.0},
+    "rope.partial_rotary_factor": lambda c: {"rope.partial_rotary_factor": 0.5},
     "attention.scalar": lambda c: {"attention.scalar": 24.0},
     "block.type": lambda c: {"block": {"type": "parallel"}},
     "block.norms": lambda c: {"block": {"type": "parallel", "norms": 2}},
@@ -292,17 +293,24 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
 # Configs ModelConfig itself refuses, so none exists to export: experts outside Mixtral and Qwen 2/3,
 # and Mixtral's experts (always there) with an MLP other than SwiGLU without biases.
 _EXPERT_SWITCHES = tuple(s for s in SWITCHES if s.startswith("mlp."))
+_LATENT_SWITCHES = tuple(f"attention.{f.name}" for f in msgspec.structs.fields(LatentAttentionSpec))
+_LATENT_SWITCHES = ("attention.type", *_LATENT_SWITCHES)
 _STANDARD_SWITCHES = tuple(f"attention.{f.name}" for f in msgspec.structs.fields(StandardAttentionSpec))
 UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EXPERT_SWITCHES} | {
     ("mixtral", "activation"),
-    # DeepSeek V3's experts (SwiGLU) and latent attention (none of standard attention's settings).
-    *(("deepseek_v3", s) for s in ("activation", *_STANDARD_SWITCHES)),
+    # DeepSeek V3's experts (SwiGLU) and latent attention (none of standard attention's settings,
+    # nor a partial rotary factor).
+    *(("deepseek_v3", s) for s in ("activation", *_STANDARD_SWITCHES, "rope.partial_rotary_factor")),
+    # GLM-4.5's experts (SwiGLU) and its partial rotary embedding (standard attention's).
+    ("glm4_moe", "activation"),
+    *(("glm4_moe", s) for s in _LATENT_SWITCHES),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
     "qwen3": [{"attention.bias": True, "attention.out_bias": True}],
     "gemma3": [{"attention.bias": True, "attention.out_bias": True}],
     "gpt_oss": [{"swiglu_alpha": 1.5}],
+    "glm4_moe": [{"mlp.router.renormalize_top_k": False}],
 }
 OFF_LIST = [(f, s) for f in FAMILIES for s in SWITCHES if s not in FAMILIES[f].SWITCHES]
 ON_LIST = [(f, s) for f in FAMILIES for s in FAMILIES[f].SWITCHES]

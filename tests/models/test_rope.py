@@ -133,3 +133,35 @@ def test_a_factor_below_one_is_refused(kind: str) -> None:
           "rope_scaling": {"rope_type": kind, "factor": 0.5}}  # fmt: skip
     with pytest.raises(UserError, match=r"config.json: \$.rope_scaling.factor: 0.5 is below 1"):
         config_from_hf(hf, "config.json")
+
+
+def test_partial_rotary_rotates_the_first_dims_and_is_refused_where_a_family_has_none() -> None:
+    """GLM-4.5's partial rotary against transformers' apply_rotary_pos_emb (the rotated first
+    `partial_rotary_factor` of each head, the rest passed through); a config.json of a family that
+    rotates every dim but asks for less is refused in one line, wherever it puts the factor."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    from megacore.errors import UserError
+    from megacore.models import config_from_hf
+    from megacore.models.decoder import Attention
+
+    config = ModelConfig(family="glm4_moe", vocab_size=10, hidden_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=4, ffn_hidden_size=8, head_dim=16, rope=RopeSpec(partial_rotary_factor=0.5))  # fmt: skip
+    cos, sin = rope_tables(config, 8, "cpu", torch.float32)
+    q, k = torch.randn(2, 2, 8, 4, 16).unbind()  # [B, S, heads, head_dim]
+    rotate = Attention(config)._rotate
+    want_q, want_k = apply_rotary_pos_emb(
+        q.transpose(1, 2), k.transpose(1, 2), cos[None, :, 0], sin[None, :, 0]
+    )
+    torch.testing.assert_close(rotate(q, cos, sin), want_q.transpose(1, 2), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rotate(k, cos, sin), want_k.transpose(1, 2), rtol=0, atol=1e-6)
+    assert cos.shape[-1] == 8 and torch.equal(rotate(q, cos, sin)[..., 8:], q[..., 8:])
+    base = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 64}  # fmt: skip
+    for where in (
+        {"partial_rotary_factor": 0.5},
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+    ):
+        with pytest.raises(UserError, match=r"^config.json: \$.partial_rotary_factor: a partial rotary"):
+            config_from_hf({**base, **where}, "config.json")
+    assert config_from_hf({**base, "partial_rotary_factor": 1.0}).rope.partial_rotary_factor == 1.0

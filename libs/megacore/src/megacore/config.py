@@ -57,7 +57,16 @@ class ModelConfig(Struct):
     a choice of these."""
 
     family: Literal[
-        "llama", "mistral", "falcon", "qwen2", "qwen3", "gemma3", "mixtral", "deepseek_v3", "gpt_oss"
+        "llama",
+        "mistral",
+        "falcon",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "mixtral",
+        "deepseek_v3",
+        "gpt_oss",
+        "glm4_moe",
     ]
     vocab_size: Positive
     hidden_size: Positive
@@ -111,10 +120,15 @@ class ModelConfig(Struct):
                 f"num_heads {self.num_heads} is not a multiple of the kv heads {self.num_kv_heads}"
             )
         self._check_latent()
-        if rope_dim(self) % 2:
+        if rope_dim(self) % 2 or rope_dim(self) < 2:
+            rotated = (
+                "head_dim"
+                if self.rope.partial_rotary_factor == 1
+                else "head_dim x rope.partial_rotary_factor"
+            )
             raise ValueError(
-                f"{'qk_rope_head_dim' if self.latent else 'head_dim'} "
-                f"{rope_dim(self)} must be even for rotary embeddings"
+                f"{'qk_rope_head_dim' if self.latent else rotated} "
+                f"{rope_dim(self)} must be even (and not 0) for rotary embeddings"
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
@@ -149,6 +163,8 @@ class ModelConfig(Struct):
             )
         if self.num_kv_heads != self.num_heads:
             raise ValueError("latent attention has a k and v head per q head (num_kv_heads num_heads)")
+        if self.rope.partial_rotary_factor != 1:
+            raise ValueError("rope.partial_rotary_factor is standard attention's (latent: qk_rope_head_dim)")
 
     def _check_experts(self) -> None:
         moe = self.moe
@@ -174,8 +190,11 @@ def pad_vocab(vocab_size: int, multiple: int = DEFAULT_PAD_MULTIPLE) -> int:
 
 
 def rope_dim(config: ModelConfig) -> int:
-    """The dims RoPE rotates in each head: all of head_dim, or latent attention's rope part."""
-    return config.head_dim if config.latent is None else config.latent.qk_rope_head_dim
+    """The dims RoPE rotates in each head: head_dim's first `rope.partial_rotary_factor` (all of it
+    by default), or latent attention's rope part."""
+    if config.latent is not None:
+        return config.latent.qk_rope_head_dim
+    return int(config.head_dim * config.rope.partial_rotary_factor)  # transformers' rounding
 
 
 def sparse_layer(config: ModelConfig, layer: int) -> bool:
@@ -209,8 +228,9 @@ TOKEN_ID_FIELDS = ("bos_id", "eos_id")
 # a tensor, so the checkpoint's weights load as they are.
 CONTEXT_FIELDS = {"max_seq_len": "max_seq_len", "rope.scaling": "rope_scaling"}
 
-# Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe), DeepSeek V3, gpt-oss
-EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss")
+# Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe), DeepSeek V3, gpt-oss,
+# GLM-4.5
+EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss", "glm4_moe")
 
 # Format version 1's model configs held a run's router settings (`RouterLosses`): their names there.
 V1_ROUTER_FIELDS = {

@@ -111,11 +111,15 @@ class RopeScaling(Struct, omit_defaults=True):
 class RopeSpec(Struct):
     """Rotary position embeddings over `config.rope_dim` dims of each head: base `theta`, stretched
     by `scaling` (None: none); `local_theta` (Gemma 3's local RoPE) the sliding layers' own base,
-    unscaled, `theta` and `scaling` then the full-attention layers' only (None: every layer alike)."""
+    unscaled, `theta` and `scaling` then the full-attention layers' only (None: every layer alike).
+    `partial_rotary_factor` (GLM-4.5's 0.5): standard attention rotates the first
+    int(head_dim x factor) dims of each q and k head and passes the rest through, as transformers'
+    partial rotary does."""
 
     theta: PositiveFloat = 10000.0
     scaling: RopeScaling | None = None
     local_theta: PositiveFloat | None = None
+    partial_rotary_factor: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
 
     def __post_init__(self) -> None:
         s = self.scaling

@@ -37,6 +37,7 @@ from megacore.config import (
     attention_window,
     local_rope,
     mlp_width,
+    rope_dim,
     sparse_layer,
 )
 from megacore.config_parts import PlusOneRMSNormSpec, RMSNormSpec
@@ -187,6 +188,7 @@ class Attention(nn.Module):
         super().__init__()
         hd, hidden = config.head_dim, config.hidden_size
         self.head_dim, self.layer = hd, layer
+        self.rotary = rope_dim(config)  # the rotated dims of each head, the first ones
         self.window = attention_window(config, layer)
         self.local_rope = local_rope(config, layer)
         spec = config.attention
@@ -219,7 +221,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
         if self.q_norm is not None:  # before RoPE, as Qwen 3 and Gemma 3 normalise
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks()
         if cache is not None:  # the new tokens' queries over every key so far
             k, v = cache.update(self.layer, k, v)
@@ -231,6 +233,12 @@ class Attention(nn.Module):
         else:
             out = self.kernel(*args)
         return self.o_proj(out.reshape(b, s, -1))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE over the first `rotary` dims of each head, the rest passed through (partial rotary)."""
+        if self.rotary == self.head_dim:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., : self.rotary], cos, sin), x[..., self.rotary :]], dim=-1)
 
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent norms' own (transformers' DeepseekV3RMSNorm default)

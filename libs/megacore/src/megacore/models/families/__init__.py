@@ -27,6 +27,7 @@ from megacore.models.families import (
     deepseek_v3,
     falcon,
     gemma3,
+    glm4_moe,
     gpt_oss,
     llama,
     mistral,
@@ -47,6 +48,7 @@ FAMILIES: dict[str, ModuleType] = {
     "mixtral": mixtral,
     "deepseek_v3": deepseek_v3,
     "gpt_oss": gpt_oss,
+    "glm4_moe": glm4_moe,
 }
 
 # The ModelConfig fields every family's config.json writes: the family (its model_type), the sizes,

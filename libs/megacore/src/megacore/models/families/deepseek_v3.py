@@ -86,58 +86,83 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
             "qk_rope_head_dim": rope,
             "v_head_dim": c.int("v_head_dim", 128),
         },
-        mlp=_moe_from_hf(c, width, dense),
+        mlp=moe_from_hf(c, width, dense),
         tie_embeddings=c.bool("tie_word_embeddings", False),
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
     )
 
 
-def _moe_from_hf(c: HFConfig, width: int, dense: list[int]) -> dict[str, Any]:
+# DeepseekV3Config's defaults of the keys `moe_from_hf` reads.
+MOE_DEFAULTS = {
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "intermediate_size": 18432,
+}  # fmt: skip
+
+
+def moe_from_hf(
+    c: HFConfig, width: int, dense: list[int], defaults: dict[str, Any] = MOE_DEFAULTS
+) -> dict[str, Any]:
     """The mixture's part: routed experts `width` wide, the shared ones as one shared expert, dense
-    first layers, and the router's sigmoid scores, bias, groups and scaling."""
+    first layers, and the router's sigmoid scores, bias, groups and scaling (GLM-4.5's too, with
+    its config class's `defaults`)."""
     shared = c.int("n_shared_experts", 1, minimum=0)
     router = {
         "scoring": "sigmoid",
         "renormalize_top_k": c.bool("norm_topk_prob", True),
         "bias": True,
-        "groups": c.int("n_group", 8),
-        "groups_chosen": c.int("topk_group", 4),
-        "scaling": c.float("routed_scaling_factor", 2.5),
+        "groups": c.int("n_group", defaults["n_group"]),
+        "groups_chosen": c.int("topk_group", defaults["topk_group"]),
+        "scaling": c.float("routed_scaling_factor", defaults["routed_scaling_factor"]),
     }
     return {
         "type": "moe",
-        "num_experts": c.int("n_routed_experts", 256),
-        "experts_per_token": c.int("num_experts_per_tok", 8),
+        "num_experts": c.int("n_routed_experts", defaults["n_routed_experts"]),
+        "experts_per_token": c.int("num_experts_per_tok", defaults["num_experts_per_tok"]),
         "router": router,
         "shared_expert": {"size": shared * width} if shared else None,
         "dense_layers": dense,
-        "dense_ffn_hidden_size": c.int("intermediate_size", 18432) if dense else None,
+        "dense_ffn_hidden_size": c.int("intermediate_size", defaults["intermediate_size"]) if dense else None,
     }
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    la, moe = config.latent, config.moe
-    if la is None or moe is None or moe.router.scoring != "sigmoid" or not moe.router.bias:
-        raise UserError("DeepSeek V3 has latent attention and sigmoid routing with its bias", "config")
+    la = config.latent
+    if la is None:
+        raise UserError("DeepSeek V3 has latent attention", "config")
+    return (
+        llama_style_to_hf(config)
+        | moe_to_hf(config, NAME)
+        | {
+            "architectures": [ARCHITECTURE],
+            "model_type": "deepseek_v3",
+            "q_lora_rank": la.q_lora_rank,
+            "kv_lora_rank": la.kv_lora_rank,
+            "qk_rope_head_dim": la.qk_rope_head_dim,
+            "qk_nope_head_dim": config.head_dim - la.qk_rope_head_dim,
+            "v_head_dim": la.v_head_dim,
+            "rope_interleave": True,
+            "attention_bias": False,
+        }
+    )
+
+
+def moe_to_hf(config: ModelConfig, name: str) -> dict[str, Any]:
+    """The config.json keys of a DeepSeek-style mixture (DeepSeek V3's, GLM-4.5's: `name`): sigmoid
+    routing with its bias, dense first layers, whole shared experts; no multi-token prediction."""
+    moe = config.moe
+    if moe is None or moe.router.scoring != "sigmoid" or not moe.router.bias:
+        raise UserError(f"{name} has sigmoid routing with its bias", "config")
     dense = len(moe.dense_layers)
     if moe.dense_layers != list(range(dense)):
-        raise UserError("DeepSeek V3's dense layers are its first ones (first_k_dense_replace)", "config")
+        raise UserError(f"{name}'s dense layers are its first ones (first_k_dense_replace)", "config")
     shared, width = 0 if moe.shared_expert is None else moe.shared_expert.size, config.ffn_hidden_size
-    if shared % width:
-        raise UserError("DeepSeek V3's shared experts are whole experts (n_shared_experts)", "config")
-    out = llama_style_to_hf(config)
-    return out | {
-        "architectures": [ARCHITECTURE],
-        "model_type": "deepseek_v3",
+    if shared % width or (moe.shared_expert is not None and moe.shared_expert.gate):
+        raise UserError(f"{name}'s shared experts are whole ungated experts (n_shared_experts)", "config")
+    return {
         "hidden_act": "silu",
         "intermediate_size": moe.dense_ffn_hidden_size or width,
         "moe_intermediate_size": width,
-        "q_lora_rank": la.q_lora_rank,
-        "kv_lora_rank": la.kv_lora_rank,
-        "qk_rope_head_dim": la.qk_rope_head_dim,
-        "qk_nope_head_dim": config.head_dim - la.qk_rope_head_dim,
-        "v_head_dim": la.v_head_dim,
         "n_routed_experts": moe.num_experts,
         "num_experts_per_tok": moe.experts_per_token,
         "n_shared_experts": shared // width,
@@ -146,8 +171,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "n_group": moe.router.groups,
         "topk_group": moe.router.groups_chosen,
         "routed_scaling_factor": moe.router.scaling,
-        "rope_interleave": True,
-        "attention_bias": False,
         "num_nextn_predict_layers": 0,
     }
 

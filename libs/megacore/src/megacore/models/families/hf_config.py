@@ -86,16 +86,23 @@ class HFConfig:
         return value
 
     def rope(
-        self, key: str = "rope_parameters", trained: int | None = None
+        self, key: str = "rope_parameters", trained: int | None = None, partial: bool = False
     ) -> tuple[float, RopeScaling | None]:
         """(rope_theta, scaling) from transformers 5's `rope_parameters` or the classic top-level
         `rope_theta` + `rope_scaling` that published checkpoints carry. `key`: where the
         rope_parameters object is (Gemma 3 keeps one per layer type: "rope_parameters.full_attention").
         `trained`: the family's max_position_embeddings (None: the key's value, else 2048), what
-        transformers takes for an original context the config does not give."""
+        transformers takes for an original context the config does not give. A partial rotary factor
+        other than 1 is refused unless the family reads it (`partial`: `partial_rotary`)."""
         params = self.data.get(key)
         if params is not None and not isinstance(params, dict):
             raise UserError(f"$.{key}: expected an object, got {params!r}", self.where)
+        if not partial and self.partial_rotary(key, 1.0) != 1.0:
+            raise UserError(
+                "$.partial_rotary_factor: a partial rotary embedding is not supported in this family "
+                "(every dim of a head rotates)",
+                self.where,
+            )
         if params:
             theta = params.get("rope_theta", self.data.get("rope_theta", 10000.0))
             scaling, at = params, key
@@ -118,6 +125,22 @@ class HFConfig:
         if trained is None:
             trained = self.int("max_position_embeddings", 2048)
         return float(theta), self._scaling(kind, HFConfig(scaling, self.where), at, trained)
+
+    def partial_rotary(self, key: str = "rope_parameters", default: float = 1.0) -> float:
+        """The share of each head's dims RoPE rotates: `partial_rotary_factor` in `key`'s object or
+        at the top level (transformers 5 moves it into rope_parameters), else `default`."""
+        params = self.data.get(key)
+        value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+        if value is None:
+            value = self.data.get("partial_rotary_factor")
+        if value is None:
+            return default
+        value = HFConfig({"partial_rotary_factor": value}, self.where).float("partial_rotary_factor")
+        if value > 1:
+            raise UserError(
+                f"$.partial_rotary_factor: expected a number in (0, 1], got {value:g}", self.where
+            )
+        return value
 
     def _scaling(self, kind: str, sub: HFConfig, at: str, trained: int) -> RopeScaling:
         """The scaling object `sub` (at `$.{at}`) of type `kind`, read as transformers reads it."""
@@ -143,9 +166,9 @@ class HFConfig:
                 low_freq_factor=sub.float("low_freq_factor"),
                 high_freq_factor=sub.float("high_freq_factor"),
             )
-        extra = sorted(set(sub.data) - {"rope_type", "type", "rope_theta", "factor", *_YARN_KEYS})
-        if sub.data.get("partial_rotary_factor") in (None, 1, 1.0):  # 1: every dimension rotates
-            extra = [k for k in extra if k != "partial_rotary_factor"]
+        # (partial_rotary_factor: `rope` read it)
+        known = {"rope_type", "type", "rope_theta", "factor", "partial_rotary_factor", *_YARN_KEYS}
+        extra = sorted(set(sub.data) - known)
         if extra:
             raise UserError(f"$.{at}.{extra[0]}: not supported in yarn rope scaling", self.where)
         values: dict[str, Any] = {}
