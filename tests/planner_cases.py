@@ -179,12 +179,14 @@ class PublishedMoE:
     layer: Callable[[int, int], list[Param]]
 
     def stage(self, tp: int, pp: int, r: int) -> list[Param]:
-        """Pipeline stage r's parameters of pp even stages: the embedding first, the norm and head last."""
-        assert self.layers % pp == 0 and self.vocab % tp == 0
+        """Pipeline stage r's parameters of pp stages (an even split, the first stages one layer more
+        where it does not divide): the embedding first, the norm and head last."""
+        assert self.vocab % tp == 0
         table = ((self.vocab // tp, self.hidden), 0, True)
-        per = self.layers // pp
+        per, extra = divmod(self.layers, pp)
+        start = r * per + min(r, extra)
         out = [table] if r == 0 else []
-        out += [p for i in range(r * per, (r + 1) * per) for p in self.layer(tp, i)]
+        out += [p for i in range(start, start + per + (r < extra)) for p in self.layer(tp, i)]
         return out + ([((self.hidden,), 0, True), table] if r == pp - 1 else [])
 
 
@@ -226,10 +228,52 @@ def gpt_oss_layer(experts: int) -> Callable[[int, int], list[Param]]:
     return layer
 
 
+# GLM-4.5 and GLM-4.5-Air's config.json sizes (zai-org's; their multi-token-prediction layer,
+# num_nextn_predict_layers, is not trained here: mega-convert leaves it out).
+GLM_45_CONFIG_JSON = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "first_k_dense_replace": 3, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "n_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+    "num_hidden_layers": 92, "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": True, "vocab_size": 151552,
+}  # fmt: skip
+GLM_45_AIR_CONFIG_JSON = GLM_45_CONFIG_JSON | {
+    "first_k_dense_replace": 1, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "n_routed_experts": 128, "num_hidden_layers": 46, "use_qk_norm": False,
+}  # fmt: skip
+
+
+def glm_layer(hf: dict) -> Callable[[int, int], list[Param]]:
+    """A GLM-4.5 layer on a tp rank: 96 q heads and 8 kv heads of 128 with q/k/v biases (split by
+    head), o by its columns, q/k norms (128 wide, whole) where `use_qk_norm`; the first
+    `first_k_dense_replace` layers' MLP dense, the others `n_routed_experts` experts with a router
+    and its balancing bias and one shared expert, as DeepSeek V3's."""
+
+    def layer(tp: int, i: int) -> list[Param]:
+        h, q, kv = hf["hidden_size"], 96 * 128 // tp, 8 * 128 // tp
+        attention = [(h,), (q, h), (q,), (kv, h), (kv,), (kv, h), (kv,), (h, q), (h,)]
+        attention += [(128,), (128,)] if hf["use_qk_norm"] else []
+        out = [(s, 0, True) for s in attention]  # attention, its norm and the MLP's norm
+        if i < hf["first_k_dense_replace"]:
+            f = hf["intermediate_size"] // tp
+            return [*out, ((f, h), 0, True), ((f, h), 0, True), ((h, f), 0, True)]
+        e, f, gate_up = hf["n_routed_experts"], hf["moe_intermediate_size"] // tp, 2 if tp > 1 else 1
+        return [*out, ((e,), 0, False), ((e, h), 0, True), ((e, f, h), gate_up, True), ((e, f, h), gate_up, True),
+                ((e, h, f), 1, True), ((f, h), 0, True), ((f, h), 0, True), ((h, f), 0, True)]  # fmt: skip
+
+    return layer
+
+
 MOE_MODELS = {
     "DeepSeek V3 671B": PublishedMoE(DEEPSEEK_V3_CONFIG_JSON, 129280, 7168, 61, deepseek_v3_layer),
     "gpt-oss 120B": PublishedMoE(gpt_oss_config_json(36, 128), 201088, 2880, 36, gpt_oss_layer(128)),
     "gpt-oss 20B": PublishedMoE(gpt_oss_config_json(24, 32), 201088, 2880, 24, gpt_oss_layer(32)),
+    "GLM-4.5 355B": PublishedMoE(GLM_45_CONFIG_JSON, 151552, 5120, 92, glm_layer(GLM_45_CONFIG_JSON)),
+    "GLM-4.5-Air 106B": PublishedMoE(
+        GLM_45_AIR_CONFIG_JSON, 151552, 4096, 46, glm_layer(GLM_45_AIR_CONFIG_JSON)
+    ),
 }
 
 

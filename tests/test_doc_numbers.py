@@ -75,6 +75,7 @@ NAMES = [
     r"\bPython \d+\.\d+\+?",  # Python 3.11+
     r"\bDeepSeek V3 \d+B",  # DeepSeek V3 671B
     r"\bgpt-oss \d+B",  # gpt-oss 120B
+    r"\bGLM-4\.\d(?:/4\.\d)*(?:-Air)?(?: \d+B)?",  # GLM-4.5/4.6/4.7, GLM-4.5-Air 106B
 ]
 
 
@@ -642,7 +643,7 @@ CHECKED: list[Check] = [
             f"| {name} | {{}}B | {{}} | {{layout}}, recompute {{word}} | {{}} + {{}} GiB | {{}} GiB |",
             lambda name=name: moe_row(name),
         )
-        for name in ("DeepSeek V3 671B", "gpt-oss 120B", "gpt-oss 20B")
+        for name in ("DeepSeek V3 671B", "gpt-oss 120B", "gpt-oss 20B", "GLM-4.5 355B", "GLM-4.5-Air 106B")
     ),
     Check(TRAIN, "the fewest {} GB GPUs (a power of 2) that fit", lambda: (_gpu_memory()[0],)),
     Check(TRAIN, "moments alone ({} bytes a parameter) exceed a GPU", _state_per_parameter),
