@@ -88,6 +88,20 @@ def test_windows_the_decoder_cannot_express_are_refused(what: str) -> None:
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+def test_kimi_k2_reads_as_the_deepseek_v3_it_is_and_exports_as_one() -> None:
+    """Kimi K2's config.json names its own model_type over DeepSeek V3's architecture: read as that
+    architecture, written back as deepseek_v3 (what transformers loads); a model_type we have no
+    architecture for is one line naming it."""
+    cls, kwargs, _ = CASES["deepseek-v3"]
+    hf = cls(**kwargs).to_dict()
+    kimi = config_from_hf({**hf, "model_type": "kimi_k2"})
+    assert kimi == config_from_hf(hf) and config_to_hf(kimi)["model_type"] == "deepseek_v3"
+    with pytest.raises(
+        UserError, match=r"^config.json: \$.model_type: 'kimi_linear' is not a supported architecture"
+    ):
+        config_from_hf({**hf, "model_type": "kimi_linear"}, where="config.json")
+
+
 def test_qwen_defaults_as_transformers() -> None:
     """Keys a config.json leaves out take the transformers class's defaults."""
     bare = {k: v for k, v in _QWEN.items() if k != "num_key_value_heads"}

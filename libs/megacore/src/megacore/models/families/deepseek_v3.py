@@ -1,5 +1,5 @@
-"""DeepSeek V3 (DeepseekV3ForCausalLM, model_type deepseek_v3; also Kimi K2 and Moonlight, which
-reuse its blocks): multi-head latent attention and a mixture of experts with shared experts, as
+"""DeepSeek V3 (DeepseekV3ForCausalLM, model_type deepseek_v3; also Moonlight, and Kimi K2, whose
+config.json names model_type kimi_k2 and the same architecture): multi-head latent attention and a mixture of experts with shared experts, as
 switches of the one decoder.
 
 Attention (MLA, `models/decoder.py`'s `LatentAttention`): q through a low-rank `q_a_proj`, its
@@ -38,7 +38,8 @@ from megacore.models.families import llama
 from megacore.models.families.hf_config import HFConfig, build_config, llama_style_to_hf
 from megacore.models.families.tensor_map import TensorMap, linear, rename
 
-MODEL_TYPES = ("deepseek_v3",)
+# kimi_k2: read as DeepSeek V3 (its architecture), exported as deepseek_v3, which transformers loads.
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 NAME = "DeepSeek V3"
 SWITCHES = (
