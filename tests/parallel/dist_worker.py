@@ -159,14 +159,27 @@ FAMILIES = {
                            mlp_bias=True, activation="clamped_swiglu", swiglu_limit=0.5,
                            sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
                            mlp=MoESpec(num_experts=4, experts_per_token=2)),
+    # GLM-4.5: GQA with q/k/v biases and q/k norms, RoPE over the first half of each head; layer 0
+    # dense, then 4 experts in 2 groups (the best 1 chosen) beside a shared one, sigmoid routing with
+    # the balancing bias moved 0.01 a step, scaled by 2.5.
+    "glm4-moe": ModelConfig(family="glm4_moe", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4,
+                            num_kv_heads=2, ffn_hidden_size=24, head_dim=16,
+                            attention=StandardAttentionSpec(bias=True, qk_norm=True),
+                            rope=RopeSpec(partial_rotary_factor=0.5),
+                            mlp=MoESpec(num_experts=4, experts_per_token=2, dense_layers=[0], dense_ffn_hidden_size=64,
+                                        shared_expert=SharedExpertSpec(size=24),
+                                        router=RouterSpec(scoring="sigmoid", bias=True, groups=2, groups_chosen=1,
+                                                          scaling=2.5))),
 }  # fmt: skip
 # Their training settings (the run's): Mixtral both router losses, Qwen 2 MoE the load-balancing
-# one, DeepSeek V3 its bias moved 0.01 a step, gpt-oss the z-loss (cp takes no load-balancing loss).
+# one, DeepSeek V3 and GLM-4.5 their bias moved 0.01 a step, gpt-oss the z-loss (cp takes no
+# load-balancing loss).
 ROUTERS = {
     "mixtral": RouterLosses(aux_loss_coef=0.05, z_loss_coef=0.01),
     "qwen2-moe": RouterLosses(aux_loss_coef=0.05),
     "deepseek": RouterLosses(bias_update=0.01),
     "gpt-oss": RouterLosses(z_loss_coef=0.01),
+    "glm4-moe": RouterLosses(bias_update=0.01),
 }
 FAMILIES["mixtral4"] = FAMILIES["mixtral"]
 ROUTERS["mixtral4"] = ROUTERS["mixtral-collapsed"] = ROUTERS["mixtral"]
@@ -175,7 +188,7 @@ FAMILIES["llama-nf4"] = ModelConfig(family="llama", vocab_size=64, hidden_size=2
 # Its router starting at zero: every probability ties and every token picks experts 0 and 1, so at
 # ep 2 the second rank receives no rows at all.
 FAMILIES["mixtral-collapsed"] = FAMILIES["mixtral"]
-LATER = ("qwen2-moe", "deepseek", "gpt-oss")  # in the order they came
+LATER = ("qwen2-moe", "deepseek", "gpt-oss", "glm4-moe")  # in the order they came
 MOE_CHUNKS = {
     "mixtral": 2,
     "mixtral4": 4,
@@ -183,6 +196,7 @@ MOE_CHUNKS = {
     "qwen2-moe": 2,
     "deepseek": 2,
     "gpt-oss": 2,
+    "glm4-moe": 2,
 }
 # Gradient clipping is checked with max_norm at this fraction of the reference gradient norm, so the
 # clip coefficient (about 0.1) really scales every gradient.

@@ -98,6 +98,11 @@ MORE_TWO = [
     {"family": "deepseek", "ep": 2, "recompute": "full"},
     {"family": "deepseek", "tp": 2, "sp": True, "recompute": "selective", "microbatches": 2},
     {"family": "deepseek", "lora": True, "tp": 2, "microbatches": 2},
+    # GLM-4.5: partial rotary over tp's heads, cp's chunks and ep's experts.
+    {"family": "glm4-moe", "ep": 2},
+    {"family": "glm4-moe", "tp": 2, "sp": True, "microbatches": 2},
+    {"family": "glm4-moe", "cp": 2},
+    {"family": "glm4-moe", "lora": True, "tp": 2, "microbatches": 2},
     {"family": "qwen2-moe", "ep": 2},
     {"family": "qwen2-moe", "tp": 2, "sp": True, "microbatches": 2},
     {"family": "qwen2-moe", "ep": 2, "recompute": "full"},
