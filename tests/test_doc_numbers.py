@@ -297,7 +297,6 @@ def table_row(shape: str) -> tuple:
 def lora_row(name: str, method: str) -> tuple:
     """docs/mega-train.md's LoRA/QLoRA row: the fewest GPUs that fit, the planner's first pick (its
     layout, its recompute as the page writes it), its peak and the allowance (test_planner's search)."""
-
     config = msgspec.convert(planner_test("LORA_MODELS")[name], ModelConfig)
     gpus, pick = planner_test("fewest_gpus")(config, method == "QLoRA")
     return gpus, doc_layout(pick.dims), pick.recompute, gib(pick.peak), allowance()
