@@ -1,6 +1,7 @@
-"""The families of issue #35 against transformers' own models: a training step (forward + backward +
-fused AdamW) of megacore's Decoder as a small DeepSeek V3 and a small gpt-oss against transformers'
-DeepseekV3ForCausalLM and GptOssForCausalLM (same config, weights, batch, dtype, loss and optimizer),
+"""The families of issues #35 and #52 against transformers' own models: a training step (forward +
+backward + fused AdamW) of megacore's Decoder as a small DeepSeek V3, gpt-oss and GLM-4.5 against
+transformers' DeepseekV3ForCausalLM, GptOssForCausalLM and Glm4MoeForCausalLM (same config, weights,
+batch, dtype, loss and optimizer),
 one process, 2 threads, steps interleaved one by one so that load from other processes hits both
 alike (benchlib's `paired_rounds`, after a warm-up step of each); tokens/s are each side's fastest
 step, ratios the median over rounds of the two sides' times in the same round. transformers as its
@@ -11,7 +12,10 @@ Full size, DeepSeek V3: hidden 512, 4 layers (the first dense), 8 heads of laten
 256, kv rank 128, 64 + 32 rotated dims, v 64), 16 experts of ffn 512 in 4 groups (the best 2
 chosen), top-4 and one shared expert. gpt-oss: hidden 512, 4 layers alternating a 128-token sliding
 window and full attention, 8 heads of 64 (2 kv heads) with sinks and biases, 16 experts of ffn 512
-top-4 with biases and the clamped SwiGLU, YaRN. Both: vocab 32000, batch 4 x 512, fp32 and bf16.
+top-4 with biases and the clamped SwiGLU, YaRN. GLM-4.5: hidden 512, 4 layers (the first dense), 8
+heads of 64 (2 kv heads) with q/k/v biases and q/k norms, RoPE over half of each head, 16 experts of
+ffn 512 in 4 groups (the best 2 chosen), top-4, one shared expert. All: vocab 32000, batch 4 x 512,
+fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -50,12 +54,25 @@ def _gpt_oss(quick: bool) -> dict:
             "layer_types": ["sliding_attention", "full_attention"] * (sizes["num_hidden_layers"] // 2)}  # fmt: skip
 
 
+def _glm(quick: bool) -> dict:
+    if quick:
+        sizes = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32,
+                 "vocab_size": 2000, "moe_intermediate_size": 64, "intermediate_size": 256}  # fmt: skip
+    else:
+        sizes = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64,
+                 "vocab_size": 32000, "moe_intermediate_size": 512, "intermediate_size": 2048}  # fmt: skip
+    return {**sizes, "num_key_value_heads": 2, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
+            "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "attention_bias": True,
+            "use_qk_norm": True, "partial_rotary_factor": 0.5, "max_position_embeddings": 1024}  # fmt: skip
+
+
 # name: (transformers' config and model classes, the config's sizes, the note's shape)
 FAMILIES = {
     "DeepSeek V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _deepseek,
                     "hidden 512, 4 layers, 16 experts top-4"),
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", _gpt_oss,
                 "hidden 512, 4 layers (sliding 128 / full), 16 experts top-4"),
+    "GLM-4.5": ("Glm4MoeConfig", "Glm4MoeForCausalLM", _glm, "hidden 512, 4 layers, 16 experts top-4"),
 }  # fmt: skip
 
 
