@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -325,6 +326,12 @@ def config_fields(config: ModelConfig) -> dict[str, object]:
     return out
 
 
+def under(path: str, paths: Iterable[str]) -> str | None:
+    """The first of `paths` that a setting's `path` is or lies in (`rope.scaling` for
+    `rope.scaling.factor`; `mlp` for any of the mixture's), else None."""
+    return next((p for p in paths if path == p or path.startswith(f"{p}.")), None)
+
+
 def config_differences(
     a: ModelConfig, b: ModelConfig, ignore: tuple[str, ...] = TOKEN_ID_FIELDS
 ) -> list[str]:
@@ -333,12 +340,7 @@ def config_differences(
     (`mlp.shared_expert`) alone where one config has none."""
     fa, fb = config_fields(a), config_fields(b)
     missing = object()
-    ignored = tuple(f"{i}." for i in ignore)  # a part's or sub-part's settings with it
-    diff = {
-        k
-        for k in {*fa, *fb}
-        if k not in ignore and not k.startswith(ignored) and fa.get(k, missing) != fb.get(k, missing)
-    }
+    diff = {k for k in {*fa, *fb} if under(k, ignore) is None and fa.get(k, missing) != fb.get(k, missing)}
     # What a wider difference covers: a part of another kind its settings, a sub-part its own.
     kinds = {f"{p}.type" for p in PART_FIELDS} & diff
     covered = {k.removesuffix("type") for k in kinds} | {f"{k}." for k in diff}

@@ -39,7 +39,7 @@ from megacore.artifacts.codec import decode_manifest
 from megacore.artifacts.manifest import License, TrainedTokenizer
 from megacore.artifacts.output import check_inputs
 from megacore.artifacts.reader import Verify, read_manifest_bytes
-from megacore.config import CONTEXT_FIELDS, ModelConfig
+from megacore.config import CONTEXT_FIELDS, ModelConfig, under
 from megacore.errors import UserError
 from megacore.parallel.layout import Dims, Parallelism, check_sharding
 from megacore.planner.counts import flops_per_token, parameter_counts
@@ -121,10 +121,8 @@ class RunPlan:
             return f"$.model.hf_config (its config.json's {name})"
         if self.init is None:
             return f"$.model.config.{name}"
-        for path, manifest_field in CONTEXT_FIELDS.items():
-            if name == path or name.startswith(f"{path}."):
-                return f"$.model.{manifest_field}"
-        return f"$.model.init (its config's {name})"
+        context = under(name, CONTEXT_FIELDS)
+        return f"$.model.{CONTEXT_FIELDS[context]}" if context else f"$.model.init (its config's {name})"
 
     @property
     def packs_pairs(self) -> bool:

@@ -21,6 +21,7 @@ from megacore.config import (
     RouterLosses,
     config_differences,
     pad_vocab,
+    under,
 )
 from megacore.errors import UserError
 from megacore.models.families import (
@@ -112,15 +113,9 @@ def check_expressible(config: ModelConfig, where: str = "config") -> None:
     allowed = {*SHARED_FIELDS, *fam.SWITCHES}
     fields = [f for f in msgspec.structs.fields(config) if f.name not in PART_FIELDS]
     unsaid = [f.name for f in fields if f.name not in allowed and not _at_default(config, f)]
-    unsaid += [path for path in _parts_set(config) if not _allowed(path, allowed)]
+    unsaid += [path for path in _parts_set(config) if under(path, allowed) is None]
     if unsaid:
         raise UserError(f"a {fam.NAME} config.json cannot express {', '.join(unsaid)}", where)
-
-
-def _allowed(path: str, allowed: set[str]) -> bool:
-    """Whether `path` or a part holding it (`rope.scaling` for `rope.scaling.factor`) is allowed."""
-    parts = path.split(".")
-    return any(".".join(parts[:n]) in allowed for n in range(1, len(parts) + 1))
 
 
 def _at_default(config: ModelConfig, f: msgspec.structs.FieldInfo) -> bool:

@@ -80,8 +80,8 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.latent is not None or config.attention.out_bias:
-        raise UserError("GLM-4.5 has standard attention without an output bias", "config")
+    if config.attention.out_bias:  # (latent attention: check_expressible refused it first)
+        raise UserError("GLM-4.5 has no bias on the attention's output projection", "config")
     return (
         llama_style_to_hf(config)
         | deepseek_v3.moe_to_hf(config, NAME)
