@@ -2,7 +2,7 @@
 
 Each hand-written function is timed against the plain-autograd code it replaces, same inputs, same
 dtype, fp32 and bf16, on the CPU with 2 threads:
-- RMSNorm: `megacore.models.decoder.RMSNorm` (fused: `_RMSNormFn`'s hand-written backward) against
+- RMSNorm: `megacore.models.layers.RMSNorm` (fused: `_RMSNormFn`'s hand-written backward) against
   the same module with `fused = False` (nn.RMSNorm's own path), against `F.rms_norm` called
   directly (the op nn.RMSNorm calls), and against the composite transformers' LlamaRMSNorm writes
   (fp32 pow/mean/rsqrt, rounded, times the weight: the rounding ours reproduces);
@@ -68,7 +68,7 @@ def _step(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...],
 
 
 def rmsnorm_cases(s: Sizes, dtype: torch.dtype) -> tuple[Step, dict[str, Step]]:
-    from megacore.models.decoder import RMSNorm
+    from megacore.models.layers import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     eps = 1e-5

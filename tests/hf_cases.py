@@ -24,6 +24,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 from megacore.models import Decoder, check_maps, config_from_hf, hf_state_dict_to_ours
 from megacore.models.families import FAMILIES, family_for_model_type, hf_attention
@@ -280,6 +281,18 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
          "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
         24,
+    ),
+    # Qwen 3.5 (Qwen3_5ForCausalLM): Gated DeltaNet linear attention in layers 0 and 2 (2 key heads
+    # 16 wide, 4 value heads 8 wide: v heads narrower than k's), full attention with an output gate,
+    # q/k norms and RoPE over a quarter of each head in layer 1; 80 tokens: past the delta rule's
+    # chunk of 64, which it pads.
+    "qwen3.5": (
+        Qwen3_5TextConfig,
+        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
+         "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+         "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+        80,
     ),
 }  # fmt: skip
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, Gemma3TextConfig
 from hf_cases import CASES, case_of
 from megacore.config import EXPERT_FAMILIES, PART_FIELDS, ModelConfig, config_fields
 from megacore.config_parts import (
+    GatedDeltaNetSpec,
     LatentAttentionSpec,
     MoESpec,
     PlusOneRMSNormSpec,
@@ -219,14 +220,16 @@ FIELDS = {f.name: f for f in msgspec.structs.fields(ModelConfig)}
 PART_DEFAULTS = {
     "norm.type": "rmsnorm", "norm.bias": False, "rope.local_theta": None, "rope.partial_rotary_factor": 1.0, "block.type": "sequential",
     "block.sandwich_norm": False, "block.norms": 1, "attention.bias": False, "attention.out_bias": False,
-    "attention.qk_norm": False, "attention.sinks": False, "attention.scalar": None,
+    "attention.qk_norm": False, "attention.sinks": False, "attention.scalar": None, "attention.output_gate": False,
+    "linear_attention.type": None, "linear_attention.conv_kernel": 4,
     "attention.type": "standard", "attention.q_lora_rank": None, "mlp.type": "dense",
     "mlp.router.scoring": "softmax", "mlp.router.renormalize_top_k": True, "mlp.router.bias": False,
     "mlp.router.groups": None, "mlp.router.groups_chosen": None, "mlp.router.scaling": 1.0,
     "mlp.shared_expert.gate": False, "mlp.dense_layers": [], "mlp.dense_ffn_hidden_size": None,
 }  # fmt: skip
 PART_REQUIRED = ("attention.kv_lora_rank", "attention.qk_rope_head_dim", "attention.v_head_dim",
-                 "mlp.num_experts", "mlp.experts_per_token", "mlp.shared_expert.size")  # fmt: skip
+                 "mlp.num_experts", "mlp.experts_per_token", "mlp.shared_expert.size",
+                 *(f"linear_attention.{f}" for f in ("key_heads", "value_heads", "key_head_dim", "value_head_dim")))  # fmt: skip
 # The switches: every ModelConfig field but those every family writes (or none carries), a part's
 # settings by path.
 SWITCHES = [
@@ -245,6 +248,12 @@ def _latent(c: ModelConfig, **changes: Any) -> dict[str, Any]:
     head."""
     latent = LatentAttentionSpec(kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, **changes)
     return {"attention": latent, "num_kv_heads": c.num_heads, "head_dim": 12}
+
+
+def _linear(c: ModelConfig, **changes: Any) -> dict[str, Any]:
+    """Gated DeltaNet in the first layer of a base."""
+    spec = GatedDeltaNetSpec(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, **changes)
+    return {"linear_attention": spec, "layer_types": ["linear_attention"] + [_FULL] * (c.num_layers - 1)}
 
 
 def _with(cfg: ModelConfig, changes: dict[str, Any]) -> ModelConfig:
@@ -301,6 +310,9 @@ NON_DEFAULT: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {
     "attention.qk_rope_head_dim": lambda c: _latent(c),
     "attention.v_head_dim": lambda c: _latent(c),
     "attention.sinks": lambda c: {"attention.sinks": True},
+    "attention.output_gate": lambda c: {"attention.output_gate": True},
+    **{f"linear_attention.{f}": lambda c: _linear(c) for f in ("type", "key_heads", "value_heads", "key_head_dim", "value_head_dim")},
+    "linear_attention.conv_kernel": lambda c: _linear(c, conv_kernel=2),
     "swiglu_alpha": lambda c: {"activation": "clamped_swiglu", "swiglu_alpha": 1.5},
     "swiglu_limit": lambda c: {"activation": "clamped_swiglu", "swiglu_limit": 3.0},
 }  # fmt: skip
@@ -318,6 +330,8 @@ UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EX
     # GLM-4.5's experts (SwiGLU) and its partial rotary embedding (standard attention's).
     ("glm4_moe", "activation"),
     *(("glm4_moe", s) for s in _LATENT_SWITCHES),
+    # Qwen 3.5's partial rotary embedding too.
+    *(("qwen3_5", s) for s in _LATENT_SWITCHES),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {

@@ -1,7 +1,8 @@
 """Packed documents (`positions` restarting at 0 per document): each document's loss and
 gradients equal those of the same document run on its own (fp32, within REL), for every attention
 path that runs on CPU (SDPA with a block-causal mask, a sliding window shorter than the documents,
-selective and full recompute, Qwen 3's per-head q/k norms, Gemma 3's local and global layers)."""
+selective and full recompute, Qwen 3's per-head q/k norms, Gemma 3's local and global layers,
+Qwen 3.5's linear attention, whose convolution and state restart at each document)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 import torch
 
 from megacore.config import ModelConfig
-from megacore.config_parts import PlusOneRMSNormSpec, RopeSpec, SequentialBlockSpec, StandardAttentionSpec
+from megacore.config_parts import (
+    GatedDeltaNetSpec,
+    PlusOneRMSNormSpec,
+    RopeSpec,
+    SequentialBlockSpec,
+    StandardAttentionSpec,
+)
 from megacore.models import Decoder
 from megacore.models.attention import document_mask
 from megacore.models.loss import IGNORE
@@ -27,6 +34,13 @@ GEMMA3 = dict(
     attention=StandardAttentionSpec(qk_norm=True, scalar=12.0), block=SequentialBlockSpec(sandwich_norm=True),
     scale_embeddings=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
     rope=RopeSpec(local_theta=100.0), tie_embeddings=True,
+)  # fmt: skip
+# Qwen 3.5: a Gated DeltaNet layer (2 key heads, 4 value heads) and a full one with its output gate.
+QWEN35 = dict(
+    family="qwen3_5", norm=PlusOneRMSNormSpec(), head_dim=16, rope=RopeSpec(partial_rotary_factor=0.25),
+    attention=StandardAttentionSpec(qk_norm=True, output_gate=True),
+    linear_attention=GatedDeltaNetSpec(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8),
+    layer_types=["linear_attention", "full_attention"],
 )  # fmt: skip
 REL = 1e-5  # fp32: the packed and the separate runs round differently (batched, masked kernels)
 LENGTHS = [(7, 12, 5), (24,), (3, 3, 9, 9)]  # documents per row; every row is 24 tokens
@@ -56,9 +70,10 @@ def packed_rows(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[li
         ({"family": "mistral", "sliding_window": 4}, "none"),
         *[({"family": "qwen3", "attention": StandardAttentionSpec(qk_norm=True), "head_dim": 16}, mode) for mode in ("selective", "full")],
         *[(GEMMA3, mode) for mode in ("selective", "full")],
+        (QWEN35, "none"),
     ],
     ids=["llama", "selective", "full", "mistral-window-4", "qwen3-selective", "qwen3-full",
-         "gemma3-selective", "gemma3-full"],
+         "gemma3-selective", "gemma3-full", "qwen3.5"],
 )  # fmt: skip
 def test_packed_documents_match_each_document_alone(overrides: dict, recompute: str) -> None:
     g = torch.Generator().manual_seed(0)

@@ -104,14 +104,15 @@ def test_bad_settings_and_a_full_cache_are_refused() -> None:
         cache.update(0, torch.zeros(1, 2, 2))
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gpt_oss", "qwen3_5"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_planners_rollout_cache_is_what_the_cache_holds(
     tmp_path: Path, family: str, precision: str
 ) -> None:
     """The dry run's KV cache of a rollout (`planner.rollout_cache`: grouped kv heads, latent
-    attention's latent, a pipeline rank's stages' layers) equals the bytes of the buffers the cache
-    holds after the prompts' forward of a whole model (fp32, or bf16 weights: bf16 buffers)."""
+    attention's latent, linear attention's convolution inputs and fp32 state, a pipeline rank's
+    stages' layers) equals the bytes of the buffers the cache holds after the prompts' forward of a
+    whole model (fp32, or bf16 weights: bf16 buffers)."""
     from megacore import planner
     from megacore.artifacts.run_spec import ParallelSpec
     from megacore.parallel.layout import Parallelism
@@ -123,6 +124,7 @@ def test_the_planners_rollout_cache_is_what_the_cache_holds(
     with torch.no_grad():
         ours(torch.randint(3, 50, (rows, 7)), cache=cache)
     held = sum(t.nbytes for buffers in cache.buffers.values() for t in buffers)
+    held += sum(state.nbytes for state in cache.states.values())
     one = Parallelism(ParallelSpec(), precision, 1)
     assert planner.rollout_cache(ours.config, one, 0, rows, capacity) == held > 0
     two = Parallelism(ParallelSpec(pp=2), precision, 2)  # each pipeline rank its stage's layers

@@ -66,12 +66,15 @@ def held(pm: ParallelModel, opt: torch.optim.Optimizer) -> planner.State:
 
 
 def saved_bytes(pm: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> int:
-    """The bytes of the tensors autograd saves in a step (their storages, each once: views share),
-    but parameters and views of them (FSDP2's unsharded ones: state, which the planner counts
-    apart, and freed after the forward)."""
+    """The bytes of the tensors autograd saves in a step's forward (their storages, each once: views
+    share), but parameters and views of them (FSDP2's unsharded ones: state, which the planner
+    counts apart, and freed after the forward). What a backward saves while it recomputes (linear
+    attention's delta rule, one layer at a time) is transient: the planner counts it in the buffers."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:  # inside the backward
+            return t
         if isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
             return t
         storage = t.untyped_storage()

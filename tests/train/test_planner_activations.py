@@ -109,7 +109,8 @@ def test_latent_attention_saves_what_the_closed_form_counts(
     (tp > 1) latent norms."""
     import torch
 
-    from megacore.models.decoder import FastPaths, LatentAttention
+    from megacore.models.decoder import LatentAttention
+    from megacore.models.layers import FastPaths
     from megacore.models.rope import rope_tables
 
     shape = {**MLA, "attention": {**MLA["attention"], "q_lora_rank": q_lora_rank, "v_head_dim": v_head_dim}}

@@ -26,6 +26,7 @@ from megacore.config_parts import (
     BlockSpec,
     DenseMLPSpec,
     LatentAttentionSpec,
+    LinearAttentionSpec,
     MLPSpec,
     MoESpec,
     NormSpec,
@@ -45,8 +46,9 @@ DEFAULT_PAD_MULTIPLE = 128
 # full speed. Here, torch-free, because the memory planner counts that scratch too.
 LOSS_CHUNK_ELEMENTS = 1 << 26
 
-# A layer's attention: over every earlier token, or through the `sliding_window` most recent ones.
-LayerType = Literal["full_attention", "sliding_attention"]
+# A layer's attention: over every earlier token, through the `sliding_window` most recent ones, or
+# linear attention's state (`linear_attention`).
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
 # MLPs with a gate (gate, up, down projections): SwiGLU and GeGLU with GELU's tanh approximation.
 # clamped_swiglu: gpt-oss's SwiGLU variant (`swiglu_alpha`, `swiglu_limit`).
 GATED_ACTIVATIONS = ("swiglu", "geglu_tanh", "clamped_swiglu")
@@ -68,6 +70,7 @@ class ModelConfig(Struct):
         "deepseek_v3",
         "gpt_oss",
         "glm4_moe",
+        "qwen3_5",
     ]
     vocab_size: Positive
     hidden_size: Positive
@@ -86,8 +89,9 @@ class ModelConfig(Struct):
     swiglu_limit: PositiveFloat = 7.0
     head_dim: Positive | None = None  # None: hidden_size // num_heads (resolved on construction)
     sliding_window: Positive | None = None
-    # Per layer, full or sliding-window attention (Gemma 3's local / global layers); None: every layer
-    # alike, through `sliding_window` when it is set. `attention_window` reads it.
+    # Per layer, full or sliding-window attention (Gemma 3's local / global layers) or linear
+    # attention (Qwen 3.5's); None: every layer alike, through `sliding_window` when it is set.
+    # `attention_window` and `linear_layer` read it.
     layer_types: list[LayerType] | None = None
     mlp_bias: bool = False
     # The embedding's output times sqrt(hidden_size), that factor rounded to the activations' dtype
@@ -100,6 +104,8 @@ class ModelConfig(Struct):
     rope: RopeSpec = msgspec.field(default_factory=RopeSpec)
     block: BlockSpec = msgspec.field(default_factory=SequentialBlockSpec)
     attention: AttentionSpec = msgspec.field(default_factory=StandardAttentionSpec)
+    # The linear attention of the layers `layer_types` says are "linear_attention" (None: none is).
+    linear_attention: LinearAttentionSpec | None = None
     mlp: MLPSpec = msgspec.field(default_factory=DenseMLPSpec)
     bos_id: int | None = None
     eos_id: int | None = None
@@ -140,6 +146,13 @@ class ModelConfig(Struct):
                 )
             if self.sliding_window is None and "sliding_attention" in self.layer_types:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        linear = self.layer_types is not None and "linear_attention" in self.layer_types
+        if linear != (self.linear_attention is not None):
+            raise ValueError(
+                "layer_types has linear_attention layers but linear_attention is null"
+                if linear
+                else "linear_attention is set but no layer_types entry is linear_attention"
+            )
         if self.activation != "clamped_swiglu" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
             raise ValueError("swiglu_alpha and swiglu_limit are clamped_swiglu's (activation)")
         self._check_experts()
@@ -208,6 +221,11 @@ def mlp_width(config: ModelConfig, layer: int) -> int:
     if sparse_layer(config, layer) or config.moe is None or config.moe.dense_ffn_hidden_size is None:
         return config.ffn_hidden_size
     return config.moe.dense_ffn_hidden_size
+
+
+def linear_layer(config: ModelConfig, layer: int) -> bool:
+    """Whether layer `layer` has linear attention (`config.linear_attention`) instead of softmax."""
+    return config.layer_types is not None and config.layer_types[layer] == "linear_attention"
 
 
 def attention_window(config: ModelConfig, layer: int) -> int | None:
@@ -298,7 +316,7 @@ def with_context(
 
 
 # The config's tagged parts (`megacore.config_parts`): `config_fields` names their settings by path.
-PART_FIELDS = ("norm", "rope", "block", "attention", "mlp")
+PART_FIELDS = ("norm", "rope", "block", "attention", "linear_attention", "mlp")
 
 
 def part_fields(name: str, part: msgspec.Struct) -> dict[str, object]:

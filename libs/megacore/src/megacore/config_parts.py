@@ -180,13 +180,16 @@ class StandardAttentionSpec(Struct, tag="standard", tag_field="type"):
     q heads, one for all k heads), before RoPE. `sinks` (gpt-oss): a learned logit per head
     ("attn.sinks.weight" [heads]) in every softmax's denominator, with no value: a query may attend
     to nothing. `scalar` (Gemma's query_pre_attn_scalar): scores scaled by scalar ** -0.5 (None:
-    head_dim's). Its windows are per layer (the config's `sliding_window`, `layer_types`)."""
+    head_dim's). `output_gate` (Qwen 3.5, Qwen3-Next): the heads' output times sigmoid of a gate
+    projection of the input ("attn.gate_proj", one gate per q dim), before the output projection.
+    Its windows are per layer (the config's `sliding_window`, `layer_types`)."""
 
     bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
     sinks: bool = False
     scalar: PositiveFloat | None = None
+    output_gate: bool = False
 
 
 class LatentAttentionSpec(Struct, tag="latent", tag_field="type"):
@@ -199,6 +202,27 @@ class LatentAttentionSpec(Struct, tag="latent", tag_field="type"):
     qk_rope_head_dim: Positive
     v_head_dim: Positive
     q_lora_rank: Positive | None = None
+
+
+class GatedDeltaNetSpec(Struct, tag="gated_deltanet", tag_field="type"):
+    """Gated DeltaNet linear attention (Qwen 3.5, Qwen3-Next; `models.linear_attention`): q and k
+    in `key_heads` heads `key_head_dim` wide, v in `value_heads` heads `value_head_dim` wide (each k
+    head serves value_heads / key_heads of them), each through a causal depthwise convolution of
+    `conv_kernel` taps and SiLU, read and written by the gated delta rule's per-head state
+    (`models.delta_rule`), normed per head and gated by SiLU of a projection of the input. The
+    layers of this kind are the config's `layer_types` entries "linear_attention"."""
+
+    key_heads: Positive
+    value_heads: Positive
+    key_head_dim: Positive
+    value_head_dim: Positive
+    conv_kernel: Positive = 4
+
+    def __post_init__(self) -> None:
+        if self.value_heads % self.key_heads:
+            raise ValueError(
+                f"linear_attention value_heads {self.value_heads} is not a multiple of key_heads {self.key_heads}"
+            )
 
 
 class DenseMLPSpec(Struct, tag="dense", tag_field="type"):
@@ -265,4 +289,6 @@ class MoESpec(Struct, tag="moe", tag_field="type"):
 
 
 AttentionSpec = StandardAttentionSpec | LatentAttentionSpec
+# The kinds of linear attention a layer may have instead (`ModelConfig.linear_attention`).
+LinearAttentionSpec = GatedDeltaNetSpec
 MLPSpec = DenseMLPSpec | MoESpec

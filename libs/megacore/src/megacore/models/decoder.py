@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -35,137 +34,20 @@ from megacore.config import (
     LORA_B,
     ModelConfig,
     attention_window,
+    linear_layer,
     local_rope,
     mlp_width,
     rope_dim,
     sparse_layer,
 )
-from megacore.config_parts import PlusOneRMSNormSpec, RMSNormSpec
+from megacore.config_parts import PlusOneRMSNormSpec
 from megacore.models.attention import Impl, causal_attention, document_ids, suffix_attention
 from megacore.models.kv_cache import KVCache
-from megacore.models.lora import delta, has_adapter
+from megacore.models.layers import FastPaths, HeadWeights, RMSNorm, make_norm, project
+from megacore.models.linear_attention import GatedDeltaNet
 from megacore.models.loss import fused_linear_cross_entropy
 from megacore.models.moe import GLU, MoE
 from megacore.models.rope import apply_rope, latent_attention_scale, rope_tables
-
-
-@dataclass(frozen=True)
-class FastPaths:
-    """The single-device fast paths a Decoder is built with (each assumes whole plain tensors)."""
-
-    norms: bool = True  # the hidden-size norms' hand-written backward
-    head_norms: bool = True  # the per-head q/k norms' (qk_norm)
-    projections: bool = True  # q/k/v and gate/up as one matmul each
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameters and state dict) with a hand-written backward: one fp32 pass over
-    the saved input instead of autograd through pow/mean/rsqrt/mul. `fused=False` (sequence
-    parallel's DTensors) takes nn.RMSNorm's path.
-
-    `bench/run.py kernels` (CPU, 2 threads, 4096 tokens x hidden 4096, two runs): forward+backward
-    0.88-0.89x the time of nn.RMSNorm in fp32 (about the same against F.rms_norm and transformers'
-    LlamaRMSNorm composite); in bf16 0.93-0.96x the time of nn.RMSNorm and 0.99-1.06x that of the
-    composite. It pays in fp32, barely in bf16 (within the machine's noise)."""
-
-    offset = 0.0  # the scale is offset + weight (`PlusOneRMSNorm`: 1)
-
-    def __init__(self, dim: int, eps: float, fused: bool = True) -> None:
-        super().__init__(dim, eps=eps)
-        self.fused = fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps or torch.finfo(x.dtype).eps
-        if torch.compiler.is_compiling():  # plain ops, which the compiler fuses on its own
-            xf = x.float()
-            return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype) * self.weight
-        if not self.fused:
-            return super().forward(x)
-        return _RMSNormFn.apply(x, self.weight, eps, self.offset)
-
-
-class PlusOneRMSNorm(RMSNorm):
-    """Gemma's RMSNorm (norm "rmsnorm_plus1"): x / rms(x) · (1 + weight), the product taken in fp32
-    and rounded once (transformers' Gemma3RMSNorm; Llama's rounds before the weight). Weights as
-    Gemma stores them: 0 is the identity, and fresh ones are zeros. Its unfused path is plain ops,
-    which DTensors (sequence parallel, per-head norms under tp) and the compiler take as they are."""
-
-    offset = 1.0
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps or torch.finfo(x.dtype).eps
-        if self.fused and not torch.compiler.is_compiling():
-            return _RMSNormFn.apply(x, self.weight, eps, self.offset)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """`RMSNorm`'s fused path (what the benchmark shows it saves: `RMSNorm`'s docstring); with
-    `offset` 1, `PlusOneRMSNorm`'s (scale 1 + weight, in fp32, rounded once)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        xf = x.float()
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset = offset
-        if offset:
-            return (xf * rstd * (offset + weight.float())).to(x.dtype)  # rounding as Gemma3RMSNorm
-        return (xf * rstd).to(x.dtype) * weight  # rounding as transformers' LlamaRMSNorm
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        x, weight, rstd = ctx.saved_tensors
-        xhat, g = x.float() * rstd, grad.float()
-        gw = g * (weight.float() + ctx.offset) if ctx.offset else g * weight.float()
-        grad_weight = (g * xhat).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
-        dot = (gw * xhat).mean(-1, keepdim=True)
-        return ((gw - xhat * dot) * rstd).to(x.dtype), grad_weight, None, None
-
-
-def project(x: torch.Tensor, *linears: nn.Linear, fused: bool = True) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x; `fused`: as one matmul over the concatenated weights (wider matmuls
-    run faster, notably bf16 AMX kernels), the parameters staying separate."""
-    if not fused:
-        return tuple(lin(x) for lin in linears)
-    weights = [lin.weight for lin in linears]
-    biases = [lin.bias for lin in linears]
-    bias = None if biases[0] is None else torch.cat(biases)
-    out = F.linear(x, torch.cat(weights), bias).split([w.shape[0] for w in weights], dim=-1)
-    # LoRA adapters (their hooks run on module calls only, which this path makes none of)
-    return tuple(o + delta(lin, x) if has_adapter(lin) else o for o, lin in zip(out, linears, strict=True))
-
-
-def make_norm(config: ModelConfig, fast: FastPaths, head_dim: int | None = None) -> nn.Module:
-    """The config's norm over the hidden size, or with `head_dim` a per-head q/k norm: an RMSNorm
-    (Qwen 3's), of Gemma's kind (`PlusOneRMSNorm`) with rmsnorm_plus1."""
-    dim = config.hidden_size if head_dim is None else head_dim
-    fused = fast.norms if head_dim is None else fast.head_norms
-    kind = config.norm
-    if isinstance(kind, PlusOneRMSNormSpec):
-        return PlusOneRMSNorm(dim, kind.eps, fused)
-    if isinstance(kind, RMSNormSpec) or head_dim is not None:
-        return RMSNorm(dim, kind.eps, fused)
-    return nn.LayerNorm(dim, eps=kind.eps, bias=kind.bias)
-
-
-class Sinks(nn.Module):
-    """Attention sinks (gpt-oss): one learned logit per q head in the softmax's denominator
-    (`models.sinks`). A module so tensor parallel can hand it this rank's heads' part, as it hands
-    a projection its shard; calling it gives the logits."""
-
-    def __init__(self, heads: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(heads))
-
-    def forward(self) -> torch.Tensor:
-        return self.weight
 
 
 class Attention(nn.Module):
@@ -200,11 +82,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=spec.bias)
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * hd, bias=spec.bias)
         self.o_proj = nn.Linear(config.num_heads * hd, hidden, bias=spec.out_bias)
+        self.gate_proj = (
+            nn.Linear(hidden, config.num_heads * hd, bias=spec.bias) if spec.output_gate else None
+        )
         # qk_norm (Qwen 3, Gemma 3): one RMSNorm weight for every q head and one for every k head;
         # acting per head, it needs no change when a tensor-parallel shard holds only some heads.
         self.q_norm = make_norm(config, fast, hd) if spec.qk_norm else None
         self.k_norm = make_norm(config, fast, hd) if spec.qk_norm else None
-        self.sinks = Sinks(config.num_heads) if spec.sinks else None
+        self.sinks = HeadWeights(config.num_heads) if spec.sinks else None
 
     def forward(
         self,
@@ -217,8 +102,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # Local head counts come from the projections (a TP shard holds heads/tp of them).
         # generating (a cache): a few tokens, for which concatenating the weights costs more than it saves
-        qkv = project(x, self.q_proj, self.k_proj, self.v_proj, fused=self.fused and cache is None)
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv)
+        linears = [self.q_proj, self.k_proj, self.v_proj] + (
+            [self.gate_proj] if self.gate_proj is not None else []
+        )
+        projected = project(x, *linears, fused=self.fused and cache is None)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in projected[:3])
+        gate = projected[3] if self.gate_proj is not None else None
         if self.q_norm is not None:  # before RoPE, as Qwen 3 and Gemma 3 normalise
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -226,13 +115,18 @@ class Attention(nn.Module):
         if cache is not None:  # the new tokens' queries over every key so far
             k, v = cache.update(self.layer, k, v)
             out = suffix_attention(q, k, v, self.window, self.impl, segments, cache.keys, self.scale, sinks)
-            return self.o_proj(out.reshape(b, s, -1))
+            return self._output(out, gate)
         args = (q, k, v, self.window, self.impl, segments, self.scale, sinks)
         if self.recompute and torch.is_grad_enabled():  # selective: keep q, k, v, not the kernel's saves
             out = checkpoint(self.kernel, *args, use_reentrant=False)
         else:
             out = self.kernel(*args)
-        return self.o_proj(out.reshape(b, s, -1))
+        return self._output(out, gate)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of the heads' output [B, S, heads, D], gated (`output_gate`)."""
+        out = out.flatten(2)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE over the first `rotary` dims of each head, the rest passed through (partial rotary)."""
@@ -372,6 +266,7 @@ class Block(nn.Module):
         # Registered in the naming contract's order (`model_tensors`).
         self.attn_norm = make_norm(config, fast)
         kind = Attention if config.latent is None else LatentAttention
+        kind = GatedDeltaNet if linear_layer(config, layer) else kind
         self.attn = kind(config, layer, attention, recompute == "selective", fast)
         self.attn_post_norm = make_norm(config, fast) if config.block.sandwich_norm else None
         self.mlp_norm = make_norm(config, fast) if config.block.mlp_norm else None
@@ -562,16 +457,23 @@ def initial_value(
     """The fresh fp32 value of parameter `name` (a contract name): normal(0, std) matrices and
     embeddings, zero biases and sinks, unit norm scales (weights of 0 for rmsnorm_plus1's 1 + weight), zero
     padded-vocab rows; a LoRA adapter as PEFT starts one: B zero, A Kaiming-uniform (a = sqrt(5):
-    uniform within 1 / sqrt(in)). Drawn from a generator seeded by `seed` and the name, so every
-    layout (each rank slicing what it holds) gets the same model."""
+    uniform within 1 / sqrt(in)), as PyTorch's Conv1d starts linear attention's filters; its
+    per-head output norm and dt_bias ones whatever the norm kind, its decay rates exp(a_log)
+    uniform in [1, 16] (transformers' Qwen 3.5 init, without the rates below 1 that keep its
+    state for long). Drawn from a generator seeded by `seed` and the name, so every layout (each
+    rank slicing what it holds) gets the same model."""
     if name.endswith((LORA_B, ".bias", ".sinks.weight")):  # biases: experts' are [experts, out]
         return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith(".attn.a_log.weight"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+    if name.endswith((".attn.dt_bias.weight", ".attn.norm.weight")):
+        return torch.ones(shape)
     if len(shape) == 1:
         zero = name.endswith("router_bias") or isinstance(config.norm, PlusOneRMSNormSpec)
         return torch.zeros(shape) if zero else torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if name.endswith(LORA_A):
-        bound = 1.0 / math.sqrt(shape[1])
+    if name.endswith((LORA_A, "_conv.weight")):
+        bound = 1.0 / math.sqrt(math.prod(shape[1:]))  # 1 / sqrt(fan in)
         return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     value = torch.empty(shape).normal_(0.0, std, generator=gen)
     if name in ("embed.weight", "lm_head.weight"):

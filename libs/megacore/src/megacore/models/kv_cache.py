@@ -1,7 +1,8 @@
 """What each attention layer has seen of a batch of rows, for generating one token at a time
 (`models.sampling`): a forward over new tokens appends their keys and values (standard attention)
 or their normed latent and rotated k (latent attention, which expands k and v from it each step:
-the latent is what it caches) and attends over everything so far.
+the latent is what it caches) and attends over everything so far; a linear attention layer appends
+its convolution's inputs and keeps its recurrent state (`state`, `keep`).
 
 Rows of different lengths are padded on the left, so that every row's next token is at the same
 place: `starts` [B] is each row's first real token; its keys before it are left out of attention
@@ -21,6 +22,7 @@ class KVCache:
     def __init__(self, capacity: int, starts: torch.Tensor | None = None) -> None:
         self.capacity, self.starts, self.length = capacity, starts, 0
         self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.states: dict[int, torch.Tensor] = {}  # linear attention's, by layer
         # Every key's document id (padding 0, the row 1) during a forward over new tokens, once for
         # all layers (`start`); None: no row is padded.
         self.keys: torch.Tensor | None = None
@@ -42,6 +44,14 @@ class KVCache:
         for buf, t in zip(held, new, strict=True):
             buf[:, self.length : end] = t
         return tuple(buf[:, :end] for buf in held)
+
+    def state(self, layer: int) -> torch.Tensor | None:
+        """Linear attention layer `layer`'s recurrent state after what the cache holds (None: none yet)."""
+        return self.states.get(layer)
+
+    def keep(self, layer: int, state: torch.Tensor) -> None:
+        """Layer `layer`'s recurrent state after the tokens of this forward."""
+        self.states[layer] = state
 
     def segments(self, start: int, end: int) -> torch.Tensor | None:
         """[B, end - start] of positions start..end: 0 for a row's left padding, 1 for the row (None:

@@ -8,7 +8,7 @@ its 1 / (1 - p) folded into the rank-wide output's scale (`delta`). A hook, not 
 module class: a parallel plan applied before keeps its styles on the linear, and the hook runs
 first among its forward hooks, on what the linear computed (under tensor parallel a DTensor, whose
 row-parallel partial sums then take the adapter's part in the same reduction). The fused q/k/v and
-gate/up projections (`decoder.project`) add `delta` themselves. `freeze_base` leaves only the
+gate/up projections (`layers.project`) add `delta` themselves. `freeze_base` leaves only the
 adapters trainable; `merged` is W + scale · B A (export); `adapters_off` runs the base alone and
 `adapters_swapped` with other adapters' values.
 """

@@ -30,7 +30,7 @@ def fused_loss(par: Parallelism) -> bool:
 
 
 def fast_paths(par: Parallelism) -> dict[str, bool]:
-    """The Decoder's single-device fast paths (`models.decoder.FastPaths`), where every tensor they
+    """The Decoder's single-device fast paths (`models.layers.FastPaths`), where every tensor they
     see is a whole plain one: the hidden norms' hand-written backward but on sequence-parallel
     shards, the per-head q/k norms' but under tp (DTensor heads), q/k/v and gate/up as one matmul
     each but under tp (each rank holds a slice of every projection), fp8 (each Float8Linear runs

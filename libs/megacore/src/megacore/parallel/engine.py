@@ -152,7 +152,8 @@ class ParallelModel:
 
     def _build_stage(self, s: int) -> nn.Module:
         """Stage `s` of the model, built and parallelised in the module docstring's order."""
-        from megacore.models.decoder import Decoder, FastPaths
+        from megacore.models.decoder import Decoder
+        from megacore.models.layers import FastPaths
 
         config, par = self.config, self.par
         with torch.device("meta"):

@@ -39,7 +39,7 @@ from megacore.parallel.dims import (
     Parallelism,
     check_positive,
 )
-from megacore.parts import model_tensors, tp_dim
+from megacore.parts import linear, model_tensors, tp_dim
 from megacore.parts.attention import kv_replicated
 from megacore.parts.moe import is_expert_tensor
 
@@ -150,6 +150,8 @@ def check_tp(config: ModelConfig, tp: int, where: str = "tp") -> None:
         raise UserError(f"tp {tp} is neither a divisor nor a multiple of the {kv} kv heads", where)
     if config.ffn_hidden_size % tp:
         raise UserError(f"tp {tp} does not divide the ffn hidden size {config.ffn_hidden_size}", where)
+    if config.linear_attention is not None and (why := linear.check_tp(config, tp)):
+        raise UserError(why, where)
     pv = config.padded_vocab_size
     if pv % tp:
         raise UserError(
@@ -234,6 +236,11 @@ def check_parallelism(config: ModelConfig, par: Parallelism, where: str = "$.par
         )
     if spec.ep > 1 and spec.dp_mode != "fsdp":
         raise UserError("expert parallel shards the other weights with FSDP2 (dp_mode fsdp)", f"{where}.ep")
+    if config.linear_attention is not None and spec.cp > 1:
+        raise UserError(
+            "cp splits rows across ranks, which linear attention's state cannot cross here: cp 1",
+            f"{where}.cp",
+        )
     if par.router.aux_loss_coef and spec.cp > 1:  # the rest of a router is per token
         raise UserError(
             "a mixture of experts' load-balancing loss takes whole rows: cp 1, or $.model.router_aux_loss_coef 0",

@@ -13,7 +13,8 @@ Fewer kv heads than tp (multi-query Falcon 7B, or GQA with tp a multiple of the 
 replicated, each rank keeps the kv head its query heads use, and the k/v output gradients are summed
 over tp so the replicated weights get the full gradient. Per-head q/k norms (qk_norm) act on each
 rank's own heads with a replicated weight whose gradient DTensor sums over tp (`HeadNorm`).
-Attention sinks, a logit per q head, are split like q's heads (`HeadSinks`).
+Attention sinks, a logit per q head, are split like q's heads (`HeadSplit`), as linear attention's
+per-head parameters are.
 
 A stage's boundaries are always plain tensors: hidden states in and out ([B, S/tp, H] with sequence
 parallel, [B, S, H] without) and the local vocab shard of the logits, so pipeline stages send plain
@@ -42,7 +43,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from megacore.config import ModelConfig
-from megacore.models.decoder import LatentAttention, Sinks
+from megacore.models.decoder import LatentAttention
+from megacore.models.layers import HeadWeights
 from megacore.models.moe import GroupedLinear, MoE
 from megacore.parallel.layout import place
 
@@ -136,9 +138,10 @@ class HeadNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
-class HeadSinks(ParallelStyle):
-    """Attention sinks (`decoder.Sinks`, a logit per q head) split on the heads like q: the module
-    gives this rank's heads' logits as a plain tensor, whose gradient is this shard's own."""
+class HeadSplit(ParallelStyle):
+    """A tensor split by heads (`layers.HeadWeights`: attention sinks, linear attention's decay
+    parameters and convolution filters) on its first dim like q: the module gives this rank's
+    heads' part as a plain tensor, whose gradient is this shard's own."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name, mod, mesh):
@@ -190,15 +193,16 @@ def _style(name: str, module: nn.Module, config: ModelConfig, tp: int, sp: bool,
         if ".mlp.shared_expert." in name:  # inside the MoE, which takes and gives whole plain rows
             return rowwise(output_layouts=Replicate(), use_local_output=True)
         return rowwise(output_layouts=hidden_layout, use_local_output=not sp)
-    if isinstance(module, Sinks):
-        return HeadSinks()
+    if isinstance(module, HeadWeights):
+        return HeadSplit()
     if isinstance(module, GroupedLinear) or name.endswith(("mlp.router", "mlp.shared_expert_gate")):
         return None  # experts: split by `ep.apply_ep` (over tp too); the router and gate replicated
     if name.endswith(LATENT):
         return None  # latent attention's latent projections and norms: whole on every rank
     if isinstance(module, nn.Linear) and name.endswith(("k_proj", "v_proj")):
         return ReplicatedKV(config.num_heads, config.num_kv_heads, config.head_dim)
-    if name.endswith(("attn.q_norm", "attn.k_norm")):  # on heads, never on a sequence shard
+    if name.endswith(("attn.q_norm", "attn.k_norm", "attn.norm")):  # on heads, never on a sequence shard
+        # (linear attention's output norm, "attn.norm", is per head too)
         return HeadNorm()
     if isinstance(module, nn.LayerNorm | nn.RMSNorm) and dim is None:
         return SequenceParallel() if sp else None

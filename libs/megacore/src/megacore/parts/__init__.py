@@ -1,6 +1,6 @@
 """A decoder made of parts (torch-free): every layer is a block (`block`: its norms' arrangement)
 of an attention part (`attention`: standard, grouped-query; `latent`: DeepSeek's multi-head latent
-attention) and an MLP part (`mlp`: dense; `moe`: a mixture of experts with its router), whose norms
+attention; `linear`: Gated DeltaNet's linear attention, in the layers `layer_types` names) and an MLP part (`mlp`: dense; `moe`: a mixture of experts with its router), whose norms
 are the `norm` part. Which parts a layer is made of is read off its `ModelConfig`
 (`layer_parts`), per layer where layers differ (a mixture's dense layers).
 
@@ -20,13 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
-from megacore.config import LORA_A, LORA_B, ModelConfig, sparse_layer
-from megacore.parts import attention, block, latent, mlp, moe, norm
+from megacore.config import LORA_A, LORA_B, ModelConfig, linear_layer, sparse_layer
+from megacore.parts import attention, block, latent, linear, mlp, moe, norm
 from megacore.parts.compute import Shapes
 
 
-def attention_part(config: ModelConfig) -> ModuleType:
-    """The attention part of every layer: latent or standard (`config.attention`)."""
+def attention_part(config: ModelConfig, layer: int) -> ModuleType:
+    """Layer `layer`'s attention part: linear where `layer_types` says so (`config.linear_attention`),
+    else latent or standard (`config.attention`)."""
+    if linear_layer(config, layer):
+        return linear
     return latent if config.latent is not None else attention
 
 
@@ -37,7 +40,7 @@ def mlp_part(config: ModelConfig, layer: int) -> ModuleType:
 
 def layer_parts(config: ModelConfig, layer: int) -> tuple[ModuleType, ModuleType, ModuleType]:
     """(block, attention, MLP) part modules of layer `layer`."""
-    return block, attention_part(config), mlp_part(config, layer)
+    return block, attention_part(config, layer), mlp_part(config, layer)
 
 
 def tp_dim(config: ModelConfig, layer: int, name: str, tp: int) -> int | None:

@@ -1,5 +1,6 @@
 """The standard attention part: q, k and v projections (grouped-query: `num_kv_heads` k and v
-heads), the output projection, optional per-head q/k norms (`qk_norm`) and sinks (`sinks`):
+heads), the output projection, optional per-head q/k norms (`qk_norm`), sinks (`sinks`) and an
+output gate (`output_gate`):
 `config.attention`, a `StandardAttentionSpec`.
 Its tensors, where tensor parallel splits them (by heads: q, k, v and the sinks on their rows, the
 output projection on its columns; k and v replicated when there are fewer kv heads than tp), and
@@ -20,6 +21,8 @@ def tensors(out: Shapes, config: ModelConfig, at: str) -> None:
     linear(out, f"{at}.k_proj", config.num_kv_heads * hd, hidden, spec.bias)
     linear(out, f"{at}.v_proj", config.num_kv_heads * hd, hidden, spec.bias)
     linear(out, f"{at}.o_proj", hidden, config.num_heads * hd, spec.out_bias)
+    if spec.output_gate:
+        linear(out, f"{at}.gate_proj", config.num_heads * hd, hidden, spec.bias)
     if spec.qk_norm:
         out[f"{at}.q_norm.weight"] = (hd,)
         out[f"{at}.k_norm.weight"] = (hd,)
@@ -41,6 +44,7 @@ def tp_dims(config: ModelConfig, tp: int) -> dict[str, int | None]:
         "attn.k_proj.weight": kv, "attn.k_proj.bias": kv,
         "attn.v_proj.weight": kv, "attn.v_proj.bias": kv,
         "attn.o_proj.weight": 1, "attn.o_proj.bias": None,
+        "attn.gate_proj.weight": 0, "attn.gate_proj.bias": 0,
         "attn.q_norm.weight": None, "attn.k_norm.weight": None,
         "attn.sinks.weight": 0,
     }  # fmt: skip
@@ -66,13 +70,18 @@ def saves(
     """(what attention saves before its kernel, o_proj's input, at tp 1 the fused q/k/v matmul's
     concatenated weights, the kernel's output: o_proj's input is a copy of it), for `tokens` tokens
     of `heads` q heads and `kv`-wide k and v (tp-local); under cp the gathered keys are
-    `cp_gathered`'s."""
+    `cp_gathered`'s. An output gate (`output_gate`) adds its sigmoid and the gated product (and,
+    fused, its part of the projection output and its weights)."""
     c, h, q = comp.c, config.hidden_size, heads * config.head_dim
+    gated = config.attention.output_gate
     if comp.fast["projections"]:  # fused q/k/v: v is a view of the projection output, alive whole
-        return tokens * (2 * q + 3 * kv) * c, tokens * q * c, (q + 2 * kv) * h * c, tokens * q * c
+        gate = 3 * tokens * q * c if gated else 0
+        weights = (q + 2 * kv + (q if gated else 0)) * h * c
+        return tokens * (2 * q + 3 * kv) * c + gate, tokens * q * c, weights, tokens * q * c
     # kv heads replicated: this rank's head is a view of the whole v projection output
     v = config.num_kv_heads * config.head_dim if kv_replicated(config, comp.tp) else kv
-    return tokens * (q + kv + v) * c, tokens * q * c, 0, tokens * q * c
+    gate = 2 * tokens * q * c if gated else 0
+    return tokens * (q + kv + v) * c + gate, tokens * q * c, 0, tokens * q * c
 
 
 def head_norm_saves(config: ModelConfig, comp: Compute, tokens: int, heads: int, kv: int) -> int:

@@ -59,12 +59,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from megacore.config import ModelConfig, attention_window, local_rope, rope_dim, sparse_layer
+from megacore.config import ModelConfig, attention_window, linear_layer, local_rope, rope_dim, sparse_layer
 from megacore.parallel.build_rules import fast_paths, fused_loss
 from megacore.parallel.dims import Parallelism
 from megacore.parallel.layout import check_parallelism
 from megacore.parts import attention as standard_attention
-from megacore.parts import attention_part, block, mlp_part, norm
+from megacore.parts import attention_part, block, linear, mlp_part, norm
 from megacore.parts.attention import kv_width
 from megacore.parts.compute import Compute
 
@@ -86,7 +86,7 @@ def _cp_attention(
     (none with flash-attn). Rank r's chunks r and 2cp-1-r end at (r+1)·n and (2cp-r)·n; the fullest
     rank counts."""
     cp, c = par.spec.cp, COMPUTE_BYTES[par.precision]
-    gathered = attention_part(config).cp_gathered(config, micro, seq, kv, c)
+    gathered = attention_part(config, layer).cp_gathered(config, micro, seq, kv, c)
     window, n = attention_window(config, layer), seq // (2 * cp)
     if window is None or attention == "flash":
         return gathered
@@ -116,11 +116,18 @@ def layer_activations(
     tokens = micro * local
     if mode == "full":
         return math.ceil(tokens / comp.sp) * config.hidden_size * comp.c  # the block's input
-    heads, kv, attn = config.num_heads // comp.tp, kv_width(config, comp.tp), attention_part(config)
+    mlp, mlp_weights = mlp_part(config, layer).saves(config, comp, tokens, layer)
+    if linear_layer(config, layer):  # its kernel keeps its inputs alone: nothing for recompute to drop
+        return (
+            block.norm_saves(config, comp, tokens)
+            + linear.saves(config, comp, micro, local)
+            + mlp
+            + mlp_weights
+        )
+    heads, kv, attn = config.num_heads // comp.tp, kv_width(config, comp.tp), attention_part(config, layer)
     qkv, o_proj_in, weights, out = attn.saves(
         config, comp, tokens, heads, kv, micro * seq if cp > 1 else tokens
     )
-    mlp, mlp_weights = mlp_part(config, layer).saves(config, comp, tokens, layer)
     norms = block.norm_saves(config, comp, tokens) + attn.head_norm_saves(config, comp, tokens, heads, kv)
     kernel = out + micro * heads * local * 4  # the kernel's output and log-sum-exp
     window = attention_window(config, layer)
@@ -137,14 +144,15 @@ def layer_activations(
 
 
 def _layer_kinds(config: ModelConfig, layers: Sequence[int]) -> dict[int, int]:
-    """A layer of each kind among `layers` (their window and whether sparse: what
+    """A layer of each kind among `layers` (their window, whether sparse, whether linear: what
     `layer_activations` reads of a layer)
     and how many of `layers` are of its kind; the planner's long-sequence search sizes a layer once."""
     if config.layer_types is None and not (config.moe and config.moe.dense_layers):  # every layer alike
         return {layers[0]: len(layers)} if len(layers) else {}
     kinds: dict[tuple[int | None, bool], list[int]] = {}
     for i in layers:
-        kinds.setdefault((attention_window(config, i), sparse_layer(config, i)), []).append(i)
+        kind = (attention_window(config, i), sparse_layer(config, i), linear_layer(config, i))
+        kinds.setdefault(kind, []).append(i)
     return {same[0]: len(same) for same in kinds.values()}
 
 

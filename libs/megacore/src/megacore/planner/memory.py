@@ -31,6 +31,8 @@ Buffers (transient or bookkeeping, counted at once, so an upper bound; T, h, c a
   back: T·h·c each; a stage's first block reads its input from one);
 - context parallel: one layer's k and v gradients of the whole sequence before their reduce-scatter;
 - expert parallel: a layer's routed rows (T·k·h·c) as sent and as received by an all-to-all;
+- linear attention (Qwen 3.5): the delta rule's intermediates while one layer's backward
+  recomputes it (`parts.linear.recompute_bytes`);
 - FSDP2's unsharded parameters in the compute dtype (the root's embedding, norm and head plus two
   blocks with prefetch; with a pipeline all of the stage, not resharded between microbatches; fp8
   with tensorwise scaling gathers the blocks' projections in float8, a byte each), one
@@ -82,9 +84,15 @@ from megacore.parallel.layout import (
     place,
     tp_box,
 )
-from megacore.parts import adapter_tensors, attention_part, model_tensors
+from megacore.parts import adapter_tensors, attention_part, linear, model_tensors
 from megacore.parts.attention import kv_width
-from megacore.planner.activations import COMPUTE_BYTES, in_flight, rank_activations, sequence_shards
+from megacore.planner.activations import (
+    COMPUTE_BYTES,
+    compute,
+    in_flight,
+    rank_activations,
+    sequence_shards,
+)
 
 GiB = 1 << 30
 NF4_TABLE = 17  # an NF4 tensor's scales' mean and its 16 codes' values, in its dtype (fp32 here)
@@ -294,7 +302,7 @@ def _fsdp_buffers(par: Parallelism, dims: Dims, tensors: Tensors, c: int) -> int
 
 def _token_buffers(config: ModelConfig, par: Parallelism, pp_rank: int, micro: int, seq: int) -> int:
     """The buffers the tokens size: a pipeline's receive buffers, cp's gradients, ep's all-to-all
-    buffers, the loss's."""
+    buffers, linear attention's recomputed delta rule (one layer's at a time), the loss's."""
     num_stages, stages = par.spec.pp * par.stages_per_rank, par.rank_stages(pp_rank)
     c, tp, cp = COMPUTE_BYTES[par.precision], par.spec.tp, par.spec.cp
     tokens = micro * seq // cp
@@ -307,6 +315,8 @@ def _token_buffers(config: ModelConfig, par: Parallelism, pp_rank: int, micro: i
         total += 2 * micro * seq * kv_width(config, tp) * c
     if par.spec.ep > 1:  # a layer's routed rows as sent and as received, in each all-to-all
         total += 2 * tokens * config.moe.experts_per_token * config.hidden_size * c
+    if config.linear_attention is not None:
+        total += linear.recompute_bytes(config, compute(par), micro, seq // cp)
     if num_stages - 1 in stages:
         vocab = config.padded_vocab_size
         if fused_loss(par):
@@ -344,13 +354,16 @@ def fixed_bytes(config: ModelConfig, par: Parallelism, dp: int, ranks: list[Rank
 def rollout_cache(config: ModelConfig, par: Parallelism, pp_rank: int, rows: int, positions: int) -> int:
     """The KV cache a pipeline rank holds while the sampler (`parallel.sampler`) completes `rows`
     rows of up to `positions` positions (prompt and completion): its stages' layers', each its
-    attention part's (`cache_bytes`: k and v of the rank's kv heads, or latent attention's latent),
-    in the compute dtype, allocated whole when the prompts' forward starts (`models.kv_cache`)."""
+    attention part's (`cache_bytes`: k and v of the rank's kv heads, latent attention's latent, or
+    linear attention's convolution inputs and state), in the compute dtype, allocated whole when
+    the prompts' forward starts (`models.kv_cache`)."""
     layers = check_parallelism(config, par)
-    per_layer = attention_part(config).cache_bytes(
-        config, par.spec.tp, rows, positions, COMPUTE_BYTES[par.precision]
+    c, tp = COMPUTE_BYTES[par.precision], par.spec.tp
+    return sum(
+        attention_part(config, i).cache_bytes(config, tp, rows, positions, c)
+        for s in par.rank_stages(pp_rank)
+        for i in layers[s]
     )
-    return per_layer * sum(len(layers[s]) for s in par.rank_stages(pp_rank))
 
 
 def peak_bytes(

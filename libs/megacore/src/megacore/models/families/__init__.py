@@ -35,6 +35,7 @@ from megacore.models.families import (
     mixtral,
     qwen2,
     qwen3,
+    qwen3_5,
 )
 from megacore.models.families.hf_config import max_positions_to_hf
 from megacore.models.families.tensor_map import TensorMap
@@ -50,6 +51,7 @@ FAMILIES: dict[str, ModuleType] = {
     "deepseek_v3": deepseek_v3,
     "gpt_oss": gpt_oss,
     "glm4_moe": glm4_moe,
+    "qwen3_5": qwen3_5,
 }
 
 # The ModelConfig fields every family's config.json writes: the family (its model_type), the sizes,
@@ -121,7 +123,7 @@ def check_expressible(config: ModelConfig, where: str = "config") -> None:
 def _at_default(config: ModelConfig, f: msgspec.structs.FieldInfo) -> bool:
     """Whether field `f` holds its default, or what its default resolves to in this config
     (head_dim None: hidden_size / num_heads)."""
-    default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+    default = _default(f)
     if default is msgspec.NODEFAULT:  # a required field: the sizes, all shared
         return False
     value = getattr(config, f.name)
@@ -140,8 +142,12 @@ def _parts_set(config: ModelConfig) -> list[str]:
         p
         for f in fields
         if f.name in PART_FIELDS
-        for p in _set_paths(f.name, getattr(config, f.name), f.default_factory())
+        for p in _set_paths(f.name, getattr(config, f.name), _default(f))
     ]
+
+
+def _default(f: msgspec.structs.FieldInfo) -> object:
+    return f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
 
 
 def _set_paths(path: str, value: object, default: object) -> list[str]:
@@ -156,8 +162,7 @@ def _set_paths(path: str, value: object, default: object) -> list[str]:
         if g.required:
             out.append(f"{path}.{g.name}")
             continue
-        plain = g.default if g.default_factory is msgspec.NODEFAULT else g.default_factory()
-        out += _set_paths(f"{path}.{g.name}", getattr(value, g.name), plain)
+        out += _set_paths(f"{path}.{g.name}", getattr(value, g.name), _default(g))
     return out
 
 

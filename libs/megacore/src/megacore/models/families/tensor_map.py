@@ -53,3 +53,34 @@ def _unstack(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 def stacked(hf: list[str], ours: str) -> TensorMap:
     """The experts' matrices, one HF tensor each, as our one tensor stacked on a leading dim."""
     return TensorMap(tuple(hf), (ours,), _stack, _unstack)
+
+
+def concatenated(hf: str, ours: tuple[str, ...], rows: tuple[int, ...]) -> TensorMap:
+    """One HF tensor whose rows are ours, one after the other (`rows` each): Qwen 3.5's fused
+    q/k/v projection of linear attention and its convolution's filters."""
+
+    def split(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(ts[0].split(list(rows)))
+
+    def fuse(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        import torch
+
+        return (torch.cat(ts),)
+
+    return TensorMap((hf,), ours, split, fuse)
+
+
+def per_head(hf: str, ours: tuple[str, ...], heads: int) -> TensorMap:
+    """One HF tensor whose rows hold, head by head, a block of each of ours (equal widths): Qwen
+    3.5's q projection, each head's q rows then its output gate's."""
+
+    def split(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        blocks = ts[0].unflatten(0, (heads, len(ours), -1))
+        return tuple(blocks[:, j].flatten(0, 1) for j in range(len(ours)))
+
+    def fuse(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        import torch
+
+        return (torch.stack([t.unflatten(0, (heads, -1)) for t in ts], dim=1).flatten(0, 2),)
+
+    return TensorMap((hf,), ours, split, fuse)
