@@ -25,6 +25,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from megacore.models import Decoder, check_maps, config_from_hf, hf_state_dict_to_ours
 from megacore.models.families import FAMILIES, family_for_model_type, hf_attention
@@ -292,6 +293,16 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
          "linear_key_head_dim": 16, "linear_value_head_dim": 8,
          "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+        80,
+    ),
+    # Qwen 3.5 MoE: the same layers, each MLP 8 experts (top 2, renormalised) and a gated shared one.
+    "qwen3.5-moe": (
+        Qwen3_5MoeTextConfig,
+        {**_LLAMA, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
+         "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 8, "moe_intermediate_size": 24,
+         "shared_expert_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 2,
+         "layer_types": ["linear_attention", "full_attention"]},
         80,
     ),
 }  # fmt: skip

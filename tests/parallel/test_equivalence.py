@@ -103,6 +103,12 @@ MORE_TWO = [
     {"family": "glm4-moe", "tp": 2, "sp": True, "microbatches": 2},
     {"family": "glm4-moe", "cp": 2},
     {"family": "glm4-moe", "lora": True, "tp": 2, "microbatches": 2},
+    # Qwen 3.5 MoE: linear attention's heads, convolutions and decay over tp, packed documents
+    # resetting its state through a pipeline, the experts over ep.
+    {"family": "qwen3.5-moe", "ep": 2},
+    {"family": "qwen3.5-moe", "tp": 2, "sp": True, "microbatches": 2},
+    {"family": "qwen3.5-moe", "packed": True, "pp": 2, "schedule": "1f1b"},
+    {"family": "qwen3.5-moe", "lora": True, "tp": 2, "microbatches": 2},
     {"family": "qwen2-moe", "ep": 2},
     {"family": "qwen2-moe", "tp": 2, "sp": True, "microbatches": 2},
     {"family": "qwen2-moe", "ep": 2, "recompute": "full"},

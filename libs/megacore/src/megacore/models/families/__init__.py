@@ -78,7 +78,7 @@ NOT_CARRIED = ("padded_vocab_size",)
 # The families whose config.json carries a mixture's load-balancing weight (transformers applies it
 # with output_router_logits): a training setting, the run's (`RouterLosses`), which export writes as
 # the checkpoint trained with it; transformers' default where it did not train.
-ROUTER_AUX_FAMILIES = ("mixtral", "qwen2", "qwen3", "gpt_oss")
+ROUTER_AUX_FAMILIES = ("mixtral", "qwen2", "qwen3", "gpt_oss", "qwen3_5")
 SHARED_FIELDS = (*WRITTEN_BY_ALL, *NOT_CARRIED)
 
 

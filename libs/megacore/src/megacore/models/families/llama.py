@@ -98,12 +98,14 @@ EXPERT_NAMES = {
     "qwen2": ("mlp", MLP_NAMES),
     "deepseek_v3": ("mlp", MLP_NAMES),
     "glm4_moe": ("mlp", MLP_NAMES),
+    "qwen3_5": ("mlp", MLP_NAMES),
 }
 # The module of a layer's shared expert(s), by family: Qwen 2 MoE's one (gated), DeepSeek's.
 SHARED_EXPERT_NAMES = {
     "qwen2": "shared_expert",
     "deepseek_v3": "shared_experts",
     "glm4_moe": "shared_experts",
+    "qwen3_5": "shared_expert",
 }
 
 

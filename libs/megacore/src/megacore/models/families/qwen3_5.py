@@ -5,7 +5,10 @@ with q/k norms, an output gate (`attention.output_gate`) and RoPE over the first
 head (`rope.partial_rotary_factor`, 0.25 by default); every norm is zero-centred, x / rms(x) ·
 (1 + w) in fp32 (`norm` rmsnorm_plus1, Gemma's), but linear attention's per-head output norm,
 a plain scale; dense SwiGLU MLPs. Its RoPE is multimodal (mrope_section), which for text, every
-position the same in its three sections, is the plain one.
+position the same in its three sections, is the plain one. Qwen 3.5 MoE (Qwen3_5MoeForCausalLM,
+model_type qwen3_5_moe_text) is the same decoder whose every MLP is a mixture: `num_experts`
+SwiGLU experts of `moe_intermediate_size`, `num_experts_per_tok` chosen by a softmax router and
+renormalised, beside a shared expert gated by sigmoid of a linear of the input (Qwen 2 MoE's).
 
 HF layout: Llama's names for the embedding, the norms and the MLPs; a full-attention layer's
 `self_attn.{q,k,v,o}_proj` and `self_attn.{q,k}_norm`, its q_proj holding each head's q rows and
@@ -13,8 +16,9 @@ then its gate's (split into ours, `attn.q_proj` and `attn.gate_proj`); a linear 
 `linear_attn.in_proj_qkv` (q, k and v rows one after the other, split into ours),
 `linear_attn.in_proj_{z,b,a}`, `linear_attn.conv1d.weight` (the filters of q's, k's and v's
 channels, split likewise), `linear_attn.{dt_bias,A_log}`, `linear_attn.norm.weight` and
-`linear_attn.out_proj`. Published checkpoints' multi-token-prediction module (`mtp.*`) is left
-out on convert with one line.
+`linear_attn.out_proj`; a mixture's `mlp.gate`, `mlp.experts.<j>.{gate,up,down}_proj`,
+`mlp.shared_expert.*` and `mlp.shared_expert_gate` (as transformers saves them). Published
+checkpoints' multi-token-prediction module (`mtp.*`) is left out on convert with one line.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from megacore.models.families.hf_config import HFConfig, build_config, llama_sty
 from megacore.models.families.tensor_map import TensorMap, concatenated, per_head, rename
 from megacore.parts import linear
 
-MODEL_TYPES = ("qwen3_5_text",)
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 ARCHITECTURE = "Qwen3_5ForCausalLM"
+MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 NAME = "Qwen 3.5"
 # The ModelConfig fields besides `families.SHARED_FIELDS` a Qwen 3.5 config.json can set to other
 # than their defaults (`families.check_expressible` refuses the rest).
@@ -38,8 +43,14 @@ SWITCHES = (
     "head_dim", "layer_types", "norm.type", "rope.partial_rotary_factor", "attention.bias",
     "attention.qk_norm", "attention.output_gate", "linear_attention.type", "linear_attention.key_heads",
     "linear_attention.value_heads", "linear_attention.key_head_dim", "linear_attention.value_head_dim",
-    "linear_attention.conv_kernel",
+    "linear_attention.conv_kernel", "mlp.type", "mlp.num_experts", "mlp.experts_per_token",
+    "mlp.shared_expert.size", "mlp.shared_expert.gate",
 )  # fmt: skip
+# The sizes whose defaults differ between Qwen3_5TextConfig and Qwen3_5MoeTextConfig.
+DEFAULTS = {
+    "qwen3_5_text": {"hidden_size": 4096, "num_hidden_layers": 32, "num_key_value_heads": 4},
+    "qwen3_5_moe_text": {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2},
+}
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -66,18 +77,27 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     act = c.str("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", where)
-    layers, trained = c.int("num_hidden_layers", 32), c.int("max_position_embeddings", 32768)
+    defaults = DEFAULTS[hf.get("model_type", "qwen3_5_text")]
+    layers, trained = (
+        c.int("num_hidden_layers", defaults["num_hidden_layers"]),
+        c.int("max_position_embeddings", 32768),
+    )
     theta, scaling = c.rope(trained=trained, partial=True)
     types = layer_types(c, layers)
+    mlp = (
+        _moe_from_hf(c)
+        if hf.get("model_type") == "qwen3_5_moe_text"
+        else {"ffn_hidden_size": c.int("intermediate_size", 12288)}
+    )
     return build_config(
         where,
         family="qwen3_5",
         vocab_size=c.int("vocab_size", 248320),
-        hidden_size=c.int("hidden_size", 4096),
+        hidden_size=c.int("hidden_size", defaults["hidden_size"]),
         num_layers=layers,
         num_heads=c.int("num_attention_heads", 16),
-        num_kv_heads=c.int("num_key_value_heads", 4),
-        ffn_hidden_size=c.int("intermediate_size", 12288),
+        num_kv_heads=c.int("num_key_value_heads", defaults["num_key_value_heads"]),
+        **mlp,
         max_seq_len=trained,
         head_dim=c.int("head_dim", 256),
         norm={"type": "rmsnorm_plus1", "eps": c.float("rms_norm_eps", 1e-6)},
@@ -94,6 +114,17 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
         bos_id=c.opt_int("bos_token_id"),
         eos_id=c.opt_int("eos_token_id"),
     )
+
+
+def _moe_from_hf(c: HFConfig) -> dict[str, Any]:
+    """Qwen 3.5 MoE's mixture in every layer (defaults as Qwen3_5MoeTextConfig's)."""
+    moe = {
+        "type": "moe",
+        "num_experts": c.int("num_experts", 256),
+        "experts_per_token": c.int("num_experts_per_tok", 8),
+        "shared_expert": {"size": c.int("shared_expert_intermediate_size", 512), "gate": True},
+    }
+    return {"ffn_hidden_size": c.int("moe_intermediate_size", 512), "mlp": moe}
 
 
 def _linear_from_hf(c: HFConfig) -> dict[str, Any]:
@@ -119,15 +150,18 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "bias; this config differs",
             "config",
         )
+    moe = config.moe
     out = llama_style_to_hf(config) | {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3_5_text",
+        "architectures": [MOE_ARCHITECTURE if moe else ARCHITECTURE],
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "hidden_act": "silu",
         "head_dim": config.head_dim,
         "attention_bias": attention.bias,
         "partial_rotary_factor": config.rope.partial_rotary_factor,
         "layer_types": list(config.layer_types or ["full_attention"] * config.num_layers),
     }
+    if moe is not None:
+        out |= _moe_to_hf(config)
     if spec is not None:
         out |= {
             "linear_num_key_heads": spec.key_heads,
@@ -137,6 +171,23 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             "linear_conv_kernel_dim": spec.conv_kernel,
         }
     return out
+
+
+def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    moe = config.moe
+    shared = moe.shared_expert
+    if moe.dense_layers or not moe.router.renormalize_top_k or not (shared and shared.gate):
+        raise UserError(
+            "Qwen 3.5 MoE has a mixture in every layer, renormalised top-k and a gated shared expert; "
+            "this config differs",
+            "config",
+        )
+    return {
+        "moe_intermediate_size": config.ffn_hidden_size,
+        "shared_expert_intermediate_size": shared.size,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
+    }
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
