@@ -339,3 +339,45 @@ def test_deepseek_v3_configs_the_decoder_cannot_build_exit_2(tmp_path: Path) -> 
         _edit_config(hf, **change)
         assert_one_line_error(run_in_process("mega-convert", "hf", hf, tmp_path / f"o{i}"), field)
         assert not (tmp_path / f"o{i}").exists()
+
+
+def test_qwen3_5s_language_model_is_read_from_its_multimodal_checkpoint(tmp_path: Path) -> None:
+    """The published Qwen 3.5 checkpoints are Qwen3_5ForConditionalGeneration (model_type qwen3_5,
+    the language model's config in text_config, its tensors under model.language_model.) with a
+    multi-token-prediction module: convert reads the language model and says in one line what it
+    leaves out, verify passes against the multimodal directory (transformers loads its language
+    model), and the export is a Qwen3_5ForCausalLM holding the language model's tensors bit for bit."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen3_5 import Qwen3_5Config
+
+    text = {
+        **CASES["qwen3.5"][1],
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+    }
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    hf = tmp_path / "hf"
+    AutoModelForImageTextToText.from_config(
+        Qwen3_5Config(text_config=text, vision_config=vision)
+    ).save_pretrained(hf)
+    state = load_file(hf / "model.safetensors")
+    state["mtp.fc.weight"] = torch.zeros(64, 128)  # as published: the MTP module beside the model
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
+    converted = run_in_process("mega-convert", "hf", hf, ckpt, check=True)
+    visual = sum(n.startswith("model.visual.") for n in state)
+    line = (
+        f"mega-convert: the vision encoder ({visual} tensors) and the multi-token-prediction module (1 tensor) "
+        "left out: the language model is converted, and export writes it alone"
+    )
+    assert line in converted.stderr.splitlines(), converted.stderr
+    assert run_in_process("mega-convert", "verify", ckpt, hf, check=True).stdout.rstrip().endswith("PASS")
+    run_in_process("mega-export", ckpt, exported, check=True)
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    written = load_file(exported / "model.safetensors")
+    language = {
+        n.replace("model.language_model.", "model."): t for n, t in state.items() if "language_model" in n
+    }
+    assert sorted(written) == sorted([*language, "lm_head.weight"])
+    for name, t in written.items():
+        assert_bitwise_equal(t, state[name] if name == "lm_head.weight" else language[name], name)

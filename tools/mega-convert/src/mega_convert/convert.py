@@ -35,7 +35,7 @@ from megacore.checkpoint import CheckpointWriter, shard_file
 from megacore.config import DEFAULT_PAD_MULTIPLE, ModelConfig
 from megacore.errors import UserError
 from megacore.models import check_maps, config_from_hf, hf_shapes, import_tensors, mxfp4, tensor_maps
-from megacore.models.families import training_settings_note
+from megacore.models.families import language_prefix, training_settings_note
 from megacore.models.families.hf_config import read_config_json
 from megacore.models.hf import left_out
 from megacore.parts import model_tensors
@@ -99,7 +99,32 @@ class Packed:
     scales_file: Path
 
 
-Where = dict[str, Path | Packed]  # HF tensor name -> what holds it
+@dataclass(frozen=True)
+class Stored:
+    """A tensor the checkpoint holds under another name (a multimodal checkpoint's language model:
+    `model.language_model.X` read as `model.X`), in its file."""
+
+    name: str
+    file: Path
+
+
+Where = dict[str, Path | Packed | Stored]  # HF tensor name -> what holds it
+
+
+def language_model(hf: dict[str, Any], where: Where) -> Where:
+    """`where` as a language model's tensors: a multimodal checkpoint's under its prefix
+    (`families.language_prefix`) named as the language model's own (`model.`), the rest as they are
+    (the vision encoder, which the family's `extra_tensors` says it leaves out)."""
+    prefix = language_prefix(hf)
+    if prefix is None:
+        return where
+    out: Where = {}
+    for name, held in where.items():
+        if name.startswith(prefix) and isinstance(held, Path):
+            out["model." + name.removeprefix(prefix)] = Stored(name, held)
+        else:
+            out[name] = held
+    return out
 
 
 def weight_files(model_dir: Path, *, mxfp4_pairs: bool = False) -> Where:
@@ -145,7 +170,10 @@ def files_of(where: Where) -> list[Path]:
     """The safetensors files `where` reads, each once."""
     files = set()
     for v in where.values():
-        files.update((v.blocks_file, v.scales_file) if isinstance(v, Packed) else (v,))
+        if isinstance(v, Packed):
+            files.update((v.blocks_file, v.scales_file))
+        else:
+            files.add(v.file if isinstance(v, Stored) else v)
     return sorted(files)
 
 
@@ -171,6 +199,9 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], where: Where, model_dir: Pa
         if isinstance(held, Packed):
             f = held.blocks_file
             got = _packed_shape(name, entry(held.blocks, f), entry(held.scales, held.scales_file), f)
+        elif isinstance(held, Stored):
+            f = held.file
+            got = tuple(entry(held.name, f)["shape"])
         else:
             f = held
             got = tuple(entry(name, f)["shape"])
@@ -289,7 +320,7 @@ def _read_source(model_dir: Path, dtype: str | None, pad_multiple: int) -> _Sour
     at = str(model_dir / "config.json")
     config = config_from_hf(hf, at, pad_multiple=pad_multiple)
     check_maps(config)
-    where = weight_files(model_dir, mxfp4_pairs=mxfp4.check_quantization(hf, at))
+    where = language_model(hf, weight_files(model_dir, mxfp4_pairs=mxfp4.check_quantization(hf, at)))
     source = source_dtype(where)
     out_dtype = dtype or source
     card_license = read_license(model_dir)
@@ -387,6 +418,8 @@ def tensor_reader(where: Where, model_dir: Path, dtype: str) -> Callable[[str], 
         held = where.get(name)
         if held is None:
             raise UserError(_missing(name, where), str(model_dir))
+        if isinstance(held, Stored):
+            return read(held.name, held.file)
         if not isinstance(held, Packed):
             return read(name, held)
         blocks, scales = read(held.blocks, held.blocks_file), read(held.scales, held.scales_file)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mega_convert.convert import check_hf_tensors, read_hf_config, weight_files
+from mega_convert.convert import check_hf_tensors, language_model, read_hf_config, weight_files
 from megacore.artifacts import TORCH_DTYPES
 from megacore.artifacts.header import float_dtype
 from megacore.checkpoint import CheckpointReader
@@ -59,7 +59,7 @@ def verify(
             raise UserError(
                 f"the checkpoint's model config differs from {at} in {', '.join(diff)}", str(checkpoint)
             )
-        check_hf_tensors(hf_config, weight_files(hf_dir, mxfp4_pairs=pairs), hf_dir)
+        check_hf_tensors(hf_config, language_model(hf_json, weight_files(hf_dir, mxfp4_pairs=pairs)), hf_dir)
         # Confirms the files' sums: no verdict on damaged ones.
         ours = ckpt.decoder(torch_dtype, base=base).eval()
     hf = _load_transformers(hf_dir, torch_dtype, peft_dir)

@@ -105,6 +105,29 @@ def family_for_model_type(model_type: object, where: str) -> ModuleType:
     )
 
 
+def language_prefix(hf: dict[str, Any]) -> str | None:
+    """Where a multimodal checkpoint's language model lies (its tensors' prefix in place of
+    `model.`: Qwen 3.5's "model.language_model."), from its family's `MULTIMODAL` table by
+    model_type; None for a language model's own config.json."""
+    for fam in FAMILIES.values():
+        prefix = getattr(fam, "MULTIMODAL", {}).get(hf.get("model_type"))
+        if prefix is not None:
+            return prefix
+    return None
+
+
+def _text_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """A multimodal config.json's language model: its `text_config`, with the embeddings' tie the
+    top level states."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(
+            f"$.text_config: a {hf.get('model_type')} config.json holds its language model's there", where
+        )
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    return {**text, **({} if tie is None else {"tie_word_embeddings": tie})}
+
+
 def check_expressible(config: ModelConfig, where: str = "config") -> None:
     """UserError, one line naming the family and the fields, when `config` sets a field its family's
     config.json cannot say: one outside SHARED_FIELDS and the family's SWITCHES that is not at
@@ -175,6 +198,8 @@ def config_from_hf(
     if not isinstance(hf, dict):
         hf = hf.to_dict()
     fam = family_for_model_type(hf.get("model_type"), where)
+    if language_prefix(hf) is not None:  # a multimodal checkpoint: its language model
+        hf = _text_config(hf, where)
     cfg = fam.config_from_hf(hf, where)
     check_expressible(cfg, where)  # what the reader made, the family's writer can write back
     if pad_multiple is not None:

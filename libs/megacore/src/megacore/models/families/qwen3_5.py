@@ -33,7 +33,11 @@ from megacore.models.families.hf_config import HFConfig, build_config, llama_sty
 from megacore.models.families.tensor_map import TensorMap, concatenated, per_head, rename
 from megacore.parts import linear
 
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+# The multimodal checkpoints (Qwen3_5ForConditionalGeneration, the published ones) whose language
+# model is read (`families.language_prefix`): its config.json's text_config, its tensors under
+# this prefix; the vision encoder is left out with one line (`extra_tensors`).
+MULTIMODAL = {"qwen3_5": "model.language_model.", "qwen3_5_moe": "model.language_model."}
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 NAME = "Qwen 3.5"
@@ -77,7 +81,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     act = c.str("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", where)
-    defaults = DEFAULTS[hf.get("model_type", "qwen3_5_text")]
+    defaults = DEFAULTS.get(hf.get("model_type"), DEFAULTS["qwen3_5_text"])
     layers, trained = (
         c.int("num_hidden_layers", defaults["num_hidden_layers"]),
         c.int("max_position_embeddings", 32768),
@@ -226,11 +230,12 @@ def _linear(config: ModelConfig, layer: int) -> list[TensorMap]:
 
 
 def extra_tensors(config: ModelConfig, names: list[str]) -> tuple[list[str], str | None]:
-    """The checkpoint's multi-token-prediction module (`mtp.*`), which convert leaves out."""
-    mtp = [n for n in names if n.startswith("mtp.")]
-    if not mtp:
+    """The checkpoint's tensors convert leaves out: the multi-token-prediction module (`mtp.*`) and
+    a multimodal checkpoint's vision encoder (`model.visual.*`), and the line that says so."""
+    parts = {"the vision encoder": "model.visual.", "the multi-token-prediction module": "mtp."}
+    found = {what: [n for n in names if n.startswith(prefix)] for what, prefix in parts.items()}
+    said = [f"{what} ({len(left)} tensor{'s' * (len(left) > 1)})" for what, left in found.items() if left]
+    if not said:
         return [], None
-    return (
-        mtp,
-        f"the multi-token-prediction module ({len(mtp)} tensors) left out: it is not trained here, and export writes none",
-    )
+    left = [n for group in found.values() for n in group]
+    return left, f"{' and '.join(said)} left out: the language model is converted, and export writes it alone"
