@@ -51,9 +51,10 @@ def delta(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The adapter's part of `linear`'s output for input x: scale · B(A(dropout(x))), dropout's
     1 / (1 - p) applied to the rank-wide result, not to x (one pass over x fewer)."""
     p = dropout_p(linear.lora_dropout) if linear.training else 0.0
-    if p:
-        x = x * keep_mask(x, linear.lora_dropout)
-    return linear.lora_B(linear.lora_A(x)) * (linear.lora_scale / (1 - p))
+    if p:  # where, not a product with the mask: no bool-to-float pass, forward or backward
+        x = torch.where(keep_mask(x, linear.lora_dropout), x, 0)
+    # scaled at rank width, before B: one pass over rank values, not over the output's
+    return linear.lora_B(linear.lora_A(x) * (linear.lora_scale / (1 - p)))
 
 
 def has_adapter(linear: nn.Module) -> bool:
