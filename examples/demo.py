@@ -225,7 +225,7 @@ def main(out: Path, family: str = "llama") -> None:
     # trained model. Rerunning resumes from the newest checkpoint (here: finds the run complete).
     run = {
         "kind": "run",
-        "format_version": 4,
+        "format_version": 5,
         "out": "train-run",
         "model": {"init": "ckpt-tp2pp2"},
         "data": {"sources": [{"path": "tokens"}], "split": [0.95, 0.05]},

@@ -266,6 +266,63 @@ def glm_layer(hf: dict) -> Callable[[int, int], list[Param]]:
     return layer
 
 
+# Qwen 3.5's largest mixture (397B-A17B) and its 27B dense model, as their model cards give the
+# language model: Gated DeltaNet in three of four layers (16 key heads, value heads 64 and 48, 128
+# wide), gated attention in the fourth (32 and 24 q heads, 2 and 4 kv heads, 256 wide).
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True}  # fmt: skip
+QWEN35_397B_CONFIG_JSON = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 60,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+    "num_experts": 512, "num_experts_per_tok": 10, "full_attention_interval": 4, "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "rope_parameters": _QWEN35_ROPE,
+}  # fmt: skip
+QWEN35_27B_CONFIG_JSON = QWEN35_397B_CONFIG_JSON | {
+    "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 17408,
+    "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48,
+}  # fmt: skip
+
+
+def qwen35_layer(hf: dict) -> Callable[[int, int], list[Param]]:
+    """A Qwen 3.5 layer on a tp rank: Gated DeltaNet where (i + 1) % 4 (q, k, v, z, b, a split by
+    heads, q's, k's and v's convolution filters with them, dt_bias and A_log per value head, the
+    head-wide output norm whole, the output projection by its columns), else gated attention (q
+    and its gate by head, k and v by head or whole where fewer kv heads than tp, o by its columns,
+    the q/k norms whole); the MLP dense, or `num_experts` experts with a router and a gated shared
+    expert (the gate's one row whole)."""
+
+    def layer(tp: int, i: int) -> list[Param]:
+        h, moe = hf["hidden_size"], "num_experts" in hf and hf["model_type"].startswith("qwen3_5_moe")
+        if (i + 1) % 4:
+            keys = hf["linear_num_key_heads"] * hf["linear_key_head_dim"] // tp
+            values, heads = (
+                hf["linear_num_value_heads"] * hf["linear_value_head_dim"] // tp,
+                hf["linear_num_value_heads"] // tp,
+            )
+            attn = [(keys, h), (keys, h), (values, h), (values, h), (heads, h), (heads, h), (keys, 1, 4),
+                    (keys, 1, 4), (values, 1, 4), (heads,), (heads,), (hf["linear_value_head_dim"],), (h, values)]  # fmt: skip
+        else:
+            hd, kvh = hf["head_dim"], hf["num_key_value_heads"]
+            q, kv = hf["num_attention_heads"] * hd // tp, kvh * hd // (tp if kvh >= tp else 1)
+            attn = [(q, h), (kv, h), (kv, h), (h, q), (q, h), (hd,), (hd,)]
+        out = [(s, 0, True) for s in [(h,), *attn, (h,)]]  # the norms around the attention
+        if not moe:
+            f = hf["intermediate_size"] // tp
+            return [*out, ((f, h), 0, True), ((f, h), 0, True), ((h, f), 0, True)]
+        e, f, fs = (
+            hf["num_experts"],
+            hf["moe_intermediate_size"] // tp,
+            hf["shared_expert_intermediate_size"] // tp,
+        )
+        gate_up = 2 if tp > 1 else 1
+        return [*out, ((e, h), 0, True), ((e, f, h), gate_up, True), ((e, f, h), gate_up, True), ((e, h, f), 1, True),
+                ((fs, h), 0, True), ((fs, h), 0, True), ((h, fs), 0, True), ((1, h), 0, True)]  # fmt: skip
+
+    return layer
+
+
 MOE_MODELS = {
     "DeepSeek V3 671B": PublishedMoE(DEEPSEEK_V3_CONFIG_JSON, 129280, 7168, 61, deepseek_v3_layer),
     "gpt-oss 120B": PublishedMoE(gpt_oss_config_json(36, 128), 201088, 2880, 36, gpt_oss_layer(128)),
@@ -273,6 +330,12 @@ MOE_MODELS = {
     "GLM-4.5 355B": PublishedMoE(GLM_45_CONFIG_JSON, 151552, 5120, 92, glm_layer(GLM_45_CONFIG_JSON)),
     "GLM-4.5-Air 106B": PublishedMoE(
         GLM_45_AIR_CONFIG_JSON, 151552, 4096, 46, glm_layer(GLM_45_AIR_CONFIG_JSON)
+    ),
+    "Qwen 3.5 397B-A17B": PublishedMoE(
+        QWEN35_397B_CONFIG_JSON, 248320, 4096, 60, qwen35_layer(QWEN35_397B_CONFIG_JSON)
+    ),
+    "Qwen 3.5 27B": PublishedMoE(
+        QWEN35_27B_CONFIG_JSON, 248320, 5120, 64, qwen35_layer(QWEN35_27B_CONFIG_JSON)
     ),
 }
 

@@ -67,7 +67,7 @@ with DAG(
     )
     # The run manifest names the upstream artifacts; the task prints the final checkpoint's path.
     run_json = (
-        'python3 -c \'import json, sys; json.dump({"kind": "run", "format_version": 4, '
+        'python3 -c \'import json, sys; json.dump({"kind": "run", "format_version": 5, '
         '"out": sys.argv[1], "model": {"init": sys.argv[2]}, "data": {"sources": '
         '[{"path": sys.argv[3]}], "split": [0.99, 0.01]}, "batch": {"micro_batch_size": 1, '
         '"global_batch_size": 8, "seq_length": 1024}, "train_steps": int(sys.argv[4]), '

@@ -64,7 +64,7 @@ def _v1_mixtral(aux: float) -> dict:
 
 def test_the_fixture_is_version_1_with_the_router_fields_in_its_config() -> None:
     raw = json.loads(TRAINED.read_text())
-    assert raw["format_version"] == 1 < FORMAT_VERSION == 4
+    assert raw["format_version"] == 1 < FORMAT_VERSION == 5
     assert {k: raw["config"][k] for k in ROUTER} == dict.fromkeys(ROUTER, 0.0)
 
 

@@ -372,15 +372,20 @@ def test_the_lora_table_is_the_planners_and_its_state_a_closed_form(name: str) -
 # --- docs/mega-train.md's rows for the largest mixtures of experts ------------------------------------
 
 
-def closed_form_full_state(m: PublishedMoE, tp: int, pp: int, r: int, dp: int) -> dict:
-    """Stage r's state on replica 0 (no ep), FSDP2 over dp: each parameter's dim cut in dp chunks of
-    ceil(rows / dp) rows, replica 0 holding a whole one; fp32 weights, and of the trained ones fp32
-    gradients, AdamW's two moments and a step per tensor. Where dp is 1, bf16 compute copies (a
-    parameter without a gradient then in bf16 alone), and under tp the embedding's gradient whole
-    on every tp rank (the engine's DTensor backward: planner/memory.py's docstring)."""
+def closed_form_full_state(m: PublishedMoE, tp: int, pp: int, r: int, dp: int, ep: int = 1) -> dict:
+    """Stage r's state on replica 0, FSDP2 over dp: each parameter's dim cut in dp chunks of
+    ceil(rows / dp) rows, replica 0 holding a whole one; under ep the experts (the stacked tensors,
+    the only ones FSDP2 cuts on a dim past 0) split ep ways, each part cut over the dp / ep ranks
+    holding it; fp32 weights, and of the trained ones fp32 gradients, AdamW's two moments and a
+    step per tensor. Where dp is 1, bf16 compute copies (a parameter without a gradient then in
+    bf16 alone), and under tp the embedding's gradient whole on every tp rank (the engine's DTensor
+    backward: planner/memory.py's docstring)."""
     trained = frozen = tensors = 0
     for shape, dim, trains in m.stage(tp, pp, r):
-        n = -(-shape[dim] // dp) * math.prod(shape) // shape[dim]
+        cut = dp
+        if dim > 0 and ep > 1:
+            shape, cut = (shape[0] // ep, *shape[1:]), dp // ep
+        n = -(-shape[dim] // cut) * math.prod(shape) // shape[dim]
         trained, frozen, tensors = trained + n * trains, frozen + n * (not trains), tensors + trains
     copies = dp == 1
     whole = m.vocab * m.hidden * (tp - 1) // tp if copies and r == 0 else 0
@@ -422,12 +427,12 @@ def test_the_moe_table_is_the_planners_and_its_state_a_closed_form(name: str) ->
     gpus, pick = fewest_full_gpus(name)
     assert (row["gpus"], row["layout"], row["recompute"]) == (gpus, pick_label(pick), pick.recompute)
     assert f"{pick.peak / GiB:.1f}" == row["peak"] and row["allowance"] * GiB == planner.ALLOWANCE
-    assert pick.dims.ep == pick.dims.cp == 1, pick.label  # the closed form's case
+    assert pick.dims.cp == 1, pick.label  # the closed form's case
     par = planner.candidate_parallelism(FULL_FINE_TUNING, pick.dims, pick.microbatches, pick.recompute)
     ranks = planner.estimate(config, par, pick.dims.dp, B, S, "auto", all_dp_ranks=False)
     assert [r.pp_rank for r in ranks] == list(range(pick.dims.pp))
     for rank in ranks:
-        want = closed_form_full_state(m, pick.dims.tp, pick.dims.pp, rank.pp_rank, pick.dims.dp)
+        want = closed_form_full_state(m, pick.dims.tp, pick.dims.pp, rank.pp_rank, pick.dims.dp, pick.dims.ep)
         assert {k: getattr(rank, k) for k in want} == want, rank.pp_rank
         assert rank.state <= rank.total <= pick.peak <= 80 * GiB - planner.ALLOWANCE
     half = 16 * trained / (gpus // 2)

@@ -20,7 +20,7 @@ import msgspec
 from megacore.config import Struct
 from megacore.errors import UserError
 
-FORMAT_VERSION = 4  # 2: a mixture of experts' training settings moved to the run; 3: the config's attention and MLP parts; 4: its norm, RoPE and block parts, attention's switches in its part
+FORMAT_VERSION = 5  # 2: a mixture of experts' training settings moved to the run; 3: the config's attention and MLP parts; 4: its norm, RoPE and block parts, attention's switches in its part; 5: partial RoPE, the output gate, linear attention
 MANIFEST_NAME = "manifest.json"
 
 Kind = Literal["tokens", "checkpoint", "run", "hf"]

@@ -25,6 +25,11 @@ into its part: a version 3 config's `norm`, `norm_eps`, `norm_bias` become `norm
 `attn_bias`, `attn_out_bias`, `qk_norm`, `attn_sinks`, `attn_scalar` move into standard attention
 (`bias`, `out_bias`, `qk_norm`, `sinks`, `scalar`). Beside latent attention they are dropped at
 their defaults and left where they were otherwise, to be refused by name.
+
+Version 5 only added settings, each off by default: RoPE's `partial_rotary_factor` (GLM-4.5),
+standard attention's `output_gate` and the `linear_attention` part (Qwen 3.5). A version 4 config
+reads as it is; the version tells an earlier release that it cannot read what a later one wrote,
+before its strict decoding would name the first new field.
 """
 
 from __future__ import annotations
