@@ -1,7 +1,7 @@
 """The families of issues #35 and #52 against transformers' own models: a training step (forward +
-backward + fused AdamW) of megacore's Decoder as a small DeepSeek V3, gpt-oss and GLM-4.5 against
-transformers' DeepseekV3ForCausalLM, GptOssForCausalLM and Glm4MoeForCausalLM (same config, weights,
-batch, dtype, loss and optimizer),
+backward + fused AdamW) of megacore's Decoder as a small DeepSeek V3, gpt-oss, GLM-4.5 and Qwen 3.5
+against transformers' DeepseekV3ForCausalLM, GptOssForCausalLM, Glm4MoeForCausalLM and
+Qwen3_5ForCausalLM (same config, weights, batch, dtype, loss and optimizer),
 one process, 2 threads, steps interleaved one by one so that load from other processes hits both
 alike (benchlib's `paired_rounds`, after a warm-up step of each); tokens/s are each side's fastest
 step, ratios the median over rounds of the two sides' times in the same round. transformers as its
@@ -14,11 +14,16 @@ chosen), top-4 and one shared expert. gpt-oss: hidden 512, 4 layers alternating 
 window and full attention, 8 heads of 64 (2 kv heads) with sinks and biases, 16 experts of ffn 512
 top-4 with biases and the clamped SwiGLU, YaRN. GLM-4.5: hidden 512, 4 layers (the first dense), 8
 heads of 64 (2 kv heads) with q/k/v biases and q/k norms, RoPE over half of each head, 16 experts of
-ffn 512 in 4 groups (the best 2 chosen), top-4, one shared expert. All: vocab 32000, batch 4 x 512,
-fp32 and bf16.
+ffn 512 in 4 groups (the best 2 chosen), top-4, one shared expert. Qwen 3.5: hidden 512, 4 layers
+(Gated DeltaNet in three: 4 key heads and 8 value heads of 64; gated attention in the fourth: 8
+heads of 64, 2 kv heads, a quarter of each head rotated), dense ffn 1536; transformers without
+flash-linear-attention runs its own PyTorch delta rule. All: vocab 32000, batch 4 x 512, fp32 and
+bf16.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -66,6 +71,18 @@ def _glm(quick: bool) -> dict:
             "use_qk_norm": True, "partial_rotary_factor": 0.5, "max_position_embeddings": 1024}  # fmt: skip
 
 
+def _qwen35(quick: bool) -> dict:
+    if quick:
+        sizes = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
+                 "vocab_size": 2000, "intermediate_size": 256, "linear_num_key_heads": 2,
+                 "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32}  # fmt: skip
+    else:
+        sizes = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64,
+                 "vocab_size": 32000, "intermediate_size": 1536, "linear_num_key_heads": 4,
+                 "linear_num_value_heads": 8, "linear_key_head_dim": 64, "linear_value_head_dim": 64}  # fmt: skip
+    return {**sizes, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
 # name: (transformers' config and model classes, the config's sizes, the note's shape)
 FAMILIES = {
     "DeepSeek V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _deepseek,
@@ -73,6 +90,8 @@ FAMILIES = {
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", _gpt_oss,
                 "hidden 512, 4 layers (sliding 128 / full), 16 experts top-4"),
     "GLM-4.5": ("Glm4MoeConfig", "Glm4MoeForCausalLM", _glm, "hidden 512, 4 layers, 16 experts top-4"),
+    "Qwen 3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _qwen35,
+                 "hidden 512, 4 layers (3 Gated DeltaNet / 1 gated attention), dense"),
 }  # fmt: skip
 
 
@@ -93,10 +112,12 @@ def _models(family: str, quick: bool, dtype: torch.dtype) -> tuple[torch.nn.Modu
 
 
 def run(quick: bool) -> list[Row]:
+    """Every family of FAMILIES, or those named in BENCH_FAMILIES (comma-separated)."""
     torch.set_num_threads(THREADS)
     batch, seq = (2, 128) if quick else (4, 512)
     rows = []
-    for family, (*_, shape) in FAMILIES.items():
+    chosen = [f for f in os.environ.get("BENCH_FAMILIES", "").split(",") if f] or list(FAMILIES)
+    for family, (*_, shape) in ((f, FAMILIES[f]) for f in chosen):
         note = "quick: tiny" if quick else f"{family} shape: {shape}, {batch}x{seq}"
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             ours, peer, hf_config = _models(family, quick, dtype)

@@ -66,7 +66,7 @@ def layer_types(c: HFConfig, num_layers: int) -> list[str]:
         interval = c.int("full_attention_interval", 4)
         return [_LAYER_TYPES[not (i + 1) % interval] for i in range(num_layers)]
     if not (isinstance(types, list) and len(types) == num_layers):
-        raise UserError(f"$.layer_types: expected a list of {num_layers} entries, one a layer", c.where)
+        raise UserError(f"$.layer_types: expected a list of {num_layers} entries, one per layer", c.where)
     for i, kind in enumerate(types):
         if kind not in _LAYER_TYPES:
             raise UserError(
