@@ -116,10 +116,13 @@ def _chunked(q, k, v, g, beta, segments, state, chunk: int) -> tuple[torch.Tenso
     keep = (cum[..., -1].exp() * carried[..., -1])[..., None, None]
     st = torch.zeros(b, hv, k.shape[-1], dv, dtype=work, device=v.device) if state is None else state.to(work)
     outs = []
-    for n in range(q.shape[2]):
-        u = values[:, :, n] - reads[:, :, n] @ st
-        outs.append(q_in[:, :, n] @ st + intra[:, :, n] @ u)
-        st = st * keep[:, :, n] + k_out[:, :, n].transpose(-1, -2) @ u
+    # unbound once: indexing a chunk in the loop would make backward fill a zero tensor of the
+    # whole sequence per chunk and tensor (select's gradient), unbind's stacks the chunks' once
+    chunks = zip(*(t.unbind(2) for t in (values, reads, q_in, intra, k_out, keep)), strict=True)
+    for values_n, reads_n, q_n, intra_n, k_n, keep_n in chunks:
+        u = values_n - reads_n @ st
+        outs.append(q_n @ st + intra_n @ u)
+        st = st * keep_n + k_n.transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :s]
     return out.transpose(1, 2).to(v.dtype), st
 
