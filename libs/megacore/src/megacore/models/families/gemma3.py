@@ -73,15 +73,7 @@ _FIXED = {
 def layer_types(c: HFConfig, num_layers: int) -> list[str]:
     """Each layer's attention, as Gemma3TextConfig reads it: `layer_types`, else every
     `sliding_window_pattern`-th layer (default 6) global and the others sliding."""
-    types = c.data.get("layer_types")
-    if types is None:
-        pattern = c.int("sliding_window_pattern", 6)
-        return [_LAYER_TYPES[bool((i + 1) % pattern)] for i in range(num_layers)]
-    if not (isinstance(types, list) and len(types) == num_layers and set(types) <= set(_LAYER_TYPES)):
-        raise UserError(
-            f"$.layer_types: expected {num_layers} entries, each one of {list(_LAYER_TYPES)}", c.where
-        )
-    return list(types)
+    return c.layer_types(num_layers, "sliding_attention", "sliding_window_pattern", 6)
 
 
 def _refuse_unsupported(c: HFConfig) -> None:

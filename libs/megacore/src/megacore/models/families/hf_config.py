@@ -126,6 +126,25 @@ class HFConfig:
             trained = self.int("max_position_embeddings", 2048)
         return float(theta), self._scaling(kind, HFConfig(scaling, self.where), at, trained)
 
+    def layer_types(self, num_layers: int, other: str, interval_key: str, interval: int) -> list[str]:
+        """Each layer's attention, as transformers' configs read it: `layer_types`, else every
+        `interval_key`-th layer (default `interval`) "full_attention" and the others `other`
+        (Gemma 3's "sliding_attention", Qwen 3.5's "linear_attention"). A list of the wrong length,
+        or a kind not of these two, is a UserError naming it."""
+        kinds = (other, "full_attention")
+        types = self.data.get("layer_types")
+        if types is None:
+            every = self.int(interval_key, interval)
+            return [kinds[(i + 1) % every == 0] for i in range(num_layers)]
+        if not (isinstance(types, list) and len(types) == num_layers):
+            raise UserError(f"$.layer_types: expected {num_layers} entries, one per layer", self.where)
+        for i, kind in enumerate(types):
+            if kind not in kinds:
+                raise UserError(
+                    f"$.layer_types[{i}]: {kind!r} is not a layer type here ({', '.join(kinds)})", self.where
+                )
+        return list(types)
+
     def partial_rotary(self, key: str = "rope_parameters", default: float = 1.0) -> float:
         """The share of each head's dims RoPE rotates: `partial_rotary_factor` in `key`'s object or
         at the top level (transformers 5 moves it into rope_parameters), else `default`."""

@@ -55,24 +55,12 @@ DEFAULTS = {
     "qwen3_5_text": {"hidden_size": 4096, "num_hidden_layers": 32, "num_key_value_heads": 4},
     "qwen3_5_moe_text": {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2},
 }
-_LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def layer_types(c: HFConfig, num_layers: int) -> list[str]:
     """Each layer's kind, as Qwen3_5TextConfig reads it: `layer_types`, else every
     `full_attention_interval`-th layer (default 4) full and the others linear."""
-    types = c.data.get("layer_types")
-    if types is None:
-        interval = c.int("full_attention_interval", 4)
-        return [_LAYER_TYPES[not (i + 1) % interval] for i in range(num_layers)]
-    if not (isinstance(types, list) and len(types) == num_layers):
-        raise UserError(f"$.layer_types: expected a list of {num_layers} entries, one per layer", c.where)
-    for i, kind in enumerate(types):
-        if kind not in _LAYER_TYPES:
-            raise UserError(
-                f"$.layer_types[{i}]: {kind!r} is not a layer type here ({', '.join(_LAYER_TYPES)})", c.where
-            )
-    return list(types)
+    return c.layer_types(num_layers, "linear_attention", "full_attention_interval", 4)
 
 
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
