@@ -38,7 +38,7 @@ VARIABLES = (
     Variable(
         "MEGA_TRAIN_MALLOC",
         "mega-train",
-        "`default`: keep glibc's allocator settings on a CPU run (no heap mode, nor a LoRA run's trim before each microbatch)",
+        "`default`: keep glibc's allocator settings on a CPU run (no heap mode, nor a LoRA run's trim before each microbatch once its heap fragments)",
     ),
     Variable("RANK", "mega-train", "torchrun's: this worker's rank (absent: a job of one process)"),
     Variable("WORLD_SIZE", "mega-train", "torchrun's: the job's processes"),

@@ -21,11 +21,15 @@ over runs. `malloc_trim(0)` before each microbatch hands the free pages inside t
 (MADV_DONTNEED): peak RSS 4.86 GB. The pages come back as page faults: steps alternately with and
 without it in one run, 20.53 s against 18.75 s (mean of 5), 0.5 s of it in the trim calls.
 
-So the trim is made where it pays, in a run whose base is frozen (LoRA, QLoRA), and nowhere
-else: a full fine-tuning's gradients are allocated once, at the first microbatch's backward, and
-its heap does not grow this way, while every microbatch would pay the page faults. Trimming every
-run (a88b696) took the CPU trainer from 1.42x transformers' Trainer to 1.07x (issue #56; the
-bisect in bench/README.md, "Guarded ratios").
+So the trim is made where it pays: in a run whose base is frozen (LoRA, QLoRA), and there only
+once the heap has grown past what the run's first microbatch left it (`TrimOnceFragmented`), the
+sign that the holes no longer fit a microbatch. A full fine-tuning's gradients are allocated once,
+at the first microbatch's backward, and its heap does not grow this way, while every microbatch
+would pay the page faults: trimming every run (a88b696) took the CPU trainer from 1.42x
+transformers' Trainer to 1.07x (issue #56; the bisect in bench/README.md, "Guarded ratios"). A bf16
+LoRA step of the same model does not fragment (its heap 2.79 GB after the first step and after
+the 14th, peak RSS 2.87-2.92 GB): trimming it anyway cost 20% of its step (4.7-5.2 s against
+5.5-6.0 s), so it is not trimmed until its heap grows.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Callable
-from functools import partial
 
 from megacore import env
 
@@ -49,11 +52,59 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def configure_allocator(device: str, frozen_base: bool = False) -> Callable[[], None] | None:
+class Mallinfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (2.33+): `arena` is the bytes its heaps hold from the system."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+class TrimOnceFragmented:
+    """Called before each microbatch (its index in the step): from the start of the second step
+    on, once the heap holds more than `GROWTH` times what it held then (a microbatch needed more
+    than the holes the last ones left), `malloc_trim(0)` before this and every later microbatch.
+    Without `mallinfo2` (glibc before 2.33) the heap cannot be read: every microbatch is trimmed."""
+
+    GROWTH = 1.1
+
+    def __init__(self, libc: ctypes.CDLL) -> None:
+        self.libc = libc
+        self.info = getattr(libc, "mallinfo2", None)
+        if self.info is not None:
+            self.info.restype = Mallinfo2
+        self.trimming = self.info is None
+        self.steps = 0
+        self.heap = 0  # bytes, at the second step's start: what a whole step left
+
+    def __call__(self, microbatch: int) -> None:
+        if not self.trimming and microbatch == 0:
+            self.steps += 1
+            if self.steps > 1:
+                heap = self.info().arena
+                self.heap = self.heap or heap
+                self.trimming = heap > self.GROWTH * self.heap
+        if self.trimming:
+            self.libc.malloc_trim(0)
+
+
+def configure_allocator(device: str, frozen_base: bool = False) -> Callable[[int], None] | None:
     """Apply the allocator setting for a run on `device`. Returns, in heap mode for a run whose
     base is frozen (`frozen_base`: LoRA), what to call before each microbatch of a step
-    (`ParallelModel.before_microbatch`); else None."""
+    (`ParallelModel.before_microbatch`: a `TrimOnceFragmented`); else None."""
     libc = _glibc() if device == "cpu" and env.get("MEGA_TRAIN_MALLOC", "heap") == "heap" else None
     if libc is None or libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
         return None
-    return partial(libc.malloc_trim, 0) if frozen_base else None
+    return TrimOnceFragmented(libc) if frozen_base else None

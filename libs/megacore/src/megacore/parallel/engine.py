@@ -141,9 +141,9 @@ class ParallelModel:
             if tied
             else None
         )
-        # Called before each microbatch of an unpipelined step: the process's allocator may hand
-        # back what the last one freed (mega_train.allocator).
-        self.before_microbatch: Callable[[], None] | None = None
+        # Called before each microbatch of an unpipelined step with its index: the process's
+        # allocator may hand back what the last one freed (mega_train.allocator).
+        self.before_microbatch: Callable[[int], None] | None = None
         self._batch_targets: torch.Tensor | None = None  # this step's, which microbatches are views of
 
     @property
@@ -322,7 +322,7 @@ class ParallelModel:
                 losses = []
                 for i, (x, y, kw) in enumerate(_chunks(n, tokens, targets, inputs)):
                     if self.before_microbatch is not None:
-                        self.before_microbatch()
+                        self.before_microbatch(i)
                     self._grad_sync(i == n - 1)
                     summed = self._loss(Microbatch(i, x, y, kw), loss)
                     (summed * weight).backward()
