@@ -26,6 +26,7 @@ from transformers import (
 )
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_next import Qwen3NextConfig
 
 from megacore.models import Decoder, check_maps, config_from_hf, hf_state_dict_to_ours
 from megacore.models.families import FAMILIES, family_for_model_type, hf_attention
@@ -303,6 +304,18 @@ CASES: dict[str, tuple[type, dict, int]] = {
          "linear_key_head_dim": 16, "linear_value_head_dim": 8, "moe_intermediate_size": 24,
          "shared_expert_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 2,
          "layer_types": ["linear_attention", "full_attention"]},
+        80,
+    ),
+    # Qwen3-Next: Qwen 3.5 MoE's layers with q/k/v/z and b/a interleaved by key head in the linear
+    # layers' inputs (2 key heads, each serving 2 value heads), the last layer's MLP dense
+    # (mlp_only_layers) among mixtures of 8 experts (top 2, renormalised) with a gated shared one.
+    "qwen3-next": (
+        Qwen3NextConfig,
+        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
+         "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 8, "moe_intermediate_size": 24,
+         "shared_expert_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [2],
+         "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
         80,
     ),
 }  # fmt: skip

@@ -4,7 +4,8 @@ of its model types in tests/hf_cases.py's CASES (transformers' own config class)
 
 - parity: logits and every gradient equal transformers' on the same weights: logits within
   test_model_parity's TOL (1e-4 absolute), the loss within 1e-5, each gradient within 1e-5 x
-  max(1, its largest magnitude) (test_model_parity's bound), transformers' gradients under the
+  max(1, its largest magnitude) (test_model_parity's bound; `GRAD_REL` where a model's own fp32
+  rounding is larger), transformers' gradients under the
   names its checkpoints use as its own save_pretrained writes them (fused experts and all);
 - round trip: `mega-convert hf` then `mega-export`: every safetensors tensor bit for bit, and the
   exported config.json reads back to the same ModelConfig;
@@ -37,10 +38,14 @@ from megacore.artifacts import open_artifact
 from megacore.models import config_from_hf, export_tensors
 from megacore.models.families import FAMILIES
 from models.test_model_parity import TOL
-from runlib import assert_losses_close, losses, metrics, ok, torchrun, train, write_run
+from runlib import LOSS_REL, assert_losses_close, losses, metrics, ok, torchrun, train, write_run
 from train.test_planner import launch
 
 FAST = "llama"  # the one family whose cheap rows run with `make test`
+# Cases whose fp32 gradients are further apart than 1e-5 by rounding alone: Qwen3-Next's are each up
+# to 1.7e-05 (ours) and 1.5e-05 (transformers') from our fp64 step's (measured; transformers' grouped
+# experts take no fp64), the embedding's the furthest after two delta rules and two mixtures.
+GRAD_REL = {"qwen3-next": 5e-5}
 VOCAB = 400  # the training rows' vocab: the `tokens` fixture's tokenizer's
 
 
@@ -118,7 +123,7 @@ def parity(case: str, tmp_path: Path) -> None:
     for name, g in theirs.items():
         assert mine[name].shape == g.shape, (name, mine[name].shape, g.shape)
         err = (mine[name] - g).abs().max().item()
-        bound = 1e-5 * max(1.0, g.abs().max().item())
+        bound = GRAD_REL.get(case, 1e-5) * max(1.0, g.abs().max().item())
         assert err < bound, f"{family} ({case}): {name}: max abs gradient error {err:.3g} (bound {bound:.3g})"
     # Not a comparison of zeros: every tensor has a gradient, but a buffer and the experts that no
     # token chose.
@@ -183,6 +188,11 @@ def one_process(tmp_path_factory, tokens: Path, converted):
 
 
 LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}}
+# Families whose layouts part from one process by more than LOSS_REL at a router's flip: Qwen3-Next
+# at tp 2 agrees to 1.7e-05 at step 3, then a token's experts change at step 4 (its gradient norm
+# 24.08 against 24.86, the loss 9.1e-04 apart): tp's other summation order moves near-tied router
+# logits of this tiny random model, as in tests/parallel's dist_worker.FAMILY_REL.
+LAYOUT_REL = {"qwen3_next": 2e-3}
 # (family, layout) -> the line mega-train refuses that layout with, where the family cannot take it
 # by design (`layout.check_parallelism`): its row holds the refusal (a dry run) and skips. None today.
 REFUSED: dict[tuple[str, str], str] = {}
@@ -204,10 +214,11 @@ def test_tp2_and_pp2_train_as_one_process(
     tp, pp = LAYOUTS[layout].get("tp", 1), LAYOUTS[layout].get("pp", 1)
     assert f"world 2 = tp {tp} x pp {pp} x dp 1" in out.stdout, out.stdout
     want = one_process(family)
-    assert_losses_close(losses(run_json.parent / "run"), losses(want))
+    rel = LAYOUT_REL.get(family, LOSS_REL)
+    assert_losses_close(losses(run_json.parent / "run"), losses(want), rel)
     evals = [[r["loss"] for r in metrics(run, "eval")] for run in (run_json.parent / "run", want)]
     assert evals[1], "no eval loss to compare"
-    assert_losses_close(*evals)
+    assert_losses_close(*evals, rel)
 
 
 @pytest.mark.slow

@@ -330,8 +330,10 @@ UNBUILDABLE = {(f, s) for f in FAMILIES if f not in EXPERT_FAMILIES for s in _EX
     # GLM-4.5's experts (SwiGLU) and its partial rotary embedding (standard attention's).
     ("glm4_moe", "activation"),
     *(("glm4_moe", s) for s in _LATENT_SWITCHES),
-    # Qwen 3.5's partial rotary embedding too.
+    # Qwen 3.5's partial rotary embedding too; Qwen3-Next's and its experts (SwiGLU).
     *(("qwen3_5", s) for s in _LATENT_SWITCHES),
+    *(("qwen3_next", s) for s in _LATENT_SWITCHES),
+    ("qwen3_next", "activation"),
 }
 # Samples beyond hf_cases' and NON_DEFAULT's that set a family's switches as its writer takes them.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -339,6 +341,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "gemma3": [{"attention.bias": True, "attention.out_bias": True}],
     "gpt_oss": [{"swiglu_alpha": 1.5}],
     "glm4_moe": [{"mlp.router.renormalize_top_k": False}],
+    "qwen3_next": [{"mlp.router.renormalize_top_k": False}],
 }
 OFF_LIST = [(f, s) for f in FAMILIES for s in SWITCHES if s not in FAMILIES[f].SWITCHES]
 ON_LIST = [(f, s) for f in FAMILIES for s in FAMILIES[f].SWITCHES]

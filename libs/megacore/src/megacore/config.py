@@ -71,6 +71,7 @@ class ModelConfig(Struct):
         "gpt_oss",
         "glm4_moe",
         "qwen3_5",
+        "qwen3_next",
     ]
     vocab_size: Positive
     hidden_size: Positive
@@ -249,7 +250,7 @@ CONTEXT_FIELDS = {"max_seq_len": "max_seq_len", "rope.scaling": "rope_scaling"}
 
 # Mixtral, Qwen 3 MoE (model_type qwen3_moe), Qwen 2 MoE (model_type qwen2_moe), DeepSeek V3, gpt-oss,
 # GLM-4.5, Qwen 3.5 MoE
-EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5")
+EXPERT_FAMILIES = ("mixtral", "qwen3", "qwen2", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5", "qwen3_next")
 
 # Format version 1's model configs held a run's router settings (`RouterLosses`): their names there.
 V1_ROUTER_FIELDS = {

@@ -36,6 +36,7 @@ from megacore.models.families import (
     qwen2,
     qwen3,
     qwen3_5,
+    qwen3_next,
 )
 from megacore.models.families.hf_config import max_positions_to_hf
 from megacore.models.families.tensor_map import TensorMap
@@ -52,6 +53,7 @@ FAMILIES: dict[str, ModuleType] = {
     "gpt_oss": gpt_oss,
     "glm4_moe": glm4_moe,
     "qwen3_5": qwen3_5,
+    "qwen3_next": qwen3_next,
 }
 
 # The ModelConfig fields every family's config.json writes: the family (its model_type), the sizes,
@@ -78,7 +80,7 @@ NOT_CARRIED = ("padded_vocab_size",)
 # The families whose config.json carries a mixture's load-balancing weight (transformers applies it
 # with output_router_logits): a training setting, the run's (`RouterLosses`), which export writes as
 # the checkpoint trained with it; transformers' default where it did not train.
-ROUTER_AUX_FAMILIES = ("mixtral", "qwen2", "qwen3", "gpt_oss", "qwen3_5")
+ROUTER_AUX_FAMILIES = ("mixtral", "qwen2", "qwen3", "gpt_oss", "qwen3_5", "qwen3_next")
 SHARED_FIELDS = (*WRITTEN_BY_ALL, *NOT_CARRIED)
 
 

@@ -99,6 +99,7 @@ EXPERT_NAMES = {
     "deepseek_v3": ("mlp", MLP_NAMES),
     "glm4_moe": ("mlp", MLP_NAMES),
     "qwen3_5": ("mlp", MLP_NAMES),
+    "qwen3_next": ("mlp", MLP_NAMES),
 }
 # The module of a layer's shared expert(s), by family: Qwen 2 MoE's one (gated), DeepSeek's.
 SHARED_EXPERT_NAMES = {
@@ -106,6 +107,7 @@ SHARED_EXPERT_NAMES = {
     "deepseek_v3": "shared_experts",
     "glm4_moe": "shared_experts",
     "qwen3_5": "shared_expert",
+    "qwen3_next": "shared_expert",
 }
 
 

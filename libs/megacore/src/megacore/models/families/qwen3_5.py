@@ -23,6 +23,7 @@ checkpoints' multi-token-prediction module (`mtp.*`) is left out on convert with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megacore.config import ModelConfig, linear_layer
@@ -66,30 +67,33 @@ def layer_types(c: HFConfig, num_layers: int) -> list[str]:
 def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     """ModelConfig from a Qwen 3.5 text config.json (defaults as transformers' Qwen3_5TextConfig)."""
     c = HFConfig(hf, where)
+    defaults = DEFAULTS.get(hf.get("model_type"), DEFAULTS["qwen3_5_text"])
+    mlp = (
+        _moe_from_hf(c)
+        if hf.get("model_type") == "qwen3_5_moe_text"
+        else {"ffn_hidden_size": c.int("intermediate_size", 12288)}
+    )
+    return build_config(where, family="qwen3_5", **hybrid_fields(c, defaults), **mlp)
+
+
+def hybrid_fields(c: HFConfig, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Qwen 3.5 or Qwen3-Next config.json but its MLPs' (their layers, attention
+    and norms are the same; `defaults`: the sizes whose defaults differ)."""
     act = c.str("hidden_act", "silu")
     if act != "silu":
-        raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", where)
-    defaults = DEFAULTS.get(hf.get("model_type"), DEFAULTS["qwen3_5_text"])
+        raise UserError(f"$.hidden_act: {act!r} is not supported (silu)", c.where)
     layers, trained = (
         c.int("num_hidden_layers", defaults["num_hidden_layers"]),
         c.int("max_position_embeddings", 32768),
     )
     theta, scaling = c.rope(trained=trained, partial=True)
     types = layer_types(c, layers)
-    mlp = (
-        _moe_from_hf(c)
-        if hf.get("model_type") == "qwen3_5_moe_text"
-        else {"ffn_hidden_size": c.int("intermediate_size", 12288)}
-    )
-    return build_config(
-        where,
-        family="qwen3_5",
-        vocab_size=c.int("vocab_size", 248320),
+    return dict(
+        vocab_size=c.int("vocab_size", defaults.get("vocab_size", 248320)),
         hidden_size=c.int("hidden_size", defaults["hidden_size"]),
         num_layers=layers,
         num_heads=c.int("num_attention_heads", 16),
         num_kv_heads=c.int("num_key_value_heads", defaults["num_key_value_heads"]),
-        **mlp,
         max_seq_len=trained,
         head_dim=c.int("head_dim", 256),
         norm={"type": "rmsnorm_plus1", "eps": c.float("rms_norm_eps", 1e-6)},
@@ -131,6 +135,17 @@ def _linear_from_hf(c: HFConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    moe = config.moe
+    out = hybrid_to_hf(config, "Qwen 3.5") | {
+        "architectures": [MOE_ARCHITECTURE if moe else ARCHITECTURE],
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+    }
+    return out | _moe_to_hf(config) if moe is not None else out
+
+
+def hybrid_to_hf(config: ModelConfig, name: str) -> dict[str, Any]:
+    """The config.json keys Qwen 3.5 and Qwen3-Next (`name`, for the refusal) share: all but the
+    architecture and the MLPs'."""
     spec, attention = config.linear_attention, config.attention
     if (
         not isinstance(config.norm, PlusOneRMSNormSpec)
@@ -138,22 +153,17 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         or attention.out_bias
     ):
         raise UserError(
-            "Qwen 3.5 has zero-centred norms, q/k norms and an output gate, and no output projection "
+            f"{name} has zero-centred norms, q/k norms and an output gate, and no output projection "
             "bias; this config differs",
             "config",
         )
-    moe = config.moe
     out = llama_style_to_hf(config) | {
-        "architectures": [MOE_ARCHITECTURE if moe else ARCHITECTURE],
-        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "hidden_act": "silu",
         "head_dim": config.head_dim,
         "attention_bias": attention.bias,
         "partial_rotary_factor": config.rope.partial_rotary_factor,
         "layer_types": list(config.layer_types or ["full_attention"] * config.num_layers),
     }
-    if moe is not None:
-        out |= _moe_to_hf(config)
     if spec is not None:
         out |= {
             "linear_num_key_heads": spec.key_heads,
@@ -182,15 +192,20 @@ def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    """Llama's maps, each layer's attention replaced by its kind's (`_full`, `_linear`)."""
+def tensor_maps(
+    config: ModelConfig, inputs: Callable[[ModelConfig, str, str], list[TensorMap]] | None = None
+) -> list[TensorMap]:
+    """Llama's maps, each layer's attention replaced by its kind's (`_full`, `linear_maps` with the
+    linear layer's input projections as `inputs` maps them: Qwen 3.5's by default)."""
     maps = []
     for m in llama.tensor_maps(config):
         ours = m.ours[0]
         if ".attn." not in ours:
             maps.append(m)
         elif linear_layer(config, layer := int(ours.split(".")[1])):
-            maps.extend(_linear(config, layer) if ours.endswith("attn.q_proj.weight") else [])
+            maps.extend(
+                linear_maps(config, layer, inputs or _inputs) if ours.endswith("attn.q_proj.weight") else []
+            )
         else:
             maps.append(_full(config, m) if ".attn.q_proj." in ours else m)
     return maps
@@ -202,13 +217,25 @@ def _full(config: ModelConfig, q: TensorMap) -> TensorMap:
     return per_head(q.hf[0], (ours, ours.replace("q_proj", "gate_proj")), config.num_heads)
 
 
-def _linear(config: ModelConfig, layer: int) -> list[TensorMap]:
-    hf, ours = f"model.layers.{layer}.linear_attn", f"layers.{layer}.attn"
-    width = linear.widths(config)
-    streams = tuple(width[f"{s}_proj"] for s in linear.CONVOLVED)
+def _inputs(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
+    """Qwen 3.5's input projections of a linear layer: q, k and v rows one after the other in
+    `in_proj_qkv`, and z, b and a apart."""
+    streams = tuple(linear.widths(config)[f"{s}_proj"] for s in linear.CONVOLVED)
     return [
         concatenated(f"{hf}.in_proj_qkv.weight", tuple(f"{ours}.{s}_proj.weight" for s in "qkv"), streams),
         *(rename(f"{hf}.in_proj_{p}.weight", f"{ours}.{p}_proj.weight") for p in "zba"),
+    ]
+
+
+def linear_maps(
+    config: ModelConfig, layer: int, inputs: Callable[[ModelConfig, str, str], list[TensorMap]]
+) -> list[TensorMap]:
+    """A linear attention layer's maps: its input projections (`inputs`), then the convolution's
+    filters (q's, k's and v's channels one after the other), dt_bias, A_log, the norm and out_proj."""
+    hf, ours = f"model.layers.{layer}.linear_attn", f"layers.{layer}.attn"
+    streams = tuple(linear.widths(config)[f"{s}_proj"] for s in linear.CONVOLVED)
+    return [
+        *inputs(config, hf, ours),
         concatenated(f"{hf}.conv1d.weight", tuple(f"{ours}.{s}_conv.weight" for s in "qkv"), streams),
         rename(f"{hf}.dt_bias", f"{ours}.dt_bias.weight"),
         rename(f"{hf}.A_log", f"{ours}.a_log.weight"),

@@ -70,17 +70,20 @@ def concatenated(hf: str, ours: tuple[str, ...], rows: tuple[int, ...]) -> Tenso
     return TensorMap((hf,), ours, split, fuse)
 
 
-def per_head(hf: str, ours: tuple[str, ...], heads: int) -> TensorMap:
-    """One HF tensor whose rows hold, head by head, a block of each of ours (equal widths): Qwen
-    3.5's q projection, each head's q rows then its output gate's."""
+def per_head(hf: str, ours: tuple[str, ...], heads: int, widths: tuple[int, ...] | None = None) -> TensorMap:
+    """One HF tensor whose rows hold, head by head, a block of each of ours (`widths` rows each a
+    head; equal widths if None): Qwen 3.5's q projection, each head's q rows then its output
+    gate's; Qwen3-Next's linear attention inputs, each key head's q, k, then its value heads' v and
+    z rows."""
 
     def split(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        blocks = ts[0].unflatten(0, (heads, len(ours), -1))
-        return tuple(blocks[:, j].flatten(0, 1) for j in range(len(ours)))
+        blocks = ts[0].unflatten(0, (heads, -1))
+        parts = blocks.split(list(widths), dim=1) if widths else blocks.chunk(len(ours), dim=1)
+        return tuple(part.flatten(0, 1) for part in parts)
 
     def fuse(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         import torch
 
-        return (torch.stack([t.unflatten(0, (heads, -1)) for t in ts], dim=1).flatten(0, 2),)
+        return (torch.cat([t.unflatten(0, (heads, -1)) for t in ts], dim=1).flatten(0, 1),)
 
     return TensorMap((hf,), ours, split, fuse)
