@@ -33,6 +33,13 @@ from megacore.models.families import FAMILIES, family_for_model_type, hf_attenti
 
 _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
 _LLAMA = {**_SMALL, "intermediate_size": 96, "vocab_size": 101, "max_position_embeddings": 64}
+# The Qwen 3.5 and Qwen3-Next cases' layers (below) and their experts.
+_HYBRID = {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
+           "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+           "layer_types": ["linear_attention", "full_attention", "linear_attention"]}  # fmt: skip
+_HYBRID_EXPERTS = {"moe_intermediate_size": 24, "shared_expert_intermediate_size": 40, "num_experts": 8,
+                   "num_experts_per_tok": 2}  # fmt: skip
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -288,36 +295,18 @@ CASES: dict[str, tuple[type, dict, int]] = {
     # 16 wide, 4 value heads 8 wide: v heads narrower than k's), full attention with an output gate,
     # q/k norms and RoPE over a quarter of each head in layer 1; 80 tokens: past the delta rule's
     # chunk of 64, which it pads.
-    "qwen3.5": (
-        Qwen3_5TextConfig,
-        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
-         "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-         "linear_key_head_dim": 16, "linear_value_head_dim": 8,
-         "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
-        80,
-    ),
-    # Qwen 3.5 MoE: the same layers, each MLP 8 experts (top 2, renormalised) and a gated shared one.
+    "qwen3.5": (Qwen3_5TextConfig, _HYBRID, 80),
+    # Qwen 3.5 MoE: the same layers (two), each MLP 8 experts (top 2, renormalised) and a gated
+    # shared one.
     "qwen3.5-moe": (
         Qwen3_5MoeTextConfig,
-        {**_LLAMA, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
-         "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-         "linear_key_head_dim": 16, "linear_value_head_dim": 8, "moe_intermediate_size": 24,
-         "shared_expert_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 2,
-         "layer_types": ["linear_attention", "full_attention"]},
+        {**_HYBRID, **_HYBRID_EXPERTS, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
         80,
     ),
     # Qwen3-Next: Qwen 3.5 MoE's layers with q/k/v/z and b/a interleaved by key head in the linear
     # layers' inputs (2 key heads, each serving 2 value heads), the last layer's MLP dense
     # (mlp_only_layers) among mixtures of 8 experts (top 2, renormalised) with a gated shared one.
-    "qwen3-next": (
-        Qwen3NextConfig,
-        {**_LLAMA, "num_hidden_layers": 3, "num_key_value_heads": 2, "vocab_size": 120, "head_dim": 16,
-         "max_position_embeddings": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-         "linear_key_head_dim": 16, "linear_value_head_dim": 8, "moe_intermediate_size": 24,
-         "shared_expert_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [2],
-         "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
-        80,
-    ),
+    "qwen3-next": (Qwen3NextConfig, {**_HYBRID, **_HYBRID_EXPERTS, "mlp_only_layers": [2]}, 80),
 }  # fmt: skip
 
 

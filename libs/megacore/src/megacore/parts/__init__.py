@@ -1,7 +1,8 @@
 """A decoder made of parts (torch-free): every layer is a block (`block`: its norms' arrangement)
 of an attention part (`attention`: standard, grouped-query; `latent`: DeepSeek's multi-head latent
-attention; `linear`: Gated DeltaNet's linear attention, in the layers `layer_types` names) and an MLP part (`mlp`: dense; `moe`: a mixture of experts with its router), whose norms
-are the `norm` part. Which parts a layer is made of is read off its `ModelConfig`
+attention; `linear`: Gated DeltaNet's linear attention, in the layers `layer_types` names) and an
+MLP part (`mlp`: dense; `moe`: a mixture of experts with its router), whose norms are the `norm`
+part. Which parts a layer is made of is read off its `ModelConfig`
 (`layer_parts`), per layer where layers differ (a mixture's dense layers).
 
 Each part's module holds, next to each other, what it adds:

@@ -109,11 +109,20 @@ def common_fields(c: HFConfig) -> dict[str, Any]:
     }
 
 
-def moe_fields(c: HFConfig, width: int, experts: int, per_token: int) -> dict[str, Any]:
-    """A Qwen 2 MoE or Qwen 3 MoE config's experts (the defaults, which differ, given): routed
-    experts `moe_intermediate_size` wide, and dense layers (`mlp_only_layers`, and those a
-    `decoder_sparse_step` skips) `intermediate_size` wide."""
-    layers, step = c.int("num_hidden_layers"), c.int("decoder_sparse_step", 1)
+def moe_fields(
+    c: HFConfig,
+    width: int,
+    experts: int,
+    per_token: int,
+    layers: int | None = None,
+    renormalize: bool = False,
+) -> dict[str, Any]:
+    """A Qwen 2 MoE, Qwen 3 MoE or Qwen3-Next config's experts (the defaults, which differ, given;
+    `layers` None: num_hidden_layers required): routed experts `moe_intermediate_size` wide, and
+    dense layers (`mlp_only_layers`, and those a `decoder_sparse_step` skips) `intermediate_size`
+    wide."""
+    layers = c.int("num_hidden_layers") if layers is None else c.int("num_hidden_layers", layers)
+    step = c.int("decoder_sparse_step", 1)
     only = c.data.get("mlp_only_layers") or []
     if not (isinstance(only, list) and all(type(i) is int and i >= 0 for i in only)):
         raise UserError(f"$.mlp_only_layers: expected a list of layer indices, got {only!r}", c.where)
@@ -123,7 +132,7 @@ def moe_fields(c: HFConfig, width: int, experts: int, per_token: int) -> dict[st
         # config.json says num_experts; transformers 5's to_dict, num_local_experts
         "num_experts": c.int("num_experts" if "num_experts" in c.data else "num_local_experts", experts),
         "experts_per_token": c.int("num_experts_per_tok", per_token),
-        "router": {"renormalize_top_k": c.bool("norm_topk_prob", False)},
+        "router": {"renormalize_top_k": c.bool("norm_topk_prob", renormalize)},
         "dense_layers": dense,
         "dense_ffn_hidden_size": c.int("intermediate_size") if dense else None,
     }

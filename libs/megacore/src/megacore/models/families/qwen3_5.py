@@ -192,8 +192,18 @@ def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _inputs(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
+    """Qwen 3.5's input projections of a linear layer: q, k and v rows one after the other in
+    `in_proj_qkv`, and z, b and a apart."""
+    streams = tuple(linear.widths(config)[f"{s}_proj"] for s in linear.CONVOLVED)
+    return [
+        concatenated(f"{hf}.in_proj_qkv.weight", tuple(f"{ours}.{s}_proj.weight" for s in "qkv"), streams),
+        *(rename(f"{hf}.in_proj_{p}.weight", f"{ours}.{p}_proj.weight") for p in "zba"),
+    ]
+
+
 def tensor_maps(
-    config: ModelConfig, inputs: Callable[[ModelConfig, str, str], list[TensorMap]] | None = None
+    config: ModelConfig, inputs: Callable[[ModelConfig, str, str], list[TensorMap]] = _inputs
 ) -> list[TensorMap]:
     """Llama's maps, each layer's attention replaced by its kind's (`_full`, `linear_maps` with the
     linear layer's input projections as `inputs` maps them: Qwen 3.5's by default)."""
@@ -203,9 +213,7 @@ def tensor_maps(
         if ".attn." not in ours:
             maps.append(m)
         elif linear_layer(config, layer := int(ours.split(".")[1])):
-            maps.extend(
-                linear_maps(config, layer, inputs or _inputs) if ours.endswith("attn.q_proj.weight") else []
-            )
+            maps.extend(linear_maps(config, layer, inputs) if ours.endswith("attn.q_proj.weight") else [])
         else:
             maps.append(_full(config, m) if ".attn.q_proj." in ours else m)
     return maps
@@ -215,16 +223,6 @@ def _full(config: ModelConfig, q: TensorMap) -> TensorMap:
     """The q projection (weight or bias): each head's q rows, then its output gate's."""
     ours = q.ours[0]
     return per_head(q.hf[0], (ours, ours.replace("q_proj", "gate_proj")), config.num_heads)
-
-
-def _inputs(config: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
-    """Qwen 3.5's input projections of a linear layer: q, k and v rows one after the other in
-    `in_proj_qkv`, and z, b and a apart."""
-    streams = tuple(linear.widths(config)[f"{s}_proj"] for s in linear.CONVOLVED)
-    return [
-        concatenated(f"{hf}.in_proj_qkv.weight", tuple(f"{ours}.{s}_proj.weight" for s in "qkv"), streams),
-        *(rename(f"{hf}.in_proj_{p}.weight", f"{ours}.{p}_proj.weight") for p in "zba"),
-    ]
 
 
 def linear_maps(

@@ -40,9 +40,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     if c.int("num_experts", 512) == 0:
         mlp: dict[str, Any] = {"ffn_hidden_size": c.int("intermediate_size", 5632)}
     else:
-        c.data.setdefault("num_hidden_layers", DEFAULTS["num_hidden_layers"])
-        mlp = qwen2.moe_fields(c, 512, 512, 10)
-        mlp["mlp"]["router"]["renormalize_top_k"] = c.bool("norm_topk_prob", True)
+        mlp = qwen2.moe_fields(c, 512, 512, 10, layers=DEFAULTS["num_hidden_layers"], renormalize=True)
         mlp["mlp"]["shared_expert"] = {"size": c.int("shared_expert_intermediate_size", 512), "gate": True}
     return build_config(where, family="qwen3_next", **qwen3_5.hybrid_fields(c, DEFAULTS), **mlp)
 
